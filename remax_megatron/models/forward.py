@@ -1,0 +1,55 @@
+"""Forward-only passes through megatron's pipeline schedule (any PP), e.g. for
+reference log-probs, reward-model scores and parity checks."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from remax_megatron.parallel import cpu_compat
+
+
+@torch.no_grad()
+def forward_only(model, micro_batches: list[dict], head: Callable[[object, torch.Tensor, dict], object]) -> list:
+    """Run micro-batches (dicts with `input_ids` [b, s], equal shapes) through all stages.
+
+    On the last stage `head(model, output [b, s, ...], batch)` turns the model output
+    into what the caller wants (log-probs, scores, logits); returns the list of those
+    on the last stage and [] on the other stages.
+    """
+    if not micro_batches:
+        return []
+    b, s = micro_batches[0]["input_ids"].shape
+    results: list = []
+    batches = iter(micro_batches)
+
+    def step(data_iterator, module):
+        batch = next(data_iterator)
+
+        def collect(output):
+            results.append(head(model, output, batch))
+            return torch.zeros((), device=output.device), {}
+
+        return module.run(batch["input_ids"]), collect
+
+    cpu_compat.forward_backward_func()(
+        forward_step_func=step, data_iterator=batches, model=[model], num_microbatches=len(micro_batches),
+        seq_length=s, micro_batch_size=b, forward_only=True,
+    )
+    return results
+
+
+def broadcast_from_last_stage(tensor: torch.Tensor | None, shape, dtype, device="cpu") -> torch.Tensor:
+    """Give every pipeline stage the last stage's `tensor` (others pass None)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return tensor
+    group = ps.get_pipeline_model_parallel_group()
+    if tensor is None:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+    tensor = tensor.contiguous()
+    dist.broadcast(tensor, src=ps.get_pipeline_model_parallel_last_rank(), group=group)
+    return tensor

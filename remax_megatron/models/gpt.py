@@ -1,0 +1,210 @@
+"""Megatron GPTModel builders: the actor, a frozen reference, and a reward model.
+
+- `PolicyModel` (actor and reference): a GPTModel whose output layer returns the
+  final hidden states instead of logits; log-probs (and entropy) come from the
+  fused vocab-parallel kernel, so full [tokens, vocab] logits are never built in
+  training. `full_logits` exists for parity checks and step-by-step decoding.
+- `RewardModel`: the same trunk with a scalar head (HF `score.weight`), read at
+  each sequence's last non-pad token, as HF's *ForSequenceClassification does.
+
+Layer spec: Transformer Engine when it imports and CUDA is present, megatron's
+local spec otherwise (CPU, or GPUs without TE).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from torch import nn
+
+from remax_megatron.parallel import cpu_compat
+from remax_megatron.models.hf_config import DTYPES, ModelArch, padded_vocab_size, transformer_config
+
+
+def transformer_engine_usable() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layer_spec():
+    """Transformer Engine spec when usable, else the local (pure megatron-core) spec."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if transformer_engine_usable():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def _gpt_kwargs(arch: ModelArch, tp: int, divisible_by: int) -> dict:
+    from megatron.core import parallel_state as ps
+
+    return dict(
+        transformer_layer_spec=layer_spec(),
+        vocab_size=padded_vocab_size(arch.vocab_size, tp, divisible_by),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=True,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+        rope_scaling=arch.rope_scaling_factor is not None,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+    )
+
+
+def _position_ids(input_ids: torch.Tensor) -> torch.Tensor:
+    # Sequences are right-padded, so every one starts at position 0.  # [b, s]
+    return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+
+
+class HiddenStatesOutputLayer(tensor_parallel.ColumnParallelLinear):
+    """The output layer, minus the GEMM: hands the (sequence-gathered) hidden states on.
+
+    Keeps its weight (`output_layer.weight`) so checkpoints and weight export see
+    megatron's usual names; the log-prob kernel consumes that weight.
+    """
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            # The fused kernel all-reduces the hidden-state gradient over TP itself,
+            # so the backward here only splits (tensor_parallel_output_grad=False).
+            input_ = tensor_parallel.gather_from_sequence_parallel_region(
+                input_, tensor_parallel_output_grad=False, group=self.tp_group
+            )
+        return input_, None
+
+
+class ScalarHead(nn.Module):
+    """Reward head: [s, b, h] -> [s, b, 1], replicated on every TP rank (HF `score`)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool, tp_group):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.sequence_parallel, self.tp_group = sequence_parallel, tp_group
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            input_ = tensor_parallel.gather_from_sequence_parallel_region(input_, group=self.tp_group)
+        return input_ @ self.weight.t(), None
+
+
+class PolicyModel(GPTModel):
+    """The actor / reference: GPTModel returning hidden states [b, s, h] on the last stage.
+
+    Log-probs come from the fused vocab-parallel kernel (`token_logprobs`).
+    """
+
+    arch: ModelArch
+
+    def run(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Forward this stage: the first stage takes input_ids [b, s] (right-padded)."""
+        return self(input_ids, _position_ids(input_ids), attention_mask=None)
+
+    def _vocab_weight(self) -> torch.Tensor:
+        return (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
+                else self.output_layer.weight)
+
+    def output_weight(self) -> torch.Tensor:
+        """This rank's vocab shard of the output weight, padding rows dropped: [V_local, h]."""
+        weight = self._vocab_weight()
+        per_rank = weight.shape[0]
+        start = dist.get_rank(self.tp_group) * per_rank
+        return weight[: max(0, min(per_rank, self.arch.vocab_size - start))]
+
+    def token_logprobs(self, hidden: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                       with_entropy: bool = False):
+        """hidden [b, s, h], labels [b, s] (-100 ignored) -> (logprobs [b, s], entropy [b, s] | None)."""
+        from remax_megatron.kernels import fused_logprobs
+
+        b, s, h = hidden.shape
+        logprobs, entropy = fused_logprobs(
+            hidden.reshape(b * s, h), self.output_weight(), labels.reshape(b * s),
+            temperature=temperature, tp_group=self.tp_group, with_entropy=with_entropy,
+        )
+        return logprobs.view(b, s), (entropy.view(b, s) if entropy is not None else None)
+
+    def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [b, s, h] -> logits [b, s, vocab] gathered over TP (parity checks and decoding only)."""
+        local = hidden @ self.output_weight().t()   # [b, s, V_local]
+        tp = dist.get_world_size(self.tp_group)
+        if tp == 1:
+            return local
+        # Shards are uneven only through padding: gather at the padded width, then trim.
+        padded = F.pad(local, (0, self._vocab_weight().shape[0] - local.shape[-1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(tp)]
+        dist.all_gather(parts, padded, group=self.tp_group)
+        return torch.cat(parts, dim=-1)[..., : self.arch.vocab_size]
+
+
+class RewardModel(GPTModel):
+    """Frozen reward model: the GPT trunk whose last stage returns per-token values [b, s, 1]."""
+
+    arch: ModelArch
+
+    run = PolicyModel.run
+
+    @staticmethod
+    def scores(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """values [b, s, 1], lengths [b] (prompt + response tokens) -> value at the last token [b]."""
+        if (lengths < 1).any():
+            raise ValueError("reward model got an empty sequence (length 0)")
+        index = (lengths - 1).to(values.device).view(-1, 1, 1)
+        return values.gather(1, index).view(-1).float()
+
+
+def build_policy(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32,
+                 sequence_parallel: bool = False, recompute_granularity: str | None = None,
+                 make_vocab_size_divisible_by: int = 128, init_weights: bool = True,
+                 trainable: bool = True) -> PolicyModel:
+    """The actor (trainable=True) or the frozen reference model (trainable=False)."""
+    if arch.task != "causal_lm":
+        raise ValueError(f"{arch.architecture} is a reward model; the actor and reference need a *ForCausalLM")
+    config = transformer_config(arch, tp=tp, pp=pp, params_dtype=params_dtype,
+                                sequence_parallel=sequence_parallel,
+                                recompute_granularity=recompute_granularity, init_weights=init_weights)
+    with cpu_compat.redirect_cuda():
+        model = PolicyModel(config=config, share_embeddings_and_output_weights=arch.tie_word_embeddings,
+                            **_gpt_kwargs(arch, tp, make_vocab_size_divisible_by))
+    model.arch = arch
+    if model.post_process:
+        # Same parameters, no logits GEMM (see HiddenStatesOutputLayer).
+        model.output_layer.__class__ = HiddenStatesOutputLayer
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    return model
+
+
+def build_reward_model(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32,
+                       sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 128,
+                       init_weights: bool = True) -> RewardModel:
+    """Frozen reward model: GPT trunk + scalar head; `scores(values, lengths)` reads the last token."""
+    if arch.task != "reward":
+        raise ValueError(f"{arch.architecture} is not a reward model: use a *ForSequenceClassification "
+                         "checkpoint with num_labels=1")
+    config = transformer_config(arch, tp=tp, pp=pp, params_dtype=params_dtype,
+                                sequence_parallel=sequence_parallel, init_weights=init_weights)
+    with cpu_compat.redirect_cuda():
+        model = RewardModel(config=config, share_embeddings_and_output_weights=False,
+                            **_gpt_kwargs(arch, tp, make_vocab_size_divisible_by))
+    model.arch = arch
+    if model.post_process:
+        model.output_layer = ScalarHead(arch.hidden_size, params_dtype, config.sequence_parallel,
+                                        model.tp_group)
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def params_dtype_of(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported: use one of {sorted(DTYPES)}")
+    return DTYPES[name]

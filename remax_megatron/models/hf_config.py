@@ -1,0 +1,181 @@
+"""Hugging Face `config.json` -> the architecture facts megatron needs -> TransformerConfig.
+
+Supported: the Llama family (`LlamaForCausalLM`, tied or untied embeddings,
+llama3 RoPE scaling) and Qwen2 (`Qwen2ForCausalLM`, qkv bias), each also as
+`*ForSequenceClassification` with one label (a reward model). Anything else is
+refused by name before a model is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = {
+    "LlamaForCausalLM": ("llama", "causal_lm"),
+    "Qwen2ForCausalLM": ("qwen2", "causal_lm"),
+    "LlamaForSequenceClassification": ("llama", "reward"),
+    "Qwen2ForSequenceClassification": ("qwen2", "reward"),
+}
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """What remax-megatron reads from an HF config (names follow megatron)."""
+
+    architecture: str          # e.g. "Qwen2ForCausalLM"
+    family: str                # "llama" | "qwen2"
+    task: str                  # "causal_lm" | "reward"
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int            # the tokenizer's vocab; megatron pads it for TP
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling_factor: float | None  # llama3-style scaling, None for plain RoPE
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    pad_token_id: int | None
+    torch_dtype: str
+
+
+def read_hf_config(model_dir: str) -> ModelArch:
+    """Read and check `model_dir/config.json`; raises ValueError naming what is unsupported."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: point the model path at a Hugging Face model directory")
+    with open(path) as f:
+        raw = json.load(f)
+    archs = raw.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in SUPPORTED:
+        raise ValueError(
+            f"unsupported architecture {archs or raw.get('model_type')!r} in {path}: "
+            f"remax-megatron supports {', '.join(sorted(SUPPORTED))}"
+        )
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    family, task = SUPPORTED[archs[0]]
+    if task == "reward" and getattr(cfg, "num_labels", 1) != 1:
+        raise ValueError(f"reward model {path} has num_labels={cfg.num_labels}; a scalar reward needs 1")
+    if getattr(cfg, "mlp_bias", False):
+        raise ValueError(f"mlp_bias=True in {path} is not supported (Llama/Qwen2 checkpoints have none)")
+    if family == "qwen2" and getattr(cfg, "use_sliding_window", False):
+        raise ValueError(f"use_sliding_window=True in {path} is not supported: set it to false")
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    rope_theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", "default")
+    scaling = None
+    if rope_type == "llama3":
+        # megatron-core hard-codes llama3's low/high frequency factors and original length.
+        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        for key, value in expected.items():
+            if float(rope.get(key, value)) != value:
+                raise ValueError(f"rope_parameters.{key}={rope[key]} in {path} is not supported (megatron uses {value})")
+        scaling = float(rope["factor"])
+    elif rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} in {path} is not supported: use 'default' or 'llama3'")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32"
+    return ModelArch(
+        architecture=archs[0],
+        family=family,
+        task=task,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.intermediate_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=head_dim,
+        vocab_size=cfg.vocab_size,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=rope_theta,
+        rope_scaling_factor=scaling,
+        qkv_bias=family == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)) and task == "causal_lm",
+        max_position_embeddings=cfg.max_position_embeddings,
+        pad_token_id=getattr(cfg, "pad_token_id", None),
+        torch_dtype=str(dtype).replace("torch.", ""),
+    )
+
+
+def check_layout(arch: ModelArch, tp: int, pp: int, what: str = "actor") -> None:
+    """One-line errors for a TP/PP layout the model cannot be split into."""
+    if arch.num_heads % tp:
+        raise ValueError(f"{what}.tp={tp} does not divide num_attention_heads={arch.num_heads}: "
+                         f"choose tp from the divisors of {arch.num_heads}")
+    if arch.num_kv_heads % tp:
+        raise ValueError(f"{what}.tp={tp} does not divide num_key_value_heads={arch.num_kv_heads}: "
+                         f"choose tp from the divisors of {arch.num_kv_heads}")
+    if arch.num_layers % pp:
+        raise ValueError(f"{what}.pp={pp} does not divide num_hidden_layers={arch.num_layers}: "
+                         f"choose pp from the divisors of {arch.num_layers}")
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's padded vocab: a multiple of divisible_by * tp (rows past vocab_size are padding)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_config(
+    arch: ModelArch,
+    *,
+    tp: int,
+    pp: int,
+    params_dtype: torch.dtype = torch.float32,
+    sequence_parallel: bool = False,
+    recompute_granularity: str | None = None,
+    init_weights: bool = True,
+):
+    """The megatron TransformerConfig of `arch` at this layout (see PITFALLS: TP/PP sizes must be set)."""
+    from megatron.core.transformer import TransformerConfig
+
+    check_layout(arch, tp, pp)
+    cuda = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        recompute_granularity=recompute_granularity,
+        recompute_method="uniform" if recompute_granularity == "full" else None,
+        recompute_num_layers=1 if recompute_granularity == "full" else None,
+        use_cpu_initialization=not cuda,
+        perform_initialization=init_weights,
+        # The fused CUDA kernels below need Apex/TE or a GPU.
+        bias_activation_fusion=cuda,
+        masked_softmax_fusion=cuda,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=cuda,
+    )

@@ -1,0 +1,146 @@
+"""The parallel layout (TP x PP x DP) and process-group set-up under torchrun.
+
+    layout = ParallelLayout(tp=2, pp=2, world_size=8)   # dp = 2, validated
+    init_distributed(timeout_minutes=30)                 # NCCL with CUDA, gloo without
+    groups = layout.initialize()                         # megatron parallel_state
+
+Megatron orders ranks tp-fastest: with tp=2, pp=2, dp=2 ranks 0,1 form one TP
+group, ranks {0,2} hold the two pipeline stages of one replica, etc.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from remax_megatron.parallel import cpu_compat
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tp: int
+    pp: int
+    world_size: int
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.world_size % (self.tp * self.pp) != 0:
+            raise ValueError(
+                f"tp({self.tp}) * pp({self.pp}) = {self.tp * self.pp} does not divide "
+                f"world({self.world_size}): choose tp*pp from the divisors of {self.world_size} "
+                f"or launch a multiple of {self.tp * self.pp} processes"
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    def __str__(self) -> str:
+        return f"tp({self.tp}) * pp({self.pp}) * dp({self.dp}) = world({self.world_size})"
+
+    def initialize(self, seed: int = 0, timeout_minutes: int = 30) -> "ProcessGroups":
+        """Initialise megatron's parallel_state and RNG trackers for this layout; return the groups."""
+        from megatron.core import parallel_state
+
+        if not dist.is_initialized():
+            raise RuntimeError("call init_distributed() before ParallelLayout.initialize()")
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(f"layout {self} but torch.distributed has world {dist.get_world_size()}")
+        cpu_compat.install()
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            distributed_timeout_minutes=timeout_minutes,
+            create_gloo_process_groups=cpu_compat.cuda_present(),
+        )
+        cpu_compat.model_parallel_seed(seed)
+        return ProcessGroups.current()
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """The groups and ranks code that communicates is handed explicitly."""
+
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    embedding: dist.ProcessGroup | None
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def pp_global_rank(self, stage: int) -> int:
+        """Global rank of pipeline stage `stage` in this rank's pipeline."""
+        return dist.get_global_rank(self.pp, stage)
+
+    @classmethod
+    def current(cls) -> "ProcessGroups":
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            tp=ps.get_tensor_model_parallel_group(),
+            pp=ps.get_pipeline_model_parallel_group(),
+            dp=ps.get_data_parallel_group(),
+            embedding=ps.get_embedding_group(check_initialized=False),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+            dp_size=ps.get_data_parallel_world_size(),
+        )
+
+
+def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
+    """Init torch.distributed from torchrun's environment; (rank, world_size).
+
+    Without torchrun (no RANK/WORLD_SIZE) this is a single-process world, so
+    `python -m remax_megatron.train` and the converters run as plain scripts.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if "MASTER_ADDR" not in os.environ:
+        if world != 1:
+            raise ValueError(
+                f"WORLD_SIZE={world} but MASTER_ADDR is not set: launch with torchrun "
+                "(it sets the rendezvous) or export MASTER_ADDR and MASTER_PORT"
+            )
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "nccl" if cpu_compat.cuda_present() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=timeout_minutes)
+    )
+    return rank, world
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,185 @@
+"""Reading and writing Hugging Face safetensors directories.
+
+Reading is lazy and sliced (a TP rank reads only its rows/columns of a tensor);
+every file is opened and checked up front so a missing or truncated shard is
+reported by name before any model work starts. Writing streams tensors into
+size-capped shards plus `model.safetensors.index.json`, inside a temporary
+directory that is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Files an HF model directory carries besides the weights.
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+class HFCheckpointReader:
+    """The tensors of an HF directory (single file or sharded with an index)."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        index_path = os.path.join(model_dir, INDEX)
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+        elif os.path.isfile(os.path.join(model_dir, SINGLE)):
+            weight_map = None
+        else:
+            raise FileNotFoundError(
+                f"no {SINGLE} or {INDEX} in {model_dir}: point at a Hugging Face safetensors directory"
+            )
+        files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
+        self._handles = {}
+        for name in files:
+            path = os.path.join(model_dir, name)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path} is listed in {INDEX} but missing: re-download the model")
+            self._handles[name] = _open_checked(path)
+        if weight_map is None:
+            weight_map = {k: SINGLE for k in self._handles[SINGLE].keys()}
+        for tensor, name in weight_map.items():
+            if tensor not in self._handles[name].keys():
+                raise ValueError(f"{INDEX} maps {tensor} to {name} but that file lacks it: re-download the model")
+        self.weight_map = weight_map
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def read(self, name: str, dim: int | None = None, start: int | None = None,
+             stop: int | None = None) -> torch.Tensor:
+        """The tensor `name`, or its slice [start:stop] along `dim`."""
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name} not found in {self.model_dir}: is this the right model family?")
+        handle = self._handles[self.weight_map[name]]
+        if dim is None:
+            return handle.get_tensor(name)
+        sl = handle.get_slice(name)
+        index = [slice(None)] * len(sl.get_shape())
+        index[dim] = slice(start, stop)
+        return sl[tuple(index)]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.read(name, 0, 0, 1).dtype
+
+
+def _open_checked(path: str):
+    try:
+        handle = safe_open(path, framework="pt")
+    except Exception as e:  # safetensors raises its own error type for bad headers
+        raise ValueError(f"{path} is not a readable safetensors file ({e}): re-download or re-convert it") from None
+    # safe_open mmaps the file; check that the data section the header promises is all there.
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    data_end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if os.path.getsize(path) < 8 + header_len + data_end:
+        raise ValueError(f"{path} is truncated ({os.path.getsize(path)} bytes, header promises "
+                         f"{8 + header_len + data_end}): re-download or re-convert it")
+    return handle
+
+
+def holds_checkpoint(path: str) -> bool:
+    """True when `path` already holds model weights or a Megatron checkpoint."""
+    if not os.path.isdir(path):
+        return False
+    markers = (SINGLE, INDEX, "metadata.json", "model", "latest_checkpointed_iteration.txt")
+    return any(os.path.exists(os.path.join(path, m)) for m in markers)
+
+
+class HFDirWriter:
+    """Stream (name, tensor) pairs into an HF directory, atomically.
+
+        with HFDirWriter(out_dir, max_shard_bytes=5e9) as w:
+            for name, t in tensors: w.add(name, t)
+            w.copy_side_files(src_dir)
+    """
+
+    def __init__(self, out_dir: str, max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False):
+        out_dir = os.path.abspath(out_dir)
+        if holds_checkpoint(out_dir) and not overwrite:
+            raise FileExistsError(f"{out_dir} already holds a checkpoint: choose a new --out or pass --overwrite")
+        self.out_dir, self.max_shard_bytes = out_dir, int(max_shard_bytes)
+        parent = os.path.dirname(out_dir)
+        os.makedirs(parent, exist_ok=True)
+        self.tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out_dir) + "-", dir=parent)
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[list[str]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.detach().contiguous().cpu()
+        self._pending_bytes += nbytes
+
+    def _flush(self) -> None:
+        n = len(self._shards)
+        save_file(self._pending, os.path.join(self.tmp, f"shard-{n}.safetensors"), metadata={"format": "pt"})
+        self._shards.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def copy_side_files(self, src_dir: str) -> None:
+        for name in SIDE_FILES:
+            if os.path.isfile(os.path.join(src_dir, name)):
+                shutil.copy2(os.path.join(src_dir, name), os.path.join(self.tmp, name))
+
+    def _finish(self) -> None:
+        if self._pending or not self._shards:
+            self._flush()
+        total = len(self._shards)
+        if total == 1:
+            os.rename(os.path.join(self.tmp, "shard-0.safetensors"), os.path.join(self.tmp, SINGLE))
+        else:
+            weight_map, size = {}, 0
+            for i, names in enumerate(self._shards):
+                final = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+                os.rename(os.path.join(self.tmp, f"shard-{i}.safetensors"), os.path.join(self.tmp, final))
+                size += os.path.getsize(os.path.join(self.tmp, final))
+                weight_map.update({n: final for n in names})
+            with open(os.path.join(self.tmp, INDEX), "w") as f:
+                json.dump({"metadata": {"total_size": size}, "weight_map": weight_map}, f, indent=2)
+        if os.path.exists(self.out_dir):
+            # --overwrite: move the old directory aside first, delete it only once the new one is in place.
+            old = self.out_dir + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(self.out_dir, old)
+            os.rename(self.tmp, self.out_dir)
+            shutil.rmtree(old)
+        else:
+            os.rename(self.tmp, self.out_dir)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self._finish()
+        else:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        return False
+
+
+def write_hf_dir(out_dir: str, tensors: Iterable[tuple[str, torch.Tensor]], side_files_from: str | None = None,
+                 overwrite: bool = False, max_shard_bytes: int = 5 * 1024**3) -> None:
+    with HFDirWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite) as writer:
+        for name, tensor in tensors:
+            writer.add(name, tensor)
+        if side_files_from:
+            writer.copy_side_files(side_files_from)

@@ -1,0 +1,72 @@
+"""Load an HF safetensors directory into this rank's TP/PP shard of a megatron model."""
+
+from __future__ import annotations
+
+import torch
+
+from remax_megatron.weights.hf_io import HFCheckpointReader
+from remax_megatron.weights.mapping import WeightMapping
+
+
+def mapping_for(model) -> WeightMapping:
+    """The WeightMapping of a model built by remax_megatron.models (its arch and layout)."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    vocab_rows = model.embedding.word_embeddings.weight.shape[0] if model.pre_process else None
+    if vocab_rows is None:
+        vocab_rows = _padded_rows_from_output(model)
+    return WeightMapping(model.arch, tp=tp, pp=pp, padded_vocab=vocab_rows * tp)
+
+
+def _padded_rows_from_output(model) -> int:
+    if model.arch.task == "reward" or model.output_layer.weight is None:
+        # Reward models / tied PP=1 have no vocab-parallel tensor on this stage; nothing uses the size.
+        from remax_megatron.models.hf_config import padded_vocab_size
+        from megatron.core import parallel_state as ps
+
+        return padded_vocab_size(model.arch.vocab_size, ps.get_tensor_model_parallel_world_size()) \
+            // ps.get_tensor_model_parallel_world_size()
+    return model.output_layer.weight.shape[0]
+
+
+def uses_te_names(state_dict) -> bool:
+    return any(k.endswith("linear_qkv.layer_norm_weight") for k in state_dict)
+
+
+@torch.no_grad()
+def load_hf_weights(model, model_dir: str | HFCheckpointReader) -> None:
+    """Fill every parameter of this rank's stage from `model_dir`, reading only this rank's slices.
+
+    Raises before copying anything when a tensor is missing or has the wrong shape.
+    """
+    from megatron.core import parallel_state as ps
+
+    reader = model_dir if isinstance(model_dir, HFCheckpointReader) else HFCheckpointReader(model_dir)
+    mapping = mapping_for(model)
+    stage, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    params = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
+    te = uses_te_names(params)
+    for spec in mapping.stage_specs(stage):
+        for name in spec.hf:
+            if name not in reader:
+                raise ValueError(f"{reader.model_dir} lacks tensor {name} that a {model.arch.architecture} "
+                                 "needs: is the checkpoint complete and of this architecture?")
+    shards, seen = {}, set()
+    for spec in mapping.stage_specs(stage):
+        local = spec.local_name(mapping.layers_per_stage, te_names=te)
+        if local not in params:
+            continue  # tied output weight at PP=1 lives in the embedding
+        shard = mapping.load_shard(spec, reader.read, tp_rank)
+        target = params[local]
+        if tuple(shard.shape) != tuple(target.shape):
+            raise ValueError(f"{spec.hf} -> {local}: shape {tuple(shard.shape)} but the model has "
+                             f"{tuple(target.shape)}: does config.json match the weights?")
+        shards[local] = shard
+        seen.add(local)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise AssertionError(f"parameters with no HF source: {missing}")
+    for local, shard in shards.items():
+        params[local].copy_(shard.to(params[local].dtype))

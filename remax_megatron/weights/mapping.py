@@ -1,0 +1,220 @@
+"""The one HF <-> Megatron weight mapping (names, layouts, TP shards, PP stages).
+
+Three users: loading an HF directory into any TP/PP layout, exporting full HF
+tensors for the rollout engine's weight sync, and checkpoint conversion.
+
+Megatron layouts (per TP rank r of tp, checked against transformers, PITFALLS.md):
+- `linear_qkv` [ng_local * (q_per_group + 2) * head_dim, D]: for each of the
+  rank's query groups g: the q heads of g, then k_g, then v_g. Rank r holds the
+  groups [r * ng/tp, (r+1) * ng/tp). The qkv bias follows the same order.
+- `linear_fc1` [2 * F/tp, D]: rank r's gate rows, then its up rows.
+- `linear_proj`, `linear_fc2`: row parallel, split on dim 1.
+- word embeddings / output layer: vocab parallel over the padded vocab, split
+  on dim 0; rows past the tokenizer's vocab are zero padding, dropped on export.
+- layers: stage s of pp holds global layers [s * L/pp, (s+1) * L/pp) as local
+  indices 0..L/pp-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from remax_megatron.models.hf_config import ModelArch
+
+# Split kinds.
+REPLICATED, VOCAB, ROW, QKV, FC1 = "replicated", "vocab", "row", "qkv", "fc1"
+
+# Norm names differ between the local layer spec and Transformer Engine's fused one.
+_LOCAL_TO_TE = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One megatron parameter and the HF tensors it is made of."""
+
+    megatron: str            # global name: decoder.layers.<global layer>.… (local spec names)
+    hf: tuple[str, ...]      # HF tensor names, in the order `kind` concatenates them
+    kind: str                # REPLICATED | VOCAB | ROW | QKV | FC1
+    stage: int               # pipeline stage that owns it
+    layer: int | None = None  # global layer index, None outside the decoder layers
+
+    def local_name(self, layers_per_stage: int, te_names: bool = False) -> str:
+        """The name in the owning stage's state_dict (local layer index)."""
+        if self.layer is None:
+            return self.megatron
+        local = self.layer - self.stage * layers_per_stage
+        rest = self.megatron.split(".", 3)[3]
+        if te_names:
+            rest = _LOCAL_TO_TE.get(rest, rest)
+        return f"decoder.layers.{local}.{rest}"
+
+
+class WeightMapping:
+    """All parameters of a model of `arch` at (tp, pp), with shard/unshard rules."""
+
+    def __init__(self, arch: ModelArch, tp: int, pp: int, padded_vocab: int):
+        self.arch, self.tp, self.pp, self.padded_vocab = arch, tp, pp, padded_vocab
+        self.layers_per_stage = arch.num_layers // pp
+        self.specs = self._build_specs()
+
+    # ---- the parameter list, in HF order -------------------------------------------------
+    def _build_specs(self) -> list[ParamSpec]:
+        a, last = self.arch, self.pp - 1
+        specs = [ParamSpec("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB, 0)]
+        for i in range(a.num_layers):
+            stage = i // self.layers_per_stage
+            m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+
+            def add(mname, hnames, kind):
+                specs.append(ParamSpec(m + mname, tuple(h + n for n in hnames), kind, stage, i))
+
+            add("input_layernorm.weight", ["input_layernorm.weight"], REPLICATED)
+            add("self_attention.linear_qkv.weight",
+                ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"], QKV)
+            if a.qkv_bias:
+                add("self_attention.linear_qkv.bias",
+                    ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"], QKV)
+            add("self_attention.linear_proj.weight", ["self_attn.o_proj.weight"], ROW)
+            add("pre_mlp_layernorm.weight", ["post_attention_layernorm.weight"], REPLICATED)
+            add("mlp.linear_fc1.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], FC1)
+            add("mlp.linear_fc2.weight", ["mlp.down_proj.weight"], ROW)
+        specs.append(ParamSpec("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED, last))
+        if a.task == "reward":
+            specs.append(ParamSpec("output_layer.weight", ("score.weight",), REPLICATED, last))
+        elif not a.tie_word_embeddings:
+            specs.append(ParamSpec("output_layer.weight", ("lm_head.weight",), VOCAB, last))
+        elif self.pp > 1:
+            # Tied embeddings across stages: the last stage keeps its own copy of the
+            # embedding as output weight (megatron keeps them equal). Not exported.
+            specs.append(ParamSpec("output_layer.weight", ("model.embed_tokens.weight",), VOCAB, last))
+        return specs
+
+    def exported_specs(self) -> list[ParamSpec]:
+        """Specs whose HF tensors go out on export (the tied output copy does not)."""
+        return [s for s in self.specs if not (s.megatron == "output_layer.weight"
+                                              and s.hf == ("model.embed_tokens.weight",))]
+
+    def stage_specs(self, stage: int) -> list[ParamSpec]:
+        return [s for s in self.specs if s.stage == stage]
+
+    # ---- HF -> this rank's shard ---------------------------------------------------------
+    def load_shard(self, spec: ParamSpec, read: Callable, tp_rank: int) -> torch.Tensor:
+        """Build TP rank `tp_rank`'s shard of `spec`.
+
+        `read(hf_name, dim, start, stop)` returns that slice of an HF tensor (dim None:
+        the whole tensor), so a rank reads only the rows/columns it owns.
+        """
+        a, tp, r = self.arch, self.tp, tp_rank
+        if spec.kind == REPLICATED:
+            return read(spec.hf[0], None, None, None)
+        if spec.kind == ROW:
+            cols = _hf_shape(self, spec.hf[0])[1] // tp
+            return read(spec.hf[0], 1, r * cols, (r + 1) * cols)
+        if spec.kind == VOCAB:
+            per_rank = self.padded_vocab // tp
+            start, stop = r * per_rank, (r + 1) * per_rank
+            real = read(spec.hf[0], 0, start, min(stop, a.vocab_size)) if start < a.vocab_size else None
+            out = torch.zeros((per_rank,) + tuple(_hf_shape(self, spec.hf[0])[1:]),
+                              dtype=real.dtype if real is not None else _dtype(self))
+            if real is not None:
+                out[: real.shape[0]] = real
+            return out
+        if spec.kind == FC1:
+            rows = a.ffn_hidden_size // tp
+            return torch.cat([read(n, 0, r * rows, (r + 1) * rows) for n in spec.hf])
+        if spec.kind == QKV:
+            groups = a.num_kv_heads // tp
+            qpg, hd = a.num_heads // a.num_kv_heads, a.head_dim
+            g0 = r * groups
+            q = read(spec.hf[0], 0, g0 * qpg * hd, (g0 + groups) * qpg * hd)
+            k = read(spec.hf[1], 0, g0 * hd, (g0 + groups) * hd)
+            v = read(spec.hf[2], 0, g0 * hd, (g0 + groups) * hd)
+            tail = q.shape[1:]
+            q = q.reshape(groups, qpg * hd, *tail)
+            k = k.reshape(groups, hd, *tail)
+            v = v.reshape(groups, hd, *tail)
+            return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+        raise AssertionError(spec.kind)
+
+    # ---- TP shards -> full HF tensors ----------------------------------------------------
+    def merge_shards(self, spec: ParamSpec, shards: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """Inverse of load_shard: the TP shards (rank order) -> [(hf_name, full tensor)]."""
+        a = self.arch
+        if spec.kind == REPLICATED:
+            return [(spec.hf[0], shards[0])]
+        if spec.kind == ROW:
+            return [(spec.hf[0], torch.cat(shards, dim=1))]
+        if spec.kind == VOCAB:
+            return [(spec.hf[0], torch.cat(shards, dim=0)[: a.vocab_size])]
+        if spec.kind == FC1:
+            halves = [s.chunk(2, dim=0) for s in shards]
+            gate = torch.cat([h[0] for h in halves])
+            up = torch.cat([h[1] for h in halves])
+            return [(spec.hf[0], gate), (spec.hf[1], up)]
+        if spec.kind == QKV:
+            qpg, hd = a.num_heads // a.num_kv_heads, a.head_dim
+            full = torch.cat(shards, dim=0)
+            tail = full.shape[1:]
+            grouped = full.reshape(a.num_kv_heads, (qpg + 2) * hd, *tail)
+            q, k, v = grouped.split([qpg * hd, hd, hd], dim=1)
+            return [(spec.hf[0], q.reshape(-1, *tail)), (spec.hf[1], k.reshape(-1, *tail)),
+                    (spec.hf[2], v.reshape(-1, *tail))]
+        raise AssertionError(spec.kind)
+
+    def shard_shape(self, spec: ParamSpec) -> tuple[int, ...]:
+        """Shape of one TP shard of `spec` (same on every TP rank)."""
+        a, tp = self.arch, self.tp
+        full = _hf_shape(self, spec.hf[0])
+        if spec.kind == REPLICATED:
+            return full
+        if spec.kind == ROW:
+            return (full[0], full[1] // tp)
+        if spec.kind == VOCAB:
+            return (self.padded_vocab // tp,) + full[1:]
+        if spec.kind == FC1:
+            return (2 * a.ffn_hidden_size // tp, a.hidden_size)
+        if spec.kind == QKV:
+            rows = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim // tp
+            return (rows,) + full[1:]
+        raise AssertionError(spec.kind)
+
+    def hf_shape(self, hf_name: str) -> tuple[int, ...]:
+        return _hf_shape(self, hf_name)
+
+
+def _dtype(mapping: WeightMapping) -> torch.dtype:
+    from remax_megatron.models.hf_config import DTYPES
+
+    return DTYPES.get(mapping.arch.torch_dtype, torch.float32)
+
+
+def _hf_shape(mapping: WeightMapping, name: str) -> tuple[int, ...]:
+    """Shape of an HF tensor of this architecture, from the config alone."""
+    a = mapping.arch
+    D, F, hd = a.hidden_size, a.ffn_hidden_size, a.head_dim
+    leaf = name.split("model.layers.")[-1].split(".", 1)[-1] if "layers." in name else name
+    shapes = {
+        "model.embed_tokens.weight": (a.vocab_size, D),
+        "lm_head.weight": (a.vocab_size, D),
+        "score.weight": (1, D),
+        "model.norm.weight": (D,),
+        "input_layernorm.weight": (D,),
+        "post_attention_layernorm.weight": (D,),
+        "self_attn.q_proj.weight": (a.num_heads * hd, D),
+        "self_attn.k_proj.weight": (a.num_kv_heads * hd, D),
+        "self_attn.v_proj.weight": (a.num_kv_heads * hd, D),
+        "self_attn.q_proj.bias": (a.num_heads * hd,),
+        "self_attn.k_proj.bias": (a.num_kv_heads * hd,),
+        "self_attn.v_proj.bias": (a.num_kv_heads * hd,),
+        "self_attn.o_proj.weight": (D, a.num_heads * hd),
+        "mlp.gate_proj.weight": (F, D),
+        "mlp.up_proj.weight": (F, D),
+        "mlp.down_proj.weight": (D, F),
+    }
+    return shapes[leaf]
