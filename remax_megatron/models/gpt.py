@@ -113,34 +113,35 @@ class PolicyModel(GPTModel):
                 else self.output_layer.weight)
 
     def output_weight(self) -> torch.Tensor:
-        """This rank's vocab shard of the output weight, padding rows dropped: [V_local, h]."""
-        weight = self._vocab_weight()
-        per_rank = weight.shape[0]
-        start = dist.get_rank(self.tp_group) * per_rank
-        return weight[: max(0, min(per_rank, self.arch.vocab_size - start))]
+        """This rank's shard of the (padded) vocab-parallel output weight: [V_padded / tp, h]."""
+        return (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
+                else self.output_layer.weight)
 
     def token_logprobs(self, hidden: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
                        with_entropy: bool = False):
-        """hidden [b, s, h], labels [b, s] (-100 ignored) -> (logprobs [b, s], entropy [b, s] | None)."""
+        """hidden [b, s, h], labels [b, s] (-100 ignored) -> (logprobs [b, s], entropy [b, s] | None).
+
+        Vocab padding rows are left out of the softmax (valid_vocab), so these equal
+        the HF model's / rollout engine's log-probs.
+        """
         from remax_megatron.kernels import fused_logprobs
 
         b, s, h = hidden.shape
         logprobs, entropy = fused_logprobs(
             hidden.reshape(b * s, h), self.output_weight(), labels.reshape(b * s),
             temperature=temperature, tp_group=self.tp_group, with_entropy=with_entropy,
+            valid_vocab=self.arch.vocab_size,
         )
         return logprobs.view(b, s), (entropy.view(b, s) if entropy is not None else None)
 
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [b, s, h] -> logits [b, s, vocab] gathered over TP (parity checks and decoding only)."""
-        local = hidden @ self.output_weight().t()   # [b, s, V_local]
+        local = (hidden @ self.output_weight().t()).contiguous()   # [b, s, V_padded / tp]
         tp = dist.get_world_size(self.tp_group)
-        if tp == 1:
-            return local
-        # Shards are uneven only through padding: gather at the padded width, then trim.
-        padded = F.pad(local, (0, self._vocab_weight().shape[0] - local.shape[-1])).contiguous()
-        parts = [torch.empty_like(padded) for _ in range(tp)]
-        dist.all_gather(parts, padded, group=self.tp_group)
+        parts = [local]
+        if tp > 1:
+            parts = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(parts, local, group=self.tp_group)
         return torch.cat(parts, dim=-1)[..., : self.arch.vocab_size]
 
 

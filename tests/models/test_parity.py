@@ -38,6 +38,13 @@ def _hf_logits(model_dir):
         return model(ids).logits
 
 
+def _labels(ids):
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    labels[0, :5] = -100  # e.g. prompt tokens
+    return labels
+
+
 def _actor_body(rank, world, model_dir, tp, pp, expected):
     from remax_megatron.models import build_policy, read_hf_config
     from remax_megatron.models.forward import forward_only
@@ -49,13 +56,27 @@ def _actor_body(rank, world, model_dir, tp, pp, expected):
     model = build_policy(arch, tp=tp, pp=pp)
     load_hf_weights(model, model_dir)
     ids = _inputs(arch.vocab_size)
-    out = forward_only(model, [{"input_ids": ids[:2]}, {"input_ids": ids[2:].expand(2, -1)}],
-                       lambda m, hidden, batch: m.full_logits(hidden))
+    labels = _labels(ids)
+
+    def head(m, hidden, batch):
+        logprobs, entropy = m.token_logprobs(hidden, batch["labels"], temperature=0.7, with_entropy=True)
+        return m.full_logits(hidden), logprobs, entropy
+
+    out = forward_only(model, [{"input_ids": ids[:2], "labels": labels[:2]},
+                               {"input_ids": ids[2:].expand(2, -1), "labels": labels[2:].expand(2, -1)}], head)
     if model.post_process:
-        logits = torch.cat([out[0], out[1][:1]])
+        logits = torch.cat([out[0][0], out[1][0][:1]])
         assert logits.shape == expected.shape, (logits.shape, expected.shape)
         err = (logits - expected).abs().max().item()
         assert err < 1e-5, f"tp={tp} pp={pp}: max |logits - transformers| = {err}"
+        # Fused vocab-parallel log-probs (padding rows excluded) vs log_softmax of HF logits.
+        ref = torch.log_softmax(expected.double() / 0.7, dim=-1)
+        ref_lp = ref.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(labels < 0, 0)
+        ref_ent = -(ref.exp() * ref).sum(-1).masked_fill(labels < 0, 0)
+        logprobs = torch.cat([out[0][1], out[1][1][:1]])
+        entropy = torch.cat([out[0][2], out[1][2][:1]])
+        assert (logprobs.double() - ref_lp).abs().max().item() < 1e-5
+        assert (entropy.double() - ref_ent).abs().max().item() < 1e-5
 
 
 @pytest.mark.slow

@@ -1,0 +1,360 @@
+"""The typed config tree: YAML files and dotted `key=value` overrides fill it; checks live here.
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["actor.tp=2", "trainer.steps=10"])
+
+Every field has a type; YAML values and command-line strings are converted to it
+(a wrong type is an error naming the key). Unknown keys are refused with a
+"did you mean" suggestion. `__post_init__` checks each section alone;
+`check_world` checks the layout against the launched world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+
+import yaml
+
+RECOMPUTE = ("none", "selective", "full")
+ENGINES = ("native", "vllm")
+KL_MODES = ("reward", "loss")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+SCHEDULES = ("constant", "linear", "cosine")
+OVERLONG = ("drop", "truncate")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def _one_of(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _positive(key: str, value, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ValueError(f"{key}={value!r} must be {'>= 0' if zero_ok else '> 0'}")
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 20                 # total optimizer steps of the run (a resumed run continues up to it)
+    seed: int = 0                   # seeds data order, sampling and init on every rank
+    output_dir: str = "outputs/run"  # metrics.jsonl, config.yaml, TensorBoard events, checkpoints
+    prompts_per_step: int = 8       # global prompts per step (each gets rollout.n samples + 1 greedy)
+    micro_batch_size: int = 4       # sequences per micro-batch in the train forward/backward
+    mini_batches: int = 1           # optimizer steps per rollout (> 1 uses the clipped ratio)
+    eval_every: int = 5             # greedy eval every N steps (0: never)
+    eval_prompts: int = 32          # held-out prompts evaluated
+    dist_timeout_minutes: int = 30  # collective timeout: a dead rank fails the job after this
+
+    def __post_init__(self):
+        for key in ("steps", "prompts_per_step", "micro_batch_size", "mini_batches"):
+            _positive(f"trainer.{key}", getattr(self, key))
+        for key in ("eval_every", "eval_prompts"):
+            _positive(f"trainer.{key}", getattr(self, key), zero_ok=True)
+        _positive("trainer.dist_timeout_minutes", self.dist_timeout_minutes)
+
+
+@dataclass
+class ActorConfig:
+    model: str = ""                 # Hugging Face model directory (config.json + safetensors)
+    tp: int = 1                     # tensor-parallel size
+    pp: int = 1                     # pipeline-parallel size
+    dtype: str = "float32"          # parameter dtype: float32 | bfloat16 | float16
+    sequence_parallel: bool = False  # shard activations along the sequence within TP (GPU)
+    recompute: str = "none"         # activation recompute: none | selective | full
+    make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this * tp
+
+    def __post_init__(self):
+        _positive("actor.tp", self.tp)
+        _positive("actor.pp", self.pp)
+        _one_of("actor.dtype", self.dtype, DTYPE_NAMES)
+        _one_of("actor.recompute", self.recompute, RECOMPUTE)
+        _positive("actor.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+
+
+@dataclass
+class ReferenceConfig:
+    enabled: bool = False           # build a frozen reference model (needed for algo.kl_coef > 0)
+    model: str = ""                 # default: actor.model (the reference is the initial policy)
+
+
+@dataclass
+class RewardConfig:
+    functions: list[str] = field(default_factory=list)  # registry names or "package.module:function"
+    weights: list[float] = field(default_factory=list)  # one per function (default 1.0 each)
+    model: str = ""                 # optional reward-model directory (*ForSequenceClassification)
+    model_weight: float = 1.0       # weight of the reward-model score in the sum
+    tp: int = 1                     # reward-model tensor parallel
+    pp: int = 1                     # reward-model pipeline parallel
+
+    def __post_init__(self):
+        if self.weights and len(self.weights) != len(self.functions):
+            raise ValueError(f"reward.weights has {len(self.weights)} values for {len(self.functions)} "
+                             "reward.functions: give one weight per function or none")
+        _positive("reward.tp", self.tp)
+        _positive("reward.pp", self.pp)
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "native"          # native (transformers, CPU/small GPU) | vllm (GPU clusters)
+    n: int = 2                      # sampled responses per prompt; the greedy one comes on top
+    tp: int = 1                     # inference tensor parallel (may differ from actor.tp)
+    temperature: float = 1.0        # sampling temperature of the n samples (greedy is argmax)
+    top_p: float = 1.0
+    top_k: int = 0                  # 0: off
+    max_new_tokens: int = 64
+    stop: list[str] = field(default_factory=list)  # stop strings (EOS always stops)
+    sync_bucket_mb: int = 256       # weight-sync bucket size
+    gpu_memory_utilization: float = 0.5  # vLLM's KV-cache budget
+    logprob_warn_threshold: float = 0.05  # warn when engine vs actor log-probs differ more
+
+    def __post_init__(self):
+        _one_of("rollout.engine", self.engine, ENGINES)
+        _positive("rollout.n", self.n)
+        _positive("rollout.tp", self.tp)
+        _positive("rollout.temperature", self.temperature)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p!r} must be in (0, 1]")
+        _positive("rollout.top_k", self.top_k, zero_ok=True)
+        _positive("rollout.max_new_tokens", self.max_new_tokens)
+        _positive("rollout.sync_bucket_mb", self.sync_bucket_mb)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+
+
+@dataclass
+class AlgoConfig:
+    kl_coef: float = 0.0            # KL penalty coefficient (0: no reference needed)
+    kl_mode: str = "reward"         # reward: per-token penalty in the reward | loss: a loss term
+    kl_estimator: str = "k1"        # k1 | k2 | k3 (for kl_mode=loss and the kl/mean metric)
+    kl_target: float = 0.0          # > 0: adaptive KL coefficient towards this KL per sequence
+    kl_horizon: int = 10000         # adaptive controller horizon (in sequences)
+    loss_agg: str = "token-mean"    # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    clip_ratio: float = 0.2         # ratio clip when trainer.mini_batches > 1
+    advantage_clip: float = 0.0     # clip advantages to [-c, c] (0: off)
+
+    def __post_init__(self):
+        _positive("algo.kl_coef", self.kl_coef, zero_ok=True)
+        _one_of("algo.kl_mode", self.kl_mode, KL_MODES)
+        _one_of("algo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _positive("algo.kl_target", self.kl_target, zero_ok=True)
+        _positive("algo.kl_horizon", self.kl_horizon)
+        _one_of("algo.loss_agg", self.loss_agg, LOSS_AGG)
+        _positive("algo.clip_ratio", self.clip_ratio)
+        _positive("algo.advantage_clip", self.advantage_clip, zero_ok=True)
+
+
+@dataclass
+class DataConfig:
+    train: str = "builtin:arith"    # JSONL / Parquet file, or builtin:<task>
+    eval: str = ""                  # held-out file; empty: split eval_size prompts off the train set
+    eval_size: int = 32
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"      # ground truth handed to reward functions
+    chat_template: bool = True      # apply the tokenizer's chat template when it has one
+    max_prompt_tokens: int = 256
+    overlong: str = "drop"          # prompts over max_prompt_tokens: drop | truncate (left)
+    shuffle: bool = True            # deterministic per-epoch shuffle from trainer.seed
+
+    def __post_init__(self):
+        _positive("data.eval_size", self.eval_size, zero_ok=True)
+        _positive("data.max_prompt_tokens", self.max_prompt_tokens)
+        _one_of("data.overlong", self.overlong, OVERLONG)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    schedule: str = "constant"      # constant | linear | cosine (after warmup)
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0          # max global grad norm (0: off)
+    distributed_optimizer: bool = True  # megatron's DistributedOptimizer on GPU
+
+    def __post_init__(self):
+        _positive("optim.lr", self.lr)
+        _positive("optim.min_lr", self.min_lr, zero_ok=True)
+        _one_of("optim.schedule", self.schedule, SCHEDULES)
+        _positive("optim.warmup_steps", self.warmup_steps, zero_ok=True)
+        _positive("optim.grad_clip", self.grad_clip, zero_ok=True)
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"optim.{key}={getattr(self, key)!r} must be in [0, 1)")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""                   # default <trainer.output_dir>/checkpoints
+    save_every: int = 0             # steps between saves (0: only at the end)
+    resume: str = "auto"            # auto (newest valid) | none | a checkpoint path
+    keep: int = 2                   # checkpoints kept
+
+    def __post_init__(self):
+        _positive("checkpoint.save_every", self.save_every, zero_ok=True)
+        _positive("checkpoint.keep", self.keep)
+        if self.resume not in ("auto", "none") and not os.path.exists(self.resume):
+            raise ValueError(f"checkpoint.resume={self.resume!r}: no such path; use auto, none or an "
+                             "existing checkpoint directory")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True        # TensorBoard events under <output_dir>/tensorboard
+    wandb_project: str = ""         # non-empty: also log to Weights & Biases
+    progress_bar: bool = True       # tqdm bar on rank 0
+    sample_completions: int = 3     # completions printed at each eval
+
+
+@dataclass
+class Config:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self):
+        if not self.checkpoint.dir:
+            self.checkpoint.dir = os.path.join(self.trainer.output_dir, "checkpoints")
+        if self.algo.kl_coef > 0 and not self.reference.enabled:
+            raise ValueError(f"algo.kl_coef={self.algo.kl_coef} needs a reference model: "
+                             "set reference.enabled=true (or algo.kl_coef=0)")
+        if not self.reward.functions and not self.reward.model:
+            raise ValueError("no reward: set reward.functions (e.g. [exact_match]) and/or reward.model")
+
+    def check_world(self, world_size: int) -> None:
+        """Layout checks that need the launched world size (one line, every factor named)."""
+        from remax_megatron.parallel import ParallelLayout
+
+        try:
+            ParallelLayout(tp=self.actor.tp, pp=self.actor.pp, world_size=world_size)
+        except ValueError as e:
+            raise ValueError(f"actor layout: {e}") from None
+        if world_size % self.rollout.tp:
+            raise ValueError(f"rollout.tp={self.rollout.tp} does not divide the world size {world_size}")
+        if self.reward.model:
+            try:
+                ParallelLayout(tp=self.reward.tp, pp=self.reward.pp, world_size=world_size)
+            except ValueError as e:
+                raise ValueError(f"reward model layout: {e}") from None
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+
+def _convert(key: str, value, hint):
+    """`value` as the type `hint`, or a ValueError naming the key."""
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if isinstance(value, str):
+            value = [v for v in (s.strip() for s in value.split(",")) if v] if value else []
+        if not isinstance(value, list):
+            raise ValueError(f"{key} expects a list, got {value!r}")
+        return [_convert(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ValueError(f"{key} expects true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError(f"{key} expects an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{key} expects an integer, got {value!r}") from None
+    if hint is float:
+        if isinstance(value, bool):
+            raise ValueError(f"{key} expects a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key} expects a number, got {value!r}") from None
+    if hint is str:
+        if isinstance(value, (dict, list)):
+            raise ValueError(f"{key} expects a string, got {value!r}")
+        return "" if value is None else str(value)
+    raise AssertionError(f"unhandled type {hint} for {key}")
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _sections().items() for f in dataclasses.fields(cls)]
+
+
+def _unknown(key: str) -> ValueError:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]}?" if close else "; see remax_megatron/config.py for the keys"
+    return ValueError(f"unknown config key {key!r}{hint}")
+
+
+def _set(tree: dict, key: str, raw) -> None:
+    """Put one dotted key into the nested dict `tree` after checking it exists."""
+    section, _, name = key.partition(".")
+    sections = _sections()
+    if section not in sections or not name:
+        raise _unknown(key)
+    hints = typing.get_type_hints(sections[section])
+    if name not in hints:
+        raise _unknown(key)
+    tree.setdefault(section, {})[name] = _convert(key, raw, hints[name])
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Config from a YAML file plus dotted overrides (`actor.tp=2`); raises ValueError on bad input."""
+    tree: dict = {}
+    if path:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"config file {path} not found")
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a mapping of sections (trainer:, actor:, ...)")
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise (_unknown(section) if section not in _sections()
+                       else ValueError(f"{path}: section {section!r} must be a mapping"))
+            for name, value in values.items():
+                _set(tree, f"{section}.{name}", value)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r} is not key=value (e.g. actor.tp=2)")
+        parsed = yaml.safe_load(value) if value.strip() else ""
+        _set(tree, key.strip(), value if isinstance(parsed, (dict,)) else parsed)
+    sections = _sections()
+    return Config(**{name: cls(**tree.get(name, {})) for name, cls in sections.items()})
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, output_dir: str) -> str:
+    """Write the config actually used as <output_dir>/config.yaml (reloadable with load_config)."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "config.yaml")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    os.replace(tmp, path)
+    return path

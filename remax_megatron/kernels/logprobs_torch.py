@@ -1,0 +1,144 @@
+"""Chunked plain-torch backend of :func:`remax_megatron.kernels.fused_logprobs`.
+
+The CPU path (and a fallback on any device). It walks ``[rows, vocab]`` tiles
+whose size is bounded by ``chunk_elems`` elements; every tile is a GEMM plus a
+few in-place elementwise ops in fp32, so the working set is a couple of tiles
+instead of the ``[tokens, vocab]`` logits. Inputs in bf16/fp16 are upcast to
+fp32 (per vocab chunk for the weight), so all sums accumulate in fp32.
+
+Backend protocol (shared with the Triton backend):
+
+- ``forward_stats(x, w, local_labels, scale, with_entropy) -> (m, s, a, t)``,
+  each ``[K, N]`` fp32 partial online-softmax states over this rank's shard
+  (see ``logprobs.py``); ``local_labels`` is ``-1`` where the target is not in
+  the shard.
+- ``backward_grads(x, w, local_labels, scale, m, log_s, mean_rel, g, h,
+  need_x, need_w)`` (the merged state: ``p = exp(l - m - log_s)``,
+  ``E_p[l] = m + mean_rel``) -> (grad_x fp32 [N, D] partial over this shard, grad_w [V_local, D]
+  in w's dtype)``, where ``g``/``h`` are the upstream gradients of logprob and
+  entropy (already zero on ignored rows; ``h`` may be None).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# 8M elements = 32 MiB per fp32 tile; two or three tiles are live at a time.
+DEFAULT_CHUNK_ELEMS = 1 << 23
+_MIN_COLS = 256
+
+
+def tile_shape(n: int, v: int, budget: int) -> tuple[int, int]:
+    """(rows, cols) of a tile of at most ``budget`` elements: whole rows when they
+    fit, cols a multiple of 256 when wider than that (GEMM-friendly)."""
+    cols = max(1, min(v, budget // max(n, 1)))
+    if _MIN_COLS <= cols < v:
+        cols = cols // _MIN_COLS * _MIN_COLS
+    rows = max(1, min(n, budget // cols))
+    return rows, cols
+
+
+class TorchBackend:
+    """Tile loops in plain torch; ``chunk_elems`` bounds the tile size."""
+
+    def __init__(self, chunk_elems: int = DEFAULT_CHUNK_ELEMS):
+        self.chunk_elems = chunk_elems
+
+    def with_chunk(self, chunk_elems: int) -> "TorchBackend":
+        return TorchBackend(chunk_elems)
+
+    def forward_stats(self, x, w, local_labels, scale, with_entropy):
+        n, v = x.shape[0], w.shape[0]
+        ct = _compute_dtype(x)
+        m = torch.full((n,), float("-inf"), dtype=ct, device=x.device)
+        s = torch.zeros(n, dtype=ct, device=x.device)
+        a = torch.zeros_like(s)
+        t = torch.zeros_like(s)
+        if n == 0 or v == 0:
+            return m[None], s[None], a[None], t[None]
+        rows, cols = tile_shape(n, v, self.chunk_elems)
+        x32 = x.to(ct)  # [N, D]; no copy for fp32
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            xr, lab = x32[r0:r1], local_labels[r0:r1]
+            mr, sr, ar, tr = m[r0:r1], s[r0:r1], a[r0:r1], t[r0:r1]
+            for c0 in range(0, v, cols):
+                c1 = min(v, c0 + cols)
+                z = torch.matmul(xr, w[c0:c1].to(ct).T)  # [rows, cols] logits
+                z.mul_(scale)
+                _gather_target(z, lab, c0, c1, tr)
+                m_new = torch.maximum(mr, z.amax(dim=1))  # [rows]
+                alpha = torch.exp(mr - m_new)  # 0 on the first tile (mr = -inf)
+                z.sub_(m_new[:, None])  # z - m_new <= 0
+                if with_entropy:
+                    shift = torch.where(sr > 0, mr - m_new, torch.zeros_like(mr))
+                    ar.add_(shift * sr).mul_(alpha)
+                    e = torch.exp(z)
+                    ar.add_(torch.einsum("ij,ij->i", e, z))
+                    sr.mul_(alpha).add_(e.sum(dim=1))
+                else:
+                    sr.mul_(alpha).add_(z.exp_().sum(dim=1))
+                mr.copy_(m_new)
+        return m[None], s[None], a[None], t[None]
+
+    def backward_grads(self, x, w, local_labels, scale, m, log_s, mean_rel, g, h, need_x, need_w):
+        n, d = x.shape
+        v = w.shape[0]
+        ct = _compute_dtype(x)
+        grad_x = torch.zeros(n, d, dtype=ct, device=x.device) if need_x else None
+        grad_w = torch.zeros_like(w) if need_w else None
+        if n == 0 or v == 0:
+            return grad_x, grad_w
+        rows, cols = tile_shape(n, v, self.chunk_elems)
+        x32 = x.to(ct)
+        gs = g.to(ct) * scale  # [N], scale folds 1/temperature into the chain rule
+        hs = h.to(ct) * scale if h is not None else None
+        for c0 in range(0, v, cols):
+            c1 = min(v, c0 + cols)
+            wc = w[c0:c1].to(ct)  # [cols, D]
+            gw = None
+            if need_w:
+                single = rows == n and w.dtype == ct
+                gw = grad_w[c0:c1] if single else torch.zeros(c1 - c0, d, dtype=ct, device=x.device)
+            for r0 in range(0, n, rows):
+                r1 = min(n, r0 + rows)
+                dz = self._dlogits(x32[r0:r1], wc, local_labels[r0:r1], c0, c1, scale,
+                                   m[r0:r1], log_s[r0:r1], mean_rel[r0:r1], gs[r0:r1],
+                                   None if hs is None else hs[r0:r1])  # [rows, cols]
+                if need_x:
+                    grad_x[r0:r1].addmm_(dz, wc)
+                if need_w:
+                    gw.addmm_(dz.T, x32[r0:r1])
+            if need_w and gw.data_ptr() != grad_w[c0:c1].data_ptr():
+                grad_w[c0:c1].copy_(gw)
+        return grad_x, grad_w
+
+    @staticmethod
+    def _dlogits(xr, wc, lab, c0, c1, scale, m, log_s, mean_rel, gs, hs):
+        """Gradient w.r.t. the pre-temperature logits of one tile: [rows, cols]."""
+        z = torch.matmul(xr, wc.T)  # [rows, cols]
+        z.mul_(scale).sub_(m[:, None]).sub_(log_s[:, None])  # log p
+        if hs is None:
+            dz = z.exp_().mul_(-gs[:, None])  # -g p
+        else:
+            q = z + (log_s - mean_rel)[:, None]  # l - E[l]
+            p = z.exp_()
+            dz = q.mul_(hs[:, None]).add_(gs[:, None]).mul_(p).neg_()  # -p (g + h (l - E l))
+        hit = (lab >= c0) & (lab < c1)
+        if bool(hit.any()):
+            idx = torch.nonzero(hit).squeeze(1)
+            dz[idx, lab[idx] - c0] += gs[idx]
+        return dz
+
+
+def _compute_dtype(x):
+    """fp32 for fp32/bf16/fp16 inputs, fp64 for fp64 (the tests' oracle)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _gather_target(z, lab, c0, c1, out):
+    """out[i] = z[i, lab[i] - c0] for labels inside this tile's columns."""
+    hit = (lab >= c0) & (lab < c1)
+    if bool(hit.any()):
+        idx = torch.nonzero(hit).squeeze(1)
+        out[idx] = z[idx, lab[idx] - c0]

@@ -1,0 +1,119 @@
+"""fused_logprobs (chunked torch path) against the fp64 contract."""
+
+import pytest
+import torch
+
+from remax_megatron.kernels import fused_logprobs, fused_logprobs_reference
+from tests.kernels.cases import CASES, check_parity, make_inputs, oracle, run_fused
+
+
+@pytest.mark.parametrize("chunk", [None, 8, 64])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_parity_with_fp64_oracle(case, dtype, chunk):
+    check_parity(case, dtype, impl="torch", chunk_elems=chunk)
+
+
+def test_bf16_inputs_accumulate_in_fp32():
+    h, w, labels, temp, g_lp, g_ent = make_inputs("temperature", torch.bfloat16)
+    lp, ent, gh, gw = run_fused(h, w, labels, temp, g_lp, g_ent, impl="torch", chunk_elems=64)
+    assert lp.dtype == torch.float32 and gh.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
+    rlp, rent, rh, rw, big = oracle(h, w, labels, temp)  # fp64 on the bf16-rounded inputs
+    ((rlp * g_lp).sum() + (rent * g_ent).sum()).backward()
+    assert (lp.double() - rlp).abs().max() < 1e-5 * max(1.0, big)
+    assert (ent.double() - rent).abs().max() < 1e-5 * max(1.0, big)
+    # grads are returned in bf16: 8 mantissa bits
+    assert (gh.double() - rh.grad).abs().max() < 1e-2 * rh.grad.abs().max()
+    assert (gw.double() - rw.grad).abs().max() < 1e-2 * rw.grad.abs().max()
+
+
+def test_reference_matches_oracle():
+    h, w, labels, temp, _, _ = make_inputs("ignored_rows")
+    lp, ent = fused_logprobs_reference(h, w, labels, temperature=temp, with_entropy=True)
+    rlp, rent, *_ = oracle(h, w, labels, temp)
+    torch.testing.assert_close(lp, rlp)
+    torch.testing.assert_close(ent, rent)
+
+
+def test_all_negative_logits_never_positive():
+    # the shipped bug: a running max started at 0 gives positive log-probs here
+    h = torch.ones(4, 2)
+    w = torch.full((50, 2), -600.0)
+    w[:, 1] += torch.linspace(0, 1, 50)
+    lp, ent = fused_logprobs(h, w, torch.arange(4), with_entropy=True, chunk_elems=16)
+    assert bool((lp <= 0).all()) and bool(torch.isfinite(lp).all())
+    assert bool((ent >= 0).all()) and bool((ent <= torch.log(torch.tensor(50.0))).all())
+    rlp, rent = fused_logprobs_reference(h.double(), w.double(), torch.arange(4), with_entropy=True)
+    torch.testing.assert_close(lp.double(), rlp, atol=1e-4, rtol=0)
+
+
+def test_logprobs_only_and_entropy_none():
+    h, w, labels, temp, g_lp, _ = make_inputs("basic")
+    h.requires_grad_()
+    lp, ent = fused_logprobs(h, w, labels, temperature=temp)
+    assert ent is None
+    (lp * g_lp).sum().backward()
+    rlp, _, rh, _, _ = oracle(h, w, labels, temp)
+    (rlp * g_lp).sum().backward()
+    torch.testing.assert_close(h.grad, rh.grad)
+
+
+def test_nothing_of_size_tokens_by_vocab_is_saved():
+    n, d, v = 16, 8, 512
+    h = torch.randn(n, d, requires_grad=True)
+    w = torch.randn(v, d, requires_grad=True)
+    sizes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t,
+                                                  lambda t: t):
+        lp, ent = fused_logprobs(h, w, torch.randint(0, v, (n,)), with_entropy=True,
+                                 chunk_elems=1024)
+    assert max(sizes) < n * v, sizes
+    (lp.sum() + ent.sum()).backward()
+
+
+def test_valid_vocab_drops_padding_rows():
+    h, w, labels, temp, g_lp, g_ent = make_inputs("basic")
+    keep = 90
+    labels = labels.clamp(max=keep - 1)
+    lp, ent, gh, gw = run_fused(h, w, labels, temp, g_lp, g_ent, valid_vocab=keep)
+    rlp, rent, rh, rw, _ = oracle(h, w[:keep], labels, temp)
+    ((rlp * g_lp).sum() + (rent * g_ent).sum()).backward()
+    torch.testing.assert_close(lp, rlp)
+    torch.testing.assert_close(ent, rent)
+    torch.testing.assert_close(gw[:keep], rw.grad)
+    assert bool((gw[keep:] == 0).all())
+
+
+def _good():
+    return torch.randn(4, 8), torch.randn(10, 8), torch.tensor([1, 2, -100, 9])
+
+
+@pytest.mark.parametrize("mutate,arg", [
+    (lambda h, w, y, kw: (h[None], w, y, kw), "hidden"),
+    (lambda h, w, y, kw: (h, w[:, :5], y, kw), "weight"),
+    (lambda h, w, y, kw: (h, w.double(), y, kw), "weight"),
+    (lambda h, w, y, kw: (h, w, y[:3], kw), "labels"),
+    (lambda h, w, y, kw: (h, w, y.float(), kw), "labels"),
+    (lambda h, w, y, kw: (h, w, torch.tensor([1, 2, 10, 0]), kw), "labels"),
+    (lambda h, w, y, kw: (h, w, torch.tensor([1, -5, 3, 0]), kw), "labels"),
+    (lambda h, w, y, kw: (h, w, y, dict(temperature=0.0)), "temperature"),
+    (lambda h, w, y, kw: (h, w, y, dict(temperature=-1.0)), "temperature"),
+    (lambda h, w, y, kw: (h, w, y, dict(impl="cuda-magic")), "impl"),
+    (lambda h, w, y, kw: (h, w, y, dict(valid_vocab=11)), "valid_vocab"),
+])
+@pytest.mark.parametrize("fn", [fused_logprobs, fused_logprobs_reference])
+def test_bad_input_names_the_argument(fn, mutate, arg):
+    if fn is fused_logprobs_reference and arg == "impl":
+        return  # the reference has one implementation and ignores impl
+    h, w, y, kw = mutate(*_good(), {})
+    with pytest.raises(ValueError) as err:
+        fn(h, w, y, **kw)
+    msg = str(err.value)
+    assert msg.startswith(arg + ":") and "\n" not in msg, msg
+
+
+def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    h, w, y = _good()
+    with pytest.raises(ValueError, match="^impl:"):
+        fused_logprobs(h, w, y, impl="triton")

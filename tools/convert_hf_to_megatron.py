@@ -1,0 +1,85 @@
+"""Convert a Hugging Face safetensors directory into a megatron distributed checkpoint.
+
+    python tools/convert_hf_to_megatron.py --hf-dir HF --out CKPT
+    torchrun --nproc_per_node=4 tools/convert_hf_to_megatron.py --hf-dir HF --out CKPT --tp 2 --pp 2
+
+The checkpoint is layout-free: any TP/PP loads it (tools/convert_megatron_to_hf.py,
+the trainer). Under torchrun each rank reads only its own slices of the HF
+tensors, which splits the work. Nothing is written unless the whole conversion
+succeeds; an existing checkpoint at --out is kept unless --overwrite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def convert(hf_dir: str, out: str, tp: int = 1, pp: int = 1, overwrite: bool = False) -> str:
+    import torch.distributed as dist
+
+    from remax_megatron.models.hf_config import DTYPES, check_layout, read_hf_config
+    from remax_megatron.parallel import ParallelLayout, init_distributed
+    from remax_megatron.weights import HFCheckpointReader, load_hf_weights
+    from remax_megatron.weights.hf_io import holds_checkpoint
+    from remax_megatron.weights.megatron_ckpt import build_model_for, save_model
+
+    out = os.path.abspath(out)
+    if holds_checkpoint(out) and not overwrite:
+        raise FileExistsError(f"{out} already holds a checkpoint: choose a new --out or pass --overwrite")
+    arch = read_hf_config(hf_dir)
+    check_layout(arch, tp, pp, what="--")
+    reader = HFCheckpointReader(hf_dir)          # opens and checks every file before any work
+    _, world = init_distributed()
+    ParallelLayout(tp=tp, pp=pp, world_size=world).initialize()
+    dtype = reader.dtype("model.embed_tokens.weight")
+    model = build_model_for(arch, tp=tp, pp=pp, params_dtype=dtype, init_weights=False)
+    load_hf_weights(model, reader)
+
+    # Every rank writes into one temporary directory that rank 0 created.
+    tmp = [tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out) + "-", dir=os.path.dirname(out) or ".")
+           if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(tmp, src=0)
+    try:
+        save_model(model, tmp[0], hf_dir)
+    except BaseException:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp[0], ignore_errors=True)
+        raise
+    if dist.get_rank() == 0:
+        if os.path.exists(out):
+            old = out + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(out, old)
+            os.rename(tmp[0], out)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp[0], out)
+    dist.barrier()
+    assert DTYPES  # dtype names are shared with the HF side
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-dir", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--out", required=True, help="checkpoint directory to create")
+    p.add_argument("--tp", type=int, default=1, help="TP used to split the work (the result is layout-free)")
+    p.add_argument("--pp", type=int, default=1, help="PP used to split the work")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
+    a = p.parse_args(argv)
+    try:
+        out = convert(a.hf_dir, a.out, a.tp, a.pp, a.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        sys.exit(f"error: {e}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Export a megatron checkpoint to a Hugging Face directory, through the same export
+path the rollout weight sync uses (TP shards gathered, PP stages broadcast).
+
+    python tools/convert_megatron_to_hf.py --ckpt CKPT --out HF --tp 1 --pp 1
+    torchrun --nproc_per_node=4 tools/convert_megatron_to_hf.py --ckpt CKPT --out HF --tp 2 --pp 2
+
+CKPT is a model checkpoint (tools/convert_hf_to_megatron.py) or a training
+checkpoint (its actor). The world size must equal tp * pp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
+            overwrite: bool = False) -> str:
+    import torch.distributed as dist
+
+    from remax_megatron.models.hf_config import DTYPES, check_layout
+    from remax_megatron.parallel import ParallelLayout, init_distributed
+    from remax_megatron.weights import export_hf_weights
+    from remax_megatron.weights.hf_io import HFDirWriter, holds_checkpoint
+    from remax_megatron.weights.megatron_ckpt import build_model_for, load_model, read_checkpoint_meta
+
+    out = os.path.abspath(out)
+    if holds_checkpoint(out) and not overwrite:
+        raise FileExistsError(f"{out} already holds a checkpoint: choose a new --out or pass --overwrite")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    arch, params_dtype = read_checkpoint_meta(ckpt)
+    check_layout(arch, tp, pp, what="--")
+    _, world = init_distributed()
+    if world != tp * pp:
+        raise ValueError(f"world size {world} != tp({tp}) * pp({pp}): launch with "
+                         f"torchrun --nproc_per_node={tp * pp}")
+    ParallelLayout(tp=tp, pp=pp, world_size=world).initialize()
+    model = build_model_for(arch, tp=tp, pp=pp, params_dtype=params_dtype, init_weights=False)
+    load_model(model, ckpt)
+    tensors = export_hf_weights(model, dtype=DTYPES[dtype] if dtype else None)
+    if dist.get_rank() == 0:
+        with HFDirWriter(out, overwrite=overwrite) as writer:
+            for name, tensor in tensors:
+                writer.add(name, tensor)
+            writer.copy_side_files(os.path.join(ckpt, "hf_config"))
+    else:
+        for _ in tensors:  # every rank takes part in the gathers and broadcasts
+            pass
+    dist.barrier()
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="model or training checkpoint directory")
+    p.add_argument("--out", required=True, help="Hugging Face directory to create")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dtype", default=None, help="cast to float32 | bfloat16 | float16 (default: as saved)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing model at --out")
+    a = p.parse_args(argv)
+    try:
+        out = convert(a.ckpt, a.out, a.tp, a.pp, a.dtype, a.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        sys.exit(f"error: {e}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
