@@ -263,6 +263,8 @@ def _convert(key: str, value, hint):
         (item,) = typing.get_args(hint)
         if isinstance(value, str):
             value = [v for v in (s.strip() for s in value.split(",")) if v] if value else []
+        elif isinstance(value, (int, float)):
+            value = [value]
         if not isinstance(value, list):
             raise ValueError(f"{key} expects a list, got {value!r}")
         return [_convert(f"{key}[{i}]", v, item) for i, v in enumerate(value)]

@@ -79,19 +79,26 @@ class HFCheckpointReader:
 
 
 def _open_checked(path: str):
-    try:
-        handle = safe_open(path, framework="pt")
-    except Exception as e:  # safetensors raises its own error type for bad headers
-        raise ValueError(f"{path} is not a readable safetensors file ({e}): re-download or re-convert it") from None
-    # safe_open mmaps the file; check that the data section the header promises is all there.
+    """safe_open `path` after checking the data section its header promises is all there."""
+    fix = "re-download or re-convert it"
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
-    data_end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if os.path.getsize(path) < 8 + header_len + data_end:
-        raise ValueError(f"{path} is truncated ({os.path.getsize(path)} bytes, header promises "
-                         f"{8 + header_len + data_end}): re-download or re-convert it")
-    return handle
+        if size < 8 or header_len > 100_000_000:  # safetensors caps headers at 100 MB
+            raise ValueError(f"{path} is not a readable safetensors file: {fix}")
+        if 8 + header_len > size:
+            raise ValueError(f"{path} is truncated ({size} bytes, shorter than its header): {fix}")
+        try:
+            header = json.loads(f.read(header_len))
+            data_end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path} is not a readable safetensors file ({e}): {fix}") from None
+    if size < 8 + header_len + data_end:
+        raise ValueError(f"{path} is truncated ({size} bytes, header promises {8 + header_len + data_end}): {fix}")
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as e:  # safetensors raises its own error type
+        raise ValueError(f"{path} is not a readable safetensors file ({e}): {fix}") from None
 
 
 def holds_checkpoint(path: str) -> bool:

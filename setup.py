@@ -1,0 +1,34 @@
+"""remax-megatron: ReMax RLHF on megatron-core, SPMD under torchrun."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="remax-megatron",
+    version="0.1.0",
+    description="ReMax RLHF trainer on megatron-core: TP/PP actor, reference and reward models, "
+                "vLLM or native rollout, fused vocab-parallel log-prob kernels",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["remax_megatron", "remax_megatron.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "torch>=2.6",
+        # 0.16.1 is the newest release for Python 3.11 (what CI tests); newer ones need 3.12.
+        "megatron-core>=0.16.1",
+        # vllm 0.33 pins transformers>=5.16.1,<5.21.0; keep [gpu] resolvable.
+        "transformers>=5.16.1,<5.21.0",
+        "tokenizers",
+        "safetensors",
+        "pyyaml",
+        "tqdm",
+        "numpy",
+        "psutil",       # megatron-core's dist_checkpointing writer processes need it
+        "pyarrow",      # Parquet prompt datasets
+        "tensorboard",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "vllm==0.33.0"],
+        "test": ["pytest", "triton>=3.2", "scipy"],
+        "wandb": ["wandb"],
+    },
+)

@@ -1,0 +1,80 @@
+"""Config: YAML + dotted overrides, type conversion, unknown keys, one-line errors, saved config."""
+
+import pytest
+
+from remax_megatron.config import load_config, save_config
+
+R = "reward.functions=[exact_match]"
+
+
+def test_overrides_convert_to_field_types(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("actor:\n  tp: 2\nrollout:\n  n: 4\nreward:\n  functions: [exact_match]\n")
+    cfg = load_config(str(path), ["trainer.steps=7", "optim.lr=3e-6", "actor.sequence_parallel=true",
+                                  "rollout.stop=[\"\\n\", END]", "reward.weights=0.5"])
+    assert (cfg.actor.tp, cfg.rollout.n, cfg.trainer.steps) == (2, 4, 7)
+    assert cfg.optim.lr == 3e-6 and cfg.actor.sequence_parallel is True
+    assert cfg.rollout.stop == ["\n", "END"] and cfg.reward.weights == [0.5]
+    assert cfg.checkpoint.dir.endswith("checkpoints")
+
+
+def test_saved_config_reloads_identically(tmp_path):
+    cfg = load_config(None, [R, "actor.tp=2", "rollout.stop=[a, b]"])
+    path = save_config(cfg, str(tmp_path / "out"))
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize("override,message", [
+    ("actor.tpp=2", "unknown config key 'actor.tpp'; did you mean actor.tp?"),
+    ("trainer.step=3", "did you mean trainer.steps?"),
+    ("nosection.x=1", "unknown config key 'nosection.x'"),
+    ("trainer.steps=abc", "trainer.steps expects an integer, got 'abc'"),
+    ("trainer.steps=1.5", "trainer.steps expects an integer, got 1.5"),
+    ("actor.sequence_parallel=maybe", "actor.sequence_parallel expects true or false"),
+    ("optim.lr=fast", "optim.lr expects a number"),
+    ("actor.tp=0", "actor.tp=0 must be > 0"),
+    ("actor.dtype=fp8", "actor.dtype='fp8' is not one of"),
+    ("rollout.engine=sglang", "rollout.engine='sglang' is not one of native, vllm"),
+    ("rollout.n=0", "rollout.n=0 must be > 0"),
+    ("rollout.max_new_tokens=0", "rollout.max_new_tokens=0 must be > 0"),
+    ("rollout.sync_bucket_mb=0", "rollout.sync_bucket_mb=0 must be > 0"),
+    ("algo.loss_agg=sum", "algo.loss_agg='sum' is not one of"),
+    ("algo.kl_coef=0.1", "needs a reference model"),
+    ("checkpoint.resume=/no/such/ckpt", "no such path"),
+    ("trainer.steps", "is not key=value"),
+])
+def test_bad_values_give_one_line_errors(override, message):
+    with pytest.raises(ValueError) as e:
+        load_config(None, [R, override])
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_yaml_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  temprature: 0.7\n")
+    with pytest.raises(ValueError, match="did you mean rollout.temperature"):
+        load_config(str(path), [R])
+
+
+def test_missing_reward_and_missing_file():
+    with pytest.raises(ValueError, match="no reward"):
+        load_config(None, [])
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_config("nope.yaml")
+
+
+@pytest.mark.parametrize("tp,pp,world,message", [
+    (2, 2, 6, "tp(2) * pp(2) = 4 does not divide world(6)"),
+    (4, 1, 2, "tp(4) * pp(1) = 4 does not divide world(2)"),
+])
+def test_layout_against_world(tp, pp, world, message):
+    cfg = load_config(None, [R, f"actor.tp={tp}", f"actor.pp={pp}"])
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+        cfg.check_world(world)
+
+
+def test_layout_message_names_every_factor():
+    from remax_megatron.parallel import ParallelLayout
+
+    assert str(ParallelLayout(tp=2, pp=2, world_size=8)) == "tp(2) * pp(2) * dp(2) = world(8)"
