@@ -88,8 +88,11 @@ class RewardConfig:
     weights: list[float] = field(default_factory=list)  # one per function (default 1.0 each)
     model: str = ""                 # optional reward-model directory (*ForSequenceClassification)
     model_weight: float = 1.0       # weight of the reward-model score in the sum
-    tp: int = 1                     # reward-model tensor parallel
-    pp: int = 1                     # reward-model pipeline parallel
+    tp: int = 1                     # reward-model tensor parallel (must equal actor.tp for now)
+    pp: int = 1                     # reward-model pipeline parallel (must equal actor.pp for now)
+    format_pattern: str = r"^\s*-?\d+\s*$"  # regex of the built-in `format` reward
+    numeric_tolerance: float = 1e-6  # relative tolerance of the built-in `numeric_match`
+    length_limit: int = 256         # chars before the built-in `length_penalty` starts
 
     def __post_init__(self):
         if self.weights and len(self.weights) != len(self.functions):
@@ -97,6 +100,8 @@ class RewardConfig:
                              "reward.functions: give one weight per function or none")
         _positive("reward.tp", self.tp)
         _positive("reward.pp", self.pp)
+        _positive("reward.numeric_tolerance", self.numeric_tolerance, zero_ok=True)
+        _positive("reward.length_limit", self.length_limit)
 
 
 @dataclass
@@ -246,11 +251,10 @@ class Config:
             raise ValueError(f"actor layout: {e}") from None
         if world_size % self.rollout.tp:
             raise ValueError(f"rollout.tp={self.rollout.tp} does not divide the world size {world_size}")
-        if self.reward.model:
-            try:
-                ParallelLayout(tp=self.reward.tp, pp=self.reward.pp, world_size=world_size)
-            except ValueError as e:
-                raise ValueError(f"reward model layout: {e}") from None
+        if self.reward.model and (self.reward.tp, self.reward.pp) != (self.actor.tp, self.actor.pp):
+            raise ValueError(f"reward.tp={self.reward.tp}, reward.pp={self.reward.pp} differ from actor.tp="
+                             f"{self.actor.tp}, actor.pp={self.actor.pp}: the reward model shares the actor's "
+                             "layout for now; set them equal")
 
 
 # ---- loading ---------------------------------------------------------------------------------

@@ -1,0 +1,155 @@
+"""The actor's optimizer behind one interface: megatron's on GPU, a small AdamW path on CPU.
+
+    ddp_model = wrap_ddp(actor, use_distributed_optimizer)   # megatron DDP (grad buffers, DP reduce)
+    opt = build_optimizer(ddp_model, cfg.optim, total_updates)
+    ok, grad_norm = opt.step()      # skips (ok=False) when the grad norm is not finite
+    opt.zero_grad()
+
+GPU: megatron-core's `get_megatron_optimizer` (DistributedOptimizer when
+`optim.distributed_optimizer`), mixed precision with fp32 main weights.
+CPU: megatron's optimizers assert CUDA tensors (PITFALLS.md), so `CpuAdamW`
+runs torch AdamW over the DDP-reduced main grads, with megatron's rule for the
+global grad norm (TP-duplicate and PP-shared parameters counted once).
+Both use megatron's OptimizerParamScheduler (warmup, then constant/linear/cosine).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def wrap_ddp(model, use_distributed_optimizer: bool):
+    """megatron DistributedDataParallel: grads in fp32 buffers, summed over DP (loss is globally normalised)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    model.config.calculate_per_token_loss = True  # DDP sums over DP; the loss carries the global 1/N
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=torch.cuda.is_available(),
+        use_distributed_optimizer=use_distributed_optimizer and torch.cuda.is_available(),
+    )
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+def finalize_grads(model_chunks, num_tokens=None, **kwargs):
+    """megatron's finalize_model_grads without its 1/num_tokens scaling (our loss already has it)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    return finalize_model_grads(model_chunks, None, **{k: v for k, v in kwargs.items() if k == "pg_collection"})
+
+
+class CpuAdamW:
+    """torch AdamW over megatron DDP main grads, with megatron's global grad-norm clipping."""
+
+    def __init__(self, ddp_model, cfg):
+        from megatron.core import parallel_state as ps
+
+        self.ddp_model, self.clip = ddp_model, cfg.grad_clip
+        self.params = [p for p in ddp_model.module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                           weight_decay=cfg.weight_decay)
+        self.model_parallel_group = ps.get_model_parallel_group()
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        total = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            if p.main_grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+                total += p.main_grad.double().pow(2).sum()
+        dist.all_reduce(total, group=self.model_parallel_group)
+        return math.sqrt(total.item()) if math.isfinite(total.item()) else float("nan")
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float]:
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            return False, norm
+        scale = min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0
+        for p in self.params:
+            p.grad = (p.main_grad * scale).to(p.dtype)
+        self.optimizer.step()
+        return True, norm
+
+    def zero_grad(self) -> None:
+        self.ddp_model.zero_grad_buffer()
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)
+
+
+class MegatronOptimizer:
+    """megatron-core's optimizer (GPU), with the same step()/zero_grad() as CpuAdamW."""
+
+    def __init__(self, ddp_model, cfg, params_dtype: torch.dtype):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.beta1, adam_beta2=cfg.beta2, adam_eps=cfg.eps, clip_grad=cfg.grad_clip,
+            bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16, params_dtype=params_dtype,
+            use_distributed_optimizer=cfg.distributed_optimizer,
+        )
+        self.ddp_model, self.clip = ddp_model, cfg.grad_clip
+        self.optimizer = get_megatron_optimizer(config, [ddp_model])
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float]:
+        if self.optimizer.prepare_grads():      # fp16 loss scaling found inf/nan
+            return False, float("nan")
+        norm = float(self.optimizer.get_grad_norm())
+        if not math.isfinite(norm):
+            return False, norm
+        if self.clip > 0:
+            self.optimizer.clip_grad_norm(self.clip)
+        self.optimizer.step_with_ready_grads()
+        return True, norm
+
+    def zero_grad(self) -> None:
+        self.ddp_model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)
+
+
+def build_optimizer(ddp_model, cfg, params_dtype: torch.dtype = torch.float32):
+    """MegatronOptimizer with CUDA, CpuAdamW without."""
+    if torch.cuda.is_available():
+        return MegatronOptimizer(ddp_model, cfg, params_dtype)
+    return CpuAdamW(ddp_model, cfg)
+
+
+def build_scheduler(optimizer, cfg, total_updates: int):
+    """megatron's OptimizerParamScheduler: linear warmup, then constant / linear / cosine to min_lr."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    warmup = min(cfg.warmup_steps, max(0, total_updates - 1))
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else cfg.lr, max_lr=cfg.lr,
+        min_lr=cfg.min_lr if cfg.schedule != "constant" else cfg.lr,
+        lr_warmup_steps=warmup, lr_decay_steps=max(total_updates, warmup + 1),
+        lr_decay_style=cfg.schedule, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
+        wd_incr_steps=max(total_updates, 1), wd_incr_style="constant",
+    )

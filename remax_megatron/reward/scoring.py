@@ -1,0 +1,78 @@
+"""Score sampled and greedy responses with one reward: rule functions and/or a reward model.
+
+The greedy response (the ReMax baseline) goes through exactly the same reward as
+the samples, in the same call; a response that occurs twice for a prompt (e.g. a
+sample equal to the greedy one) is scored once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from remax_megatron.reward.functions import RewardFunctions
+
+
+class RewardScorer:
+    """reward = sum_k w_k * f_k(response) + model_weight * RM(prompt + response)."""
+
+    def __init__(self, functions: RewardFunctions | None, reward_model=None, model_weight: float = 1.0,
+                 micro_batch_size: int = 8, pad_id: int = 0):
+        if functions is None and reward_model is None:
+            raise ValueError("no reward: configure reward.functions and/or reward.model")
+        self.functions, self.reward_model = functions, reward_model
+        self.model_weight, self.micro_batch_size, self.pad_id = model_weight, micro_batch_size, pad_id
+
+    def score(self, prompt_ids: list[list[int]], prompt_texts: list[str], columns: list[dict],
+              prompt_index: list[int], responses: list[list[tuple[list[int], str]]]) -> tuple[list[list[float]], dict]:
+        """responses[i] = [(token_ids, text), ...] for prompt i (samples then greedy) -> rewards, same shape.
+
+        Returns the rewards and metrics (`reward/<fn>_mean`, `reward/model_mean`, ...).
+        """
+        unique: dict[tuple, int] = {}
+        items = []  # (prompt i, token ids, text)
+        where = []
+        for i, per_prompt in enumerate(responses):
+            row = []
+            for ids, text in per_prompt:
+                key = (i, tuple(ids))
+                if key not in unique:
+                    unique[key] = len(items)
+                    items.append((i, ids, text))
+                row.append(unique[key])
+            where.append(row)
+        total = [0.0] * len(items)
+        metrics = {"reward/unique_scored": float(len(items))}
+        if self.functions is not None:
+            keys = sorted({k for c in columns for k in c})
+            cols = {k: [columns[i].get(k) for i, _, _ in items] for k in keys}
+            values, parts = self.functions([prompt_texts[i] for i, _, _ in items], [t for _, _, t in items],
+                                           cols, [prompt_index[i] for i, _, _ in items])
+            total = values
+            for name, vals in parts.items():
+                metrics[f"reward/{name.split(':')[-1]}_mean"] = sum(vals) / max(1, len(vals))
+        if self.reward_model is not None:
+            scores = self._model_scores([prompt_ids[i] + list(ids) for i, ids, _ in items])
+            total = [t + self.model_weight * s for t, s in zip(total, scores)]
+            metrics["reward/model_mean"] = sum(scores) / max(1, len(scores))
+        return [[total[j] for j in row] for row in where], metrics
+
+    @torch.no_grad()
+    def _model_scores(self, sequences: list[list[int]]) -> list[float]:
+        """Reward-model score at each sequence's last token (collective over the RM's TP x PP group)."""
+        from remax_megatron.models.forward import broadcast_from_last_stage, forward_only
+
+        mbs = self.micro_batch_size
+        count = len(sequences)
+        padded_count = -(-count // mbs) * mbs
+        width = max(len(s) for s in sequences)
+        ids = torch.full((padded_count, width), self.pad_id, dtype=torch.long)
+        lengths = torch.ones(padded_count, dtype=torch.long)
+        for i, seq in enumerate(sequences):
+            ids[i, : len(seq)] = torch.tensor(seq)
+            lengths[i] = len(seq)
+        batches = [{"input_ids": ids[s : s + mbs], "lengths": lengths[s : s + mbs]}
+                   for s in range(0, padded_count, mbs)]
+        out = forward_only(self.reward_model, batches, lambda m, values, b: m.scores(values, b["lengths"]))
+        scores = torch.cat(out) if out else None
+        scores = broadcast_from_last_stage(scores, (padded_count,), torch.float32)
+        return scores[:count].tolist()

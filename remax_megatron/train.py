@@ -1,0 +1,162 @@
+"""Entry point: ReMax training.
+
+    torchrun --nproc_per_node=2 -m remax_megatron.train --config configs/tiny_cpu.yaml [key=value ...]
+    python -m remax_megatron.train --config configs/tiny_cpu.yaml actor.tp=1 trainer.steps=5
+
+Everything a user can get wrong (config keys and values, layout vs world size,
+model files, data, reward functions) is checked before any process group,
+model or output file is created; a mistake is one line on stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+
+def resolve_model(spec: str, what: str) -> str:
+    """A model directory, or `builtin:<name>` (built offline and cached on first use)."""
+    if not spec:
+        raise ValueError(f"{what} is empty: give a Hugging Face model directory or builtin:tiny-arith")
+    if spec.startswith("builtin:"):
+        from remax_megatron.data.builtin_models import ensure_builtin_model
+
+        return ensure_builtin_model(spec.split(":", 1)[1])
+    if not os.path.isdir(spec):
+        raise FileNotFoundError(f"{what}={spec}: no such directory")
+    return spec
+
+
+def check_inputs(cfg, world_size: int) -> dict:
+    """All user-input checks; returns what they resolved (model dirs, archs, tokenizer, data)."""
+    from transformers import AutoTokenizer
+
+    from remax_megatron.data.prompts import load_prompts
+    from remax_megatron.models import check_layout, read_hf_config
+    from remax_megatron.reward import RewardFunctions
+
+    cfg.check_world(world_size)
+    actor_dir = resolve_model(cfg.actor.model, "actor.model")
+    arch = read_hf_config(actor_dir)
+    check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor")
+    if arch.num_kv_heads % cfg.rollout.tp:
+        raise ValueError(f"rollout.tp={cfg.rollout.tp} does not divide num_key_value_heads={arch.num_kv_heads}")
+    if arch.task != "causal_lm":
+        raise ValueError(f"actor.model {actor_dir} is a {arch.architecture}: the actor must be a *ForCausalLM")
+    ref_dir = resolve_model(cfg.reference.model or cfg.actor.model, "reference.model") \
+        if cfg.reference.enabled else None
+    if ref_dir and read_hf_config(ref_dir) != arch:
+        raise ValueError(f"reference.model {ref_dir} has a different architecture than actor.model {actor_dir}")
+    rm_dir = rm_arch = None
+    if cfg.reward.model:
+        rm_dir = resolve_model(cfg.reward.model, "reward.model")
+        rm_arch = read_hf_config(rm_dir)
+        if rm_arch.task != "reward":
+            raise ValueError(f"reward.model {rm_dir} is a {rm_arch.architecture}: use a *ForSequenceClassification")
+        check_layout(rm_arch, cfg.reward.tp, cfg.reward.pp, "reward")
+    functions = RewardFunctions(cfg.reward.functions, cfg.reward.weights, {
+        "pattern": cfg.reward.format_pattern, "tolerance": cfg.reward.numeric_tolerance,
+        "limit": cfg.reward.length_limit}) if cfg.reward.functions else None
+    tokenizer = AutoTokenizer.from_pretrained(actor_dir)
+    train, evals, counts = load_prompts(cfg.data, tokenizer)
+    dp = world_size // (cfg.actor.tp * cfg.actor.pp)
+    t = cfg.trainer
+    if t.prompts_per_step % dp:
+        raise ValueError(f"trainer.prompts_per_step={t.prompts_per_step} is not divisible by dp={dp}")
+    local = t.prompts_per_step // dp * cfg.rollout.n
+    if local % (t.mini_batches * t.micro_batch_size):
+        raise ValueError(f"{local} sequences per DP rank (prompts_per_step/dp * rollout.n) are not divisible by "
+                         f"trainer.mini_batches({t.mini_batches}) * trainer.micro_batch_size({t.micro_batch_size})")
+    return dict(actor_dir=actor_dir, arch=arch, ref_dir=ref_dir, rm_dir=rm_dir, rm_arch=rm_arch,
+                functions=functions, tokenizer=tokenizer, train=train, eval=evals, data_counts=counts)
+
+
+def build(cfg, checked: dict):
+    """Process groups, models, optimizer, engine, reward: the trainer's Components."""
+    from remax_megatron.algo.kl_controller import KLController
+    from remax_megatron.data.prompts import PromptSampler
+    from remax_megatron.models import build_policy, build_reward_model
+    from remax_megatron.models.gpt import params_dtype_of
+    from remax_megatron.optimizer import build_optimizer, build_scheduler, wrap_ddp
+    from remax_megatron.parallel import ParallelLayout, init_distributed
+    from remax_megatron.reward import RewardScorer
+    from remax_megatron.rollout import build_engine
+    from remax_megatron.trainer import Components
+    from remax_megatron.weights import load_hf_weights
+
+    _, world = init_distributed(cfg.trainer.dist_timeout_minutes)
+    groups = ParallelLayout(tp=cfg.actor.tp, pp=cfg.actor.pp, world_size=world).initialize(
+        seed=cfg.trainer.seed, timeout_minutes=cfg.trainer.dist_timeout_minutes)
+    torch.manual_seed(cfg.trainer.seed)
+    dtype = params_dtype_of(cfg.actor.dtype)
+    recompute = None if cfg.actor.recompute == "none" else cfg.actor.recompute
+    common = dict(tp=cfg.actor.tp, pp=cfg.actor.pp, params_dtype=dtype, sequence_parallel=cfg.actor.sequence_parallel,
+                  make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by, init_weights=False)
+    actor = build_policy(checked["arch"], recompute_granularity=recompute, **common)
+    load_hf_weights(actor, checked["actor_dir"])
+    reference = None
+    if checked["ref_dir"]:
+        reference = build_policy(checked["arch"], trainable=False, **common)
+        load_hf_weights(reference, checked["ref_dir"])
+    reward_model = None
+    if checked["rm_dir"]:
+        reward_model = build_reward_model(checked["rm_arch"], tp=cfg.reward.tp, pp=cfg.reward.pp, params_dtype=dtype,
+                                          init_weights=False)
+        load_hf_weights(reward_model, checked["rm_dir"])
+    ddp = wrap_ddp(actor, cfg.optim.distributed_optimizer)
+    optimizer = build_optimizer(ddp, cfg.optim, dtype)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.steps * cfg.trainer.mini_batches)
+    engine = build_engine(cfg.rollout, hf_dir=checked["actor_dir"], arch=checked["arch"], seed=cfg.trainer.seed,
+                          dtype=dtype)
+    tok = checked["tokenizer"]
+    scorer = RewardScorer(checked["functions"], reward_model, cfg.reward.model_weight,
+                          micro_batch_size=cfg.trainer.micro_batch_size,
+                          pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    return Components(cfg=cfg, groups=groups, actor=ddp, reference=reference, optimizer=optimizer,
+                      scheduler=scheduler, engine=engine, scorer=scorer, tokenizer=tok,
+                      sampler=PromptSampler(checked["train"], cfg.trainer.seed, cfg.data.shuffle),
+                      eval_prompts=checked["eval"], kl=KLController(cfg.algo.kl_coef, cfg.algo.kl_target,
+                                                                    cfg.algo.kl_horizon))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help="YAML config (configs/tiny_cpu.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2")
+    args = parser.parse_args(argv)
+
+    from remax_megatron.config import load_config, save_config
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = load_config(args.config, args.overrides)
+        checked = check_inputs(cfg, world)
+    except (ValueError, FileNotFoundError) as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+    from remax_megatron.metrics import MetricsLogger, is_rank0, print0
+    from remax_megatron.trainer import Trainer
+
+    parts = build(cfg, checked)
+    if is_rank0():
+        save_config(cfg, cfg.trainer.output_dir)
+    print0(f"remax-megatron: actor {checked['arch'].architecture} from {checked['actor_dir']}, "
+           f"{parts.groups.tp_size}x{parts.groups.pp_size}x{parts.groups.dp_size} (tp x pp x dp), "
+           f"{len(checked['train'])} train / {len(checked['eval'])} eval prompts {checked['data_counts']}")
+    logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.steps, tensorboard=cfg.logging.tensorboard,
+                           wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar,
+                           config=None)
+    try:
+        Trainer(parts, logger).fit()
+    finally:
+        logger.close()
+    print0(f"done: metrics in {os.path.join(cfg.trainer.output_dir, 'metrics.jsonl')}")
+
+
+if __name__ == "__main__":
+    main()

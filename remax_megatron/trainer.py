@@ -1,0 +1,320 @@
+"""The ReMax training loop, top to bottom.
+
+One step, on every rank (SPMD under torchrun):
+
+    sync      actor TP/PP shards -> full HF tensors -> rollout engine (buckets)
+    rollout   per prompt: n sampled responses + 1 greedy response, one engine request
+    reward    score samples and greedy responses with the same reward
+    logprobs  actor (and reference) log-probs of the samples through the fused kernel
+    advantage A = r(sample) - r(greedy), optional per-token KL in the reward
+    train     micro-batches through megatron's schedule, loss / global token count, optimizer step
+    metrics   rank 0 writes metrics.jsonl, TensorBoard and the progress bar
+
+ReMax (Li et al., 2024): the greedy response's reward is the baseline, so no
+value model is trained and no normalisation is needed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from remax_megatron.config import Config
+from remax_megatron.kernels import compute_advantages, remax_loss
+from remax_megatron.metrics import MetricsLogger, print0
+from remax_megatron.models.forward import broadcast_from_last_stage, forward_only
+from remax_megatron.optimizer import build_optimizer, build_scheduler, finalize_grads, wrap_ddp
+from remax_megatron.parallel import ProcessGroups, cpu_compat
+from remax_megatron.rollout import SamplingParams, logprob_mismatch, pack_sequences, sync_weights
+from remax_megatron.weights import export_hf_weights
+
+# Statistics of the loss that are summed over micro-batches and DP ranks (each already normalised globally).
+LOSS_STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac")
+
+
+@dataclass
+class Components:
+    """Everything the loop uses, built once by remax_megatron.train.build()."""
+
+    cfg: Config
+    groups: ProcessGroups
+    actor: object            # megatron DDP-wrapped PolicyModel
+    reference: object | None  # frozen PolicyModel
+    optimizer: object
+    scheduler: object
+    engine: object
+    scorer: object
+    tokenizer: object
+    sampler: object          # PromptSampler over the train prompts
+    eval_prompts: list
+    kl: object               # KLController
+
+
+class Trainer:
+    def __init__(self, parts: Components, logger: MetricsLogger):
+        self.p, self.cfg, self.g, self.log = parts, parts.cfg, parts.groups, logger
+        self.actor_module = parts.actor.module
+        self.actor_module.config.finalize_model_grads_func = finalize_grads
+        self.actor_module.config.no_sync_func = parts.actor.no_sync
+        self.step = 0
+        self.skipped_updates = 0
+
+    # ---- the step ------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        cfg, p = self.cfg, self.p
+        t_step = time.perf_counter()
+
+        t = time.perf_counter()
+        p.engine.wake_up()
+        sync = sync_weights(p.engine, export_hf_weights(self.actor_module), bucket_mb=cfg.rollout.sync_bucket_mb)
+        time_sync = time.perf_counter() - t
+
+        t = time.perf_counter()
+        prompts = self._local_share(p.sampler.next(cfg.trainer.prompts_per_step))
+        rollouts = p.engine.generate([q.token_ids for q in prompts], n=cfg.rollout.n,
+                                     sampling=self._sampling(self.step))
+        p.engine.sleep()
+        time_rollout = time.perf_counter() - t
+
+        t = time.perf_counter()
+        r_sampled, r_greedy, reward_metrics = self._rewards(prompts, rollouts)
+        time_reward = time.perf_counter() - t
+
+        t = time.perf_counter()
+        n = cfg.rollout.n
+        batch = pack_sequences([q.token_ids for q in prompts for _ in range(n)],
+                               [c for r in rollouts for c in r.sampled], pad_id=self._pad_id())
+        batch["rewards"] = torch.tensor(r_sampled, dtype=torch.float32)          # [B]
+        batch["baseline"] = torch.tensor(r_greedy, dtype=torch.float32).repeat_interleave(n)  # [B]
+        old_logprobs = self._logprobs(self.actor_module, batch)                   # [B, S] on the last stage
+        ref_logprobs = self._logprobs(p.reference, batch) if p.reference is not None else None
+        kl_in_reward = cfg.algo.kl_mode == "reward" and ref_logprobs is not None
+        advantages = None
+        if self.g.is_last_stage:
+            advantages = compute_advantages(
+                batch["rewards"], batch["baseline"], batch["response_mask"], old_logprobs, ref_logprobs,
+                kl_coef=p.kl.coef if kl_in_reward else 0.0, clip=cfg.algo.advantage_clip or None)
+        stats = self._train_on(batch, old_logprobs, ref_logprobs, advantages)
+        time_train = time.perf_counter() - t
+
+        record = self._step_record(batch, rollouts, r_sampled, r_greedy, old_logprobs, ref_logprobs,
+                                   advantages, stats, reward_metrics)
+        p.kl.update(record["kl/mean"] * record["response/length_mean"], len(r_sampled))
+        step_time = time.perf_counter() - t_step
+        tokens = self._global_sum(float(batch["lengths"].sum()))
+        record.update({
+            "time/sync_s": time_sync, "time/rollout_s": time_rollout, "time/reward_s": time_reward,
+            "time/train_s": time_train, "time/step_s": step_time, "throughput/tokens_per_s": tokens / step_time,
+            "sync/bytes": sync["bytes"], "sync/buckets": sync["buckets"], "kl/coef": p.kl.coef,
+            "lr": p.optimizer.param_groups[0]["lr"], "optim/skipped_updates": self.skipped_updates,
+        })
+        return record
+
+    # ---- pieces of the step ----------------------------------------------------------------
+    def _local_share(self, prompts: list) -> list:
+        """This DP rank's contiguous share of the global prompt batch."""
+        per_rank = len(prompts) // self.g.dp_size
+        return prompts[self.g.dp_rank * per_rank:(self.g.dp_rank + 1) * per_rank]
+
+    def _sampling(self, step: int) -> SamplingParams:
+        r = self.cfg.rollout
+        # Same seed on every TP/PP rank of a replica (they must sample the same tokens), new per step and DP rank.
+        seed = self.cfg.trainer.seed * 1_000_003 + step * 1009 + self.g.dp_rank
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, stop=list(r.stop), seed=seed)
+
+    def _pad_id(self) -> int:
+        tok = self.p.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.p.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _rewards(self, prompts, rollouts):
+        """r(sample) [P * n] and r(greedy) [P * 1], one scoring call over both."""
+        responses = [[(c.token_ids, self._decode(c.token_ids)) for c in r.sampled + [r.greedy]] for r in rollouts]
+        scores, metrics = self.p.scorer.score(
+            [q.token_ids for q in prompts], [q.text for q in prompts], [q.columns for q in prompts],
+            [q.index for q in prompts], responses)
+        n = self.cfg.rollout.n
+        return [s for row in scores for s in row[:n]], [row[n] for row in scores], metrics
+
+    def _micro_batches(self, batch: dict, rows: slice | range, extra: dict | None = None) -> list[dict]:
+        mbs = self.cfg.trainer.micro_batch_size
+        idx = list(rows)
+        out = []
+        for s in range(0, len(idx), mbs):
+            sel = idx[s:s + mbs]
+            mb = {k: v[sel] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
+            for k, v in (extra or {}).items():
+                if v is not None:
+                    mb[k] = v[sel]
+            out.append(mb)
+        return out
+
+    @torch.no_grad()
+    def _logprobs(self, model, batch: dict) -> torch.Tensor | None:
+        """Per-token log-probs [B, S] of the batch's labels under `model` (last stage; None elsewhere)."""
+        temperature = self.cfg.rollout.temperature
+        out = forward_only(model, self._micro_batches(batch, range(batch["input_ids"].shape[0])),
+                           lambda m, hidden, mb: m.token_logprobs(hidden, mb["labels"], temperature=temperature)[0])
+        return torch.cat(out) if out else None
+
+    def _train_on(self, batch, old_logprobs, ref_logprobs, advantages) -> dict:
+        """One or several optimizer updates over the rollout batch; summed loss statistics."""
+        cfg, p = self.cfg, self.p
+        total = batch["input_ids"].shape[0]
+        per_update = total // cfg.trainer.mini_batches
+        summed = {k: 0.0 for k in LOSS_STATS}
+        grad_norms = []
+        for u in range(cfg.trainer.mini_batches):
+            rows = range(u * per_update, (u + 1) * per_update)
+            mask = batch["response_mask"][rows.start:rows.stop]
+            num_tokens = self._dp_sum(mask.sum().double()).item()
+            num_seqs = self._dp_sum(torch.tensor(float(len(rows)), dtype=torch.float64)).item()
+            micro = self._micro_batches(batch, rows, {
+                "old_logprobs": old_logprobs if cfg.trainer.mini_batches > 1 else None,
+                "ref_logprobs": ref_logprobs if cfg.algo.kl_mode == "loss" else None,
+                "advantages": advantages})
+            stats = self._forward_backward(micro, num_tokens, num_seqs)
+            ok, norm = p.optimizer.step()
+            if ok:
+                p.scheduler.step(increment=1)
+            else:
+                self.skipped_updates += 1
+                print0(f"step {self.step}: skipped an update (grad norm {norm})")
+            p.optimizer.zero_grad()
+            grad_norms.append(norm)
+            for k in LOSS_STATS:
+                summed[k] += stats.get(k, 0.0) / cfg.trainer.mini_batches
+        summed["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        return summed
+
+    def _forward_backward(self, micro: list[dict], num_tokens: float, num_seqs: float) -> dict:
+        cfg, model = self.cfg, self.actor_module
+        batches = iter(micro)
+
+        def step_fn(data_iterator, ddp_model):
+            mb = next(data_iterator)
+            hidden = ddp_model(mb["input_ids"], _positions(mb["input_ids"]), attention_mask=None)
+
+            def loss_fn(output):
+                logprobs, entropy = model.token_logprobs(output, mb["labels"], temperature=cfg.rollout.temperature,
+                                                         with_entropy=True)
+                loss, stats = remax_loss(
+                    logprobs, mb["advantages"], mb["response_mask"], loss_agg_mode=cfg.algo.loss_agg,
+                    global_num_tokens=num_tokens, global_num_seqs=num_seqs,
+                    old_logprobs=mb.get("old_logprobs"), clip_eps=cfg.algo.clip_ratio,
+                    ref_logprobs=mb.get("ref_logprobs"), kl_coef=self.p.kl.coef, kl_estimator=cfg.algo.kl_estimator,
+                    entropy=entropy)
+                # A non-finite loss gives non-finite grads: the optimizer skips that update.
+                local_tokens = mb["response_mask"].sum().to(torch.int)
+                return loss, local_tokens, {k: v.detach().float() for k, v in stats.items()}
+
+            return hidden, loss_fn
+
+        outputs = cpu_compat.forward_backward_func()(
+            forward_step_func=step_fn, data_iterator=batches, model=[self.p.actor], num_microbatches=len(micro),
+            seq_length=micro[0]["input_ids"].shape[1], micro_batch_size=micro[0]["input_ids"].shape[0],
+            forward_only=False)
+        keys = LOSS_STATS
+        vec = torch.zeros(len(keys), dtype=torch.float64)
+        if self.g.is_last_stage:
+            for out in outputs:
+                for i, k in enumerate(keys):
+                    if k in out:
+                        vec[i] += float(out[k])
+        vec = broadcast_from_last_stage(vec if self.g.is_last_stage else None, (len(keys),), torch.float64)
+        vec = self._dp_sum(vec)
+        return {k: float(vec[i]) for i, k in enumerate(keys)}
+
+    # ---- metrics -------------------------------------------------------------------------
+    def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.g.dp_size > 1:
+            tensor = tensor.clone()
+            dist.all_reduce(tensor, group=self.g.dp)
+        return tensor
+
+    def _global_sum(self, value: float) -> float:
+        return float(self._dp_sum(torch.tensor(value, dtype=torch.float64)))
+
+    def _dp_mean(self, values: list[float]) -> float:
+        t = self._dp_sum(torch.tensor([sum(values), len(values)], dtype=torch.float64))
+        return float(t[0] / max(t[1], 1))
+
+    def _step_record(self, batch, rollouts, r_sampled, r_greedy, old_lp, ref_lp, adv, stats, reward_metrics):
+        mask = batch["response_mask"].bool()
+        # Token statistics live on the last stage: reduce there, then broadcast to every stage.
+        keys = ("adv_sum", "adv_sq", "adv_n", "kl_sum", "diff_max", "diff_sum")
+        vec = None
+        if self.g.is_last_stage:
+            a = adv[mask].double()
+            kl = (old_lp - ref_lp)[mask].double().sum() if ref_lp is not None else torch.tensor(0.0)
+            gap = logprob_mismatch(old_lp, batch["engine_logprobs"], mask,
+                                   threshold=self.cfg.rollout.logprob_warn_threshold)
+            vec = torch.tensor([a.sum(), a.pow(2).sum(), a.numel(), kl, gap["max"], gap["mean"] * a.numel()],
+                               dtype=torch.float64)
+        vec = broadcast_from_last_stage(vec, (len(keys),), torch.float64)
+        summed = self._dp_sum(torch.cat([vec[:4], vec[5:]]))
+        diff_max = vec[4].clone()
+        if self.g.dp_size > 1:
+            dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=self.g.dp)
+        n_tok = max(float(summed[2]), 1.0)
+        adv_mean = float(summed[0]) / n_tok
+        lengths = [len(c.token_ids) for r in rollouts for c in r.sampled]
+        record = {
+            "step": self.step + 1,
+            "reward/sampled_mean": self._dp_mean(r_sampled),
+            "reward/greedy_mean": self._dp_mean(r_greedy),
+            "advantage/mean": adv_mean,
+            "advantage/std": math.sqrt(max(float(summed[1]) / n_tok - adv_mean ** 2, 0.0)),
+            "kl/mean": float(summed[3]) / n_tok,
+            "loss": stats["loss"], "pg_loss": stats["pg_loss"], "entropy/mean": stats["entropy"],
+            "clip_frac": stats["clip_frac"], "grad_norm": stats["grad_norm"],
+            "response/length_mean": self._dp_mean(lengths),
+            "response/clipped_frac": self._dp_mean([float(c.finish_reason == "length")
+                                                    for r in rollouts for c in r.sampled]),
+            "logprob/engine_vs_actor_max_diff": float(diff_max),
+            "logprob/engine_vs_actor_mean_diff": float(summed[4]) / n_tok,
+        }
+        record.update({k: self._dp_mean([v]) for k, v in reward_metrics.items()})
+        return record
+
+    # ---- eval ----------------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        """Greedy decoding on the held-out prompts; mean reward (eval/reward_mean)."""
+        p = self.p
+        prompts = self._local_share(p.eval_prompts[: self.cfg.trainer.eval_prompts])
+        if not prompts:
+            return {}
+        p.engine.wake_up()
+        sync_weights(p.engine, export_hf_weights(self.actor_module), bucket_mb=self.cfg.rollout.sync_bucket_mb)
+        rollouts = p.engine.generate([q.token_ids for q in prompts], n=0, sampling=self._sampling(self.step))
+        p.engine.sleep()
+        responses = [[(r.greedy.token_ids, self._decode(r.greedy.token_ids))] for r in rollouts]
+        scores, _ = p.scorer.score([q.token_ids for q in prompts], [q.text for q in prompts],
+                                   [q.columns for q in prompts], [q.index for q in prompts], responses)
+        for q, (resp,) in list(zip(prompts, responses))[: self.cfg.logging.sample_completions]:
+            self.log.write(f"  [eval step {self.step}] {q.text!r} -> {resp[1]!r}")
+        return {"step": self.step, "eval/reward_mean": self._dp_mean([row[0] for row in scores])}
+
+    # ---- the loop ------------------------------------------------------------------------
+    def fit(self) -> None:
+        cfg = self.cfg
+        if cfg.trainer.eval_every and self.step == 0:
+            self.log.log(self.evaluate())
+        while self.step < cfg.trainer.steps:
+            record = self.train_step()
+            self.step += 1
+            if cfg.trainer.eval_every and (self.step % cfg.trainer.eval_every == 0 or self.step == cfg.trainer.steps):
+                record.update({k: v for k, v in self.evaluate().items() if k != "step"})
+            self.log.log(record)
+            self.log.progress(self.step, record)
+
+
+def _positions(input_ids: torch.Tensor) -> torch.Tensor:
+    return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
