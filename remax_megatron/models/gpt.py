@@ -60,6 +60,22 @@ def _gpt_kwargs(arch: ModelArch, tp: int, divisible_by: int) -> dict:
     )
 
 
+def _mark_tensor_parallel(model) -> None:
+    """Set megatron's TP attributes on sharded weights when their init was skipped.
+
+    megatron-core sets `tensor_model_parallel` / `partition_dim` only inside its
+    weight-init functions, so with `perform_initialization=False` (weights loaded
+    right after) grad-norm clipping would count TP shards as duplicates.
+    """
+    dims = {tensor_parallel.ColumnParallelLinear: 0, tensor_parallel.RowParallelLinear: 1,
+            tensor_parallel.VocabParallelEmbedding: 0}
+    for module in model.modules():
+        dim = next((d for cls, d in dims.items() if isinstance(module, cls)), None)
+        weight = getattr(module, "weight", None)
+        if dim is not None and weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            tensor_parallel.set_tensor_model_parallel_attributes(weight, True, dim, 1)
+
+
 def _position_ids(input_ids: torch.Tensor) -> torch.Tensor:
     # Sequences are right-padded, so every one starts at position 0.  # [b, s]
     return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
@@ -175,6 +191,7 @@ def build_policy(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype
         model = PolicyModel(config=config, share_embeddings_and_output_weights=arch.tie_word_embeddings,
                             **_gpt_kwargs(arch, tp, make_vocab_size_divisible_by))
     model.arch = arch
+    _mark_tensor_parallel(model)
     if model.post_process:
         # Same parameters, no logits GEMM (see HiddenStatesOutputLayer).
         model.output_layer.__class__ = HiddenStatesOutputLayer
@@ -197,6 +214,7 @@ def build_reward_model(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch
         model = RewardModel(config=config, share_embeddings_and_output_weights=False,
                             **_gpt_kwargs(arch, tp, make_vocab_size_divisible_by))
     model.arch = arch
+    _mark_tensor_parallel(model)
     if model.post_process:
         model.output_layer = ScalarHead(arch.hidden_size, params_dtype, config.sequence_parallel,
                                         model.tp_group)

@@ -1,0 +1,380 @@
+"""Layout and memory planner: will this config fit on these GPUs? No GPU needed.
+
+    python -m remax_megatron.plan --config FILE --nodes 1 --gpus-per-node 8 --gpu-mem-gib 80 actor.tp=2
+    python -m remax_megatron.plan --config FILE --nodes 2 --gpus-per-node 8 --json     # bytes, for scripts
+
+It runs the trainer's own layout and batch checks (Config.check_world,
+check_layout, rollout.tp vs KV heads, the batch divisibility of
+remax_megatron/train.py check_inputs) for world = nodes * gpus_per_node, then
+prints a per-GPU memory estimate. When the total exceeds the GPU it warns and
+suggests the smallest change that fits: candidates (distributed optimizer,
+recompute, smaller micro-batch, larger TP, PP, rollout TP) are tried in a fixed
+order (fewest changed keys first, then that key order, then the smallest step),
+and if nothing fits on this many GPUs, the same search on 2x, 4x, ... GPUs.
+Exit status: 0 fits, 1 does not fit (warning and suggestion printed), 2 bad input.
+
+Closed-form estimate (bytes per GPU; every number is an upper-bound style
+estimate, not a measurement):
+
+    D hidden, F ffn, L layers, H heads, KV kv-heads, hd head dim,
+    V vocab padded to a multiple of make_vocab_size_divisible_by * actor.tp
+    P = V*D * (1 if tied else 2)                        embedding (+ output layer)
+      + L * (D*H*hd + 2*D*KV*hd + H*hd*D [+ H*hd + 2*KV*hd qkv bias]    attention
+             + 3*D*F + 2*D)                             SwiGLU MLP, two RMSNorms
+      + D                                               final norm
+    (a reward model has a [1, D] score head instead of the output layer.)
+
+    weights     = P / (tp*pp) * bytes(actor.dtype)      bf16/fp16: 2, fp32: 4
+    gradients   = P / (tp*pp) * 4                       fp32 grad buffer (grad_reduce_in_fp32)
+    optimizer   = P / (tp*pp) * 12                      fp32 main weights + Adam m, v
+                  (8 with fp32 params: they are their own main weights)
+                  / dp with optim.distributed_optimizer=true
+
+The per-GPU parameter share P / (tp*pp) is uniform: it IGNORES that the
+embedding sits on the first pipeline stage and the output layer on the last,
+and that norms are replicated across TP. At pp > 1 a note prints the heaviest
+stage's real parameter count.
+
+    seq        = data.max_prompt_tokens + rollout.max_new_tokens
+    tokens     = trainer.micro_batch_size * seq                    per micro-batch
+    per-token, per-layer activation elements:
+        none      : 4*D/s + ((2*H + 2*KV)*hd + 3*F)/tp + H*seq/tp  (softmax probs kept)
+        selective : 4*D/s + ((2*H + 2*KV)*hd + 3*F)/tp             (core attention recomputed)
+        full      : D/s per layer, plus one layer's selective set while it is recomputed
+      s = tp with actor.sequence_parallel, else 1 (norm in/outputs are replicated in TP)
+    activations = bytes(dtype) * tokens * (L/pp * per_layer [+ one layer, full]) * in_flight
+      in_flight = min(pp, micro-batches per mini-batch)    (1F1B: the first stage holds pp)
+    logits naive = 4 * tokens * V/tp * 3                fp32 logits, softmax, grad
+    logits fused = 4 * min(tokens * V/tp, 2^23)         one fp32 vocab tile of the fused kernel
+    reference    = P / (tp*pp) * bytes(dtype)           when reference.enabled
+    reward model = P_rm / (reward.tp*reward.pp) * bytes(dtype)   when reward.model
+    engines      = world / rollout.tp, prompts per engine = ceil(prompts_per_step / engines)
+    engine weights = P_hf / rollout.tp * bytes(dtype)   (P_hf: unpadded vocab)
+    KV cache     = 2 * L * KV/rollout.tp * hd * prompts_per_engine * (n + 1) * seq * bytes(dtype)
+
+The total counts every row at once (actor, engine, reference, reward model all
+resident: no offload), with the fused logits and the configured optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import sys
+import warnings
+
+GIB = 1 << 30
+TILE_ELEMS = 1 << 23  # remax_megatron/kernels/logprobs_torch.py DEFAULT_CHUNK_ELEMS
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def param_count(arch, vocab: int) -> int:
+    """P of the module docstring for a causal LM or a reward model with this vocab size."""
+    d, hd = arch.hidden_size, arch.head_dim
+    attn = d * arch.num_heads * hd + 2 * d * arch.num_kv_heads * hd + arch.num_heads * hd * d
+    if arch.qkv_bias:
+        attn += arch.num_heads * hd + 2 * arch.num_kv_heads * hd
+    layer = attn + 3 * d * arch.ffn_hidden_size + 2 * d
+    if arch.task == "reward":
+        head = d                      # score head [1, D]
+    else:
+        head = 0 if arch.tie_word_embeddings else vocab * d
+    return vocab * d + head + arch.num_layers * layer + d
+
+
+def heaviest_stage_params(arch, vocab: int, tp: int, pp: int) -> int:
+    """Parameters on the heaviest pipeline stage per TP rank (embedding first, output layer last)."""
+    total = param_count(arch, vocab)
+    emb = vocab * arch.hidden_size
+    head = 0 if arch.tie_word_embeddings else emb
+    layers = total - emb - head - arch.hidden_size
+    per_stage = layers // pp
+    if pp == 1:
+        return total // tp
+    # tied: the last stage keeps its own copy of the embedding as the output layer
+    last = per_stage + (head or emb) + arch.hidden_size
+    return max(per_stage + emb, last) // tp
+
+
+def validate(cfg, arch, world: int, max_tp: int | None = None) -> dict:
+    """The trainer's layout and batch checks for `world` processes; returns the derived sizes."""
+    from remax_megatron.models.hf_config import check_layout
+
+    cfg.check_world(world)
+    check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor")
+    if arch.num_kv_heads % cfg.rollout.tp:
+        raise ValueError(f"rollout.tp={cfg.rollout.tp} does not divide num_key_value_heads={arch.num_kv_heads}")
+    if max_tp is not None and cfg.actor.tp > max_tp:
+        # only for suggestions: TP across nodes is legal but far too slow to propose
+        raise ValueError(f"actor.tp={cfg.actor.tp} exceeds {max_tp} GPUs per node")
+    dp = world // (cfg.actor.tp * cfg.actor.pp)
+    t = cfg.trainer
+    if t.prompts_per_step % dp:
+        raise ValueError(f"trainer.prompts_per_step={t.prompts_per_step} is not divisible by dp={dp}")
+    local = t.prompts_per_step // dp * cfg.rollout.n
+    if local % (t.mini_batches * t.micro_batch_size):
+        raise ValueError(f"{local} sequences per DP rank (prompts_per_step/dp * rollout.n) are not divisible by "
+                         f"trainer.mini_batches({t.mini_batches}) * trainer.micro_batch_size({t.micro_batch_size})")
+    return dict(world=world, dp=dp, seqs_per_rank=local,
+                micro_batches=local // (t.mini_batches * t.micro_batch_size))
+
+
+def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
+    """Per-GPU bytes of every row in the module docstring; `counted` rows sum to the total."""
+    a, tp, pp = cfg.actor, cfg.actor.tp, cfg.actor.pp
+    from remax_megatron.models.hf_config import padded_vocab_size
+
+    vocab = padded_vocab_size(arch.vocab_size, tp, a.make_vocab_size_divisible_by)
+    params = param_count(arch, vocab)
+    nbytes = DTYPE_BYTES[a.dtype]
+    share = params / (tp * pp)
+    opt_full = share * (12 if nbytes < 4 else 8)
+    opt_dist = opt_full / sizes["dp"]
+
+    d, hd, h, kv, f = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.ffn_hidden_size
+    seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    tokens = cfg.trainer.micro_batch_size * seq
+    s = tp if a.sequence_parallel and tp > 1 else 1
+    selective = 4 * d / s + ((2 * h + 2 * kv) * hd + 3 * f) / tp
+    layers = arch.num_layers // pp
+    if a.recompute == "none":
+        per_token = layers * (selective + h * seq / tp)
+    elif a.recompute == "selective":
+        per_token = layers * selective
+    else:
+        per_token = layers * d / s + selective
+    in_flight = min(pp, sizes["micro_batches"])
+    acts = nbytes * tokens * per_token * in_flight
+    v_local = vocab / tp
+
+    engines = sizes["world"] // cfg.rollout.tp
+    per_engine = math.ceil(cfg.trainer.prompts_per_step / engines)
+    kv_cache = (2 * arch.num_layers * (kv / cfg.rollout.tp) * hd * per_engine * (cfg.rollout.n + 1) * seq * nbytes)
+
+    rm_bytes = 0
+    if rm_arch is not None:
+        rm_vocab = padded_vocab_size(rm_arch.vocab_size, cfg.reward.tp, a.make_vocab_size_divisible_by)
+        rm_bytes = param_count(rm_arch, rm_vocab) / (cfg.reward.tp * cfg.reward.pp) * nbytes
+    seqs = per_engine * (cfg.rollout.n + 1)
+    # (key, label, bytes, counted in the total)
+    rows = [
+        ("weights", "actor weights", share * nbytes, True),
+        ("gradients", "actor gradients (fp32)", share * 4, True),
+        ("optimizer", "optimizer states", opt_full, not cfg.optim.distributed_optimizer),
+        ("optimizer_distributed", "optimizer states, distributed (/dp)", opt_dist, cfg.optim.distributed_optimizer),
+        ("activations", f"activations (recompute={a.recompute}, x{in_flight} in flight)", acts, True),
+        ("logits_naive", "logits, naive (fp32 x3)", 4 * tokens * v_local * 3, False),
+        ("logits_fused", "logits, fused (one vocab tile)", 4 * min(tokens * v_local, TILE_ELEMS), True),
+        ("reference", "reference weights", share * nbytes if cfg.reference.enabled else 0, cfg.reference.enabled),
+        ("reward_model", "reward model weights", rm_bytes, rm_arch is not None),
+        ("engine_weights", "rollout engine weights", param_count(arch, arch.vocab_size) / cfg.rollout.tp * nbytes,
+         True),
+        ("kv_cache", f"rollout KV cache ({seqs} seqs x {seq} tokens)", kv_cache, True),
+    ]
+    rows = [dict(key=k, name=n, bytes=int(round(b)), counted=c) for k, n, b, c in rows]
+    return dict(params=params, padded_vocab=vocab, seq_len=seq, engines=engines, prompts_per_engine=per_engine,
+                rows=rows, total_bytes=sum(r["bytes"] for r in rows if r["counted"]),
+                heaviest_stage_params=heaviest_stage_params(arch, vocab, tp, pp))
+
+
+# ---- suggestions -----------------------------------------------------------------------------
+
+
+def _doublings(start: int, limit: int) -> list[int]:
+    out, v = [], start * 2
+    while v <= limit:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def _choices(cfg, arch, gpus_per_node: int) -> list[tuple[str, list]]:
+    """Per key, the values to try after the current one, in the fixed priority order."""
+    halves, m = [], cfg.trainer.micro_batch_size
+    while m > 1:
+        m //= 2
+        halves.append(m)
+    recompute = ["selective", "full"] if cfg.actor.recompute == "none" else \
+        ["full"] if cfg.actor.recompute == "selective" else []
+    return [
+        ("optim.distributed_optimizer", [] if cfg.optim.distributed_optimizer else [True]),
+        ("actor.recompute", recompute),
+        ("trainer.micro_batch_size", halves),
+        ("actor.tp", _doublings(cfg.actor.tp, gpus_per_node)),
+        ("actor.pp", _doublings(cfg.actor.pp, arch.num_layers)),
+        ("rollout.tp", _doublings(cfg.rollout.tp, min(gpus_per_node, arch.num_kv_heads))),
+    ]
+
+
+def _apply(cfg, change: dict):
+    """A copy of cfg with dotted keys changed (reward.tp/pp follow actor's: they must be equal)."""
+    sections = {}
+    for key, value in change.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    if cfg.reward.model:
+        for name in ("tp", "pp"):
+            if f"actor.{name}" in change:
+                sections.setdefault("reward", {})[name] = change[f"actor.{name}"]
+    return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **v) for s, v in sections.items()})
+
+
+def search(cfg, arch, rm_arch, world: int, gpus_per_node: int, gpu_bytes: int) -> dict | None:
+    """First change (fewest keys, then key priority, then smallest step) that fits on `world` GPUs."""
+    choices = _choices(cfg, arch, gpus_per_node)
+    # every key takes either its current value (index 0) or one of its candidate values
+    options = [[None] + values for _, values in choices]
+    combos = sorted(itertools.product(*[range(len(o)) for o in options]),
+                    key=lambda idx: (sum(i > 0 for i in idx), [-(i > 0) for i in idx], sum(idx), idx))
+    for idx in combos:
+        change = {choices[k][0]: options[k][i] for k, i in enumerate(idx) if i}
+        if not change:
+            continue
+        try:
+            cand = _apply(cfg, change)
+            est = estimate(cand, arch, rm_arch, validate(cand, arch, world, gpus_per_node))
+        except ValueError:
+            continue
+        if est["total_bytes"] <= gpu_bytes:
+            return dict(change=change, total_bytes=est["total_bytes"])
+    return None
+
+
+def suggest(cfg, arch, rm_arch, nodes: int, gpus_per_node: int, gpu_bytes: int) -> dict | None:
+    """A change on this many GPUs, else the smallest multiple of the GPU count where one fits."""
+    for factor in (1, 2, 4, 8, 16, 32, 64):
+        g = gpus_per_node
+        while factor > 1 and g * 2 <= max(8, gpus_per_node) and g * 2 <= gpus_per_node * factor:
+            g *= 2                    # fill nodes up to 8 GPUs before adding nodes
+        n = nodes * gpus_per_node * factor // g
+        found = None
+        if factor > 1:
+            try:
+                est = estimate(cfg, arch, rm_arch, validate(cfg, arch, n * g, g))
+                if est["total_bytes"] <= gpu_bytes:
+                    found = dict(change={}, total_bytes=est["total_bytes"])
+            except ValueError:
+                pass
+        found = found or search(cfg, arch, rm_arch, n * g, g, gpu_bytes)
+        if found:
+            return dict(found, nodes=n, gpus_per_node=g)
+    return None
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def _gib(b: float) -> str:
+    return f"{b / GIB:8.2f}"
+
+
+def render(cfg, arch, model_dir: str, nodes: int, gpn: int, gpu_bytes: int, sizes: dict, est: dict,
+           hint: dict | None) -> str:
+    a, t = cfg.actor, cfg.trainer
+    lines = [
+        f"model: {arch.architecture} from {model_dir}: {est['params'] / 1e9:.2f} B params "
+        f"(vocab {arch.vocab_size} padded to {est['padded_vocab']}), dtype {a.dtype}",
+        f"layout: {nodes} node(s) x {gpn} GPUs = world {sizes['world']}; actor tp({a.tp}) * pp({a.pp}) * "
+        f"dp({sizes['dp']}); rollout tp {cfg.rollout.tp} -> {est['engines']} engines",
+        f"batch: {t.prompts_per_step} prompts/step -> {sizes['seqs_per_rank']} sequences per dp rank, "
+        f"{t.mini_batches} mini-batch(es) x {sizes['micro_batches']} micro-batches of {t.micro_batch_size}, "
+        f"seq {est['seq_len']} tokens",
+        "",
+        f"{'per-GPU memory':<58}{'GiB':>8}  counted",
+    ]
+    for r in est["rows"]:
+        lines.append(f"  {r['name']:<56}{_gib(r['bytes'])}  {'yes' if r['counted'] else '-'}")
+    lines.append(f"  {'total':<56}{_gib(est['total_bytes'])}  of {gpu_bytes / GIB:.2f} GiB")
+    if a.pp > 1:
+        uniform = est["params"] // (a.tp * a.pp)
+        lines.append(f"note: rows use the uniform share P/(tp*pp) = {uniform / 1e6:.1f} M params; the heaviest "
+                     f"pipeline stage holds {est['heaviest_stage_params'] / 1e6:.1f} M (embedding / output layer)")
+    if cfg.rollout.engine == "vllm":
+        need = sum(r["bytes"] for r in est["rows"] if r["key"] in ("engine_weights", "kv_cache"))
+        budget = cfg.rollout.gpu_memory_utilization * gpu_bytes
+        if need > budget:
+            lines.append(f"warning: the rollout needs {need / GIB:.2f} GiB but rollout.gpu_memory_utilization="
+                         f"{cfg.rollout.gpu_memory_utilization} gives vLLM {budget / GIB:.2f} GiB: raise it")
+    if est["total_bytes"] > gpu_bytes:
+        lines.append(f"warning: estimated {est['total_bytes'] / GIB:.2f} GiB per GPU exceeds the "
+                     f"{gpu_bytes / GIB:.2f} GiB GPU")
+        lines.append(f"suggestion: {describe(hint, nodes, gpn)}")
+    else:
+        lines.append(f"fits: {est['total_bytes'] / GIB:.2f} of {gpu_bytes / GIB:.2f} GiB per GPU")
+    return "\n".join(lines)
+
+
+def describe(hint: dict | None, nodes: int, gpn: int) -> str:
+    if hint is None:
+        return "nothing tried fits (up to 64x the GPUs): use GPUs with more memory or a smaller model"
+    keys = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in hint["change"].items())
+    fits = f"(estimated {hint['total_bytes'] / GIB:.2f} GiB per GPU)"
+    if (hint["nodes"], hint["gpus_per_node"]) == (nodes, gpn):
+        return f"{keys} {fits}"
+    return f"--nodes {hint['nodes']} --gpus-per-node {hint['gpus_per_node']} {keys} {fits}".replace("  ", " ")
+
+
+def plan(args) -> tuple[int, str]:
+    from remax_megatron.config import load_config
+
+    for name in ("nodes", "gpus_per_node"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.gpu_mem_gib <= 0:
+        raise ValueError(f"--gpu-mem-gib={args.gpu_mem_gib} must be > 0")
+    cfg = load_config(args.config, args.overrides)
+    world = args.nodes * args.gpus_per_node
+    cfg.check_world(world)            # cheap layout errors before the (slow) model read
+    with warnings.catch_warnings():   # megatron/transformers import-time notices are not for the user here
+        warnings.simplefilter("ignore")
+        from remax_megatron.models.hf_config import read_hf_config
+        from remax_megatron.train import resolve_model
+
+        model_dir = resolve_model(cfg.actor.model, "actor.model")
+        arch = read_hf_config(model_dir)
+        if arch.task != "causal_lm":
+            raise ValueError(f"actor.model {model_dir} is a {arch.architecture}: the actor must be a *ForCausalLM")
+        rm_arch = read_hf_config(resolve_model(cfg.reward.model, "reward.model")) if cfg.reward.model else None
+    if rm_arch is not None and rm_arch.task != "reward":
+        raise ValueError(f"reward.model {cfg.reward.model} is a {rm_arch.architecture}: "
+                         "use a *ForSequenceClassification")
+    sizes = validate(cfg, arch, world)
+    est = estimate(cfg, arch, rm_arch, sizes)
+    gpu_bytes = int(args.gpu_mem_gib * GIB)
+    fits = est["total_bytes"] <= gpu_bytes
+    hint = None if fits else suggest(cfg, arch, rm_arch, args.nodes, args.gpus_per_node, gpu_bytes)
+    if args.json:
+        out = json.dumps(dict(sizes, **est, gpu_bytes=gpu_bytes, fits=fits,
+                              suggestion=None if fits else describe(hint, args.nodes, args.gpus_per_node)),
+                         indent=1)
+    else:
+        out = render(cfg, arch, model_dir, args.nodes, args.gpus_per_node, gpu_bytes, sizes, est, hint)
+    return (0 if fits else 1), out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m remax_megatron.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML config (the one you will train with)")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory of one GPU (GiB)")
+    parser.add_argument("--json", action="store_true", help="print the estimate as JSON (bytes) instead")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2")
+    args = parser.parse_intermixed_args(argv)   # overrides may come before or after the flags
+    try:
+        code, out = plan(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return code
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The layout/memory planner: closed-form numbers for Llama-3-8B, warnings, suggestions, bad input.
+
+Expected bytes are computed here from the published Llama-3-8B architecture
+numbers and the formulas of remax_megatron/plan.py's docstring, not with the
+planner's helpers.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from remax_megatron import plan
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LLAMA = os.path.join(REPO, "configs", "models", "llama3-8b")
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text(
+        "actor:\n"
+        f"  model: {LLAMA}\n"
+        "  dtype: bfloat16\n"
+        "  tp: 2\n"
+        "reward:\n"
+        "  functions: [exact_match]\n"
+        "trainer:\n"
+        "  prompts_per_step: 64\n"
+        "  micro_batch_size: 4\n"
+        "rollout:\n"
+        "  n: 4\n"
+        "  max_new_tokens: 512\n"
+        "data:\n"
+        "  max_prompt_tokens: 256\n"
+    )
+    return str(path)
+
+
+def _plan_json(capsys, *argv):
+    code = plan.main([*argv, "--json"])
+    out = capsys.readouterr().out
+    return code, json.loads(out)
+
+
+def _llama3_8b_params() -> int:
+    d, f, layers, heads, kv, hd, vocab = 4096, 14336, 32, 32, 8, 128, 128256
+    attention = d * heads * hd + 2 * d * kv * hd + heads * hd * d
+    layer = attention + 3 * d * f + 2 * d
+    return 2 * vocab * d + layers * layer + d        # untied embedding + output layer, final norm
+
+
+def test_llama3_8b_tp2_matches_closed_form(config, capsys):
+    code, est = _plan_json(capsys, "--config", config, "--nodes", "1", "--gpus-per-node", "8", "--gpu-mem-gib", "80")
+    p = _llama3_8b_params()
+    assert p == 8_030_261_248                       # the published Llama-3-8B parameter count
+    tp, pp, dp = 2, 1, 4                            # 8 GPUs / (tp 2 * pp 1)
+    share = p // (tp * pp)                          # uniform share (128256 is a multiple of 128 * 2)
+    rows = {r["key"]: r for r in est["rows"]}
+    assert est["params"] == p and est["dp"] == dp
+    assert rows["weights"]["bytes"] == share * 2    # bf16
+    assert rows["gradients"]["bytes"] == share * 4  # fp32 grad buffer
+    assert rows["optimizer"]["bytes"] == share * 12
+    assert rows["optimizer_distributed"]["bytes"] == share * 12 // dp
+    assert rows["optimizer_distributed"]["counted"] and not rows["optimizer"]["counted"]
+    assert est["total_bytes"] == sum(r["bytes"] for r in est["rows"] if r["counted"])
+    # rollout: 8 engines at rollout.tp=1, 64 prompts -> 8 per engine, 8 * (4 + 1) sequences of 256 + 512 tokens
+    assert rows["kv_cache"]["bytes"] == 2 * 32 * 8 * 128 * (8 * 5) * 768 * 2
+    assert rows["engine_weights"]["bytes"] == p * 2
+    assert code == (0 if est["fits"] else 1)
+
+
+def test_pp_note_and_activation_recompute_order(config, capsys):
+    code = plan.main(["--config", config, "--nodes", "1", "--gpus-per-node", "8", "actor.pp=2"])
+    assert "heaviest pipeline stage" in capsys.readouterr().out
+    acts = {}
+    for mode in ("none", "selective", "full"):
+        _, est = _plan_json(capsys, "--config", config, f"actor.recompute={mode}")
+        acts[mode] = {r["key"]: r["bytes"] for r in est["rows"]}["activations"]
+    assert acts["none"] > acts["selective"] > acts["full"] > 0
+    assert code in (0, 1)
+
+
+def _apply_suggestion(capsys, argv, text):
+    """Re-plan `argv` with the suggested flags and overrides appended (later ones win)."""
+    words = text.split("(estimated")[0].split()
+    argv = list(argv)
+    for i, w in enumerate(words):
+        if w in ("--nodes", "--gpus-per-node"):
+            argv += [w, words[i + 1]]
+        elif "=" in w:
+            argv.append(w)
+    return _plan_json(capsys, *argv)
+
+
+def test_impossible_layout_warns_and_suggests(config, capsys):
+    argv = ["--config", config, "--nodes", "1", "--gpus-per-node", "1", "--gpu-mem-gib", "24",
+            "actor.tp=1", "optim.distributed_optimizer=false"]
+    assert plan.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "warning: estimated" in out and "exceeds the 24.00 GiB GPU" in out
+    suggestion = next(line for line in out.splitlines() if line.startswith("suggestion:"))
+    assert "--gpus-per-node" in suggestion       # 8B weights + Adam cannot fit one 24 GiB GPU
+    code, est = _apply_suggestion(capsys, argv, suggestion.split(":", 1)[1])
+    assert code == 0 and est["fits"] and est["world"] > 1
+
+
+def test_in_world_suggestion_is_a_single_change(config, capsys):
+    # 8 x 80 GiB at TP=1 without the distributed optimizer: 12 B/param of Adam state does not fit
+    argv = ["--config", config, "--gpus-per-node", "8", "--gpu-mem-gib", "80", "actor.tp=1",
+            "optim.distributed_optimizer=false"]
+    code, est = _plan_json(capsys, *argv)
+    assert code == 1 and not est["fits"]
+    change = est["suggestion"].split("(estimated")[0].split()
+    assert len(change) == 1 and "--nodes" not in est["suggestion"], est["suggestion"]
+    code, est = _apply_suggestion(capsys, argv, est["suggestion"])
+    assert code == 0 and est["fits"] and est["world"] == 8
+
+
+def _run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "remax_megatron.plan", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--gpus-per-node", "6", "actor.tp=4"], "does not divide world(6)"),
+    (["actor.tpp=2"], "did you mean actor.tp?"),
+    (["--nodes", "0"], "--nodes=0 must be >= 1"),
+])
+def test_bad_input_is_one_line(config, extra, message):
+    r = _run_cli("--config", config, *extra)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+def test_unknown_key_in_yaml_is_one_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("actor:\n  modle: x\nreward:\n  functions: [exact_match]\n")
+    r = _run_cli("--config", str(path))
+    assert r.returncode == 2 and "unknown config key 'actor.modle'; did you mean actor.model?" in r.stderr
+    assert r.stderr.count("\n") == 1
