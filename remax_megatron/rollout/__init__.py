@@ -1,0 +1,39 @@
+"""Rollout: engine protocol, native (transformers) and vLLM engines, bucketed weight sync,
+prompt/response packing and the engine-vs-actor log-prob monitor (see engine.py)."""
+
+from remax_megatron.rollout.engine import (
+    Completion,
+    PromptRollout,
+    RolloutEngine,
+    SamplingParams,
+    build_engine,
+    check_rollout_layout,
+)
+from remax_megatron.rollout.monitor import LogprobMismatchWarning, logprob_mismatch
+from remax_megatron.rollout.sequences import (
+    PreparedPrompts,
+    flatten_rollouts,
+    left_pad,
+    pack_sequences,
+    prepare_prompts,
+    tokenize_prompts,
+)
+from remax_megatron.rollout.weight_sync import sync_weights
+
+__all__ = [
+    "Completion",
+    "LogprobMismatchWarning",
+    "PreparedPrompts",
+    "PromptRollout",
+    "RolloutEngine",
+    "SamplingParams",
+    "build_engine",
+    "check_rollout_layout",
+    "flatten_rollouts",
+    "left_pad",
+    "logprob_mismatch",
+    "pack_sequences",
+    "prepare_prompts",
+    "sync_weights",
+    "tokenize_prompts",
+]

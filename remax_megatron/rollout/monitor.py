@@ -1,0 +1,68 @@
+"""Engine-vs-actor log-prob mismatch: the silent killer of RL runs, watched every step.
+
+    stats = logprob_mismatch(actor_logprobs, batch["engine_logprobs"], batch["response_mask"],
+                             threshold=cfg.rollout.logprob_warn_threshold, group=None)
+    metrics["logprob/engine_vs_actor_max_diff"] = stats["max"]
+
+Both log-probs must follow the same convention (rollout/engine.py): the
+sampled rows' engine log-probs against `token_logprobs(..., temperature=
+rollout.temperature)`. A gap means the engine is not sampling from the policy
+being trained: a stale or wrongly mapped weight sync, a dtype mismatch, or a
+numerics bug (a bf16 engine against an fp32 actor typically shows ~1e-2).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+class LogprobMismatchWarning(UserWarning):
+    """Engine and actor log-probs differ more than rollout.logprob_warn_threshold."""
+
+
+def logprob_mismatch(actor_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
+                     threshold: float | None = None, group=None) -> dict[str, float]:
+    """max and mean of |actor - engine| over the masked tokens.
+
+    actor_logprobs, engine_logprobs: [B, S] (any float dtype; compared in fp32)
+    mask: [B, S] bool/0-1, the response tokens (pack_sequences' response_mask)
+    threshold: warn (LogprobMismatchWarning + log) when max > threshold; None: never
+    group: reduce over this process group (max of maxes, token-weighted mean); None: local
+    Returns {"max": float, "mean": float, "tokens": int} (0.0 with no masked tokens).
+    """
+    if actor_logprobs.shape != engine_logprobs.shape or actor_logprobs.shape != mask.shape:
+        raise ValueError(f"logprob_mismatch shapes differ: actor {tuple(actor_logprobs.shape)}, engine "
+                         f"{tuple(engine_logprobs.shape)}, mask {tuple(mask.shape)}")
+    m = mask.bool()
+    diff = (actor_logprobs.float() - engine_logprobs.float().to(actor_logprobs.device)).abs()
+    diff = diff[m.to(diff.device)]
+    stats = torch.tensor([diff.max().item() if diff.numel() else 0.0], dtype=torch.float64)
+    sums = torch.tensor([diff.double().sum().item(), float(diff.numel())], dtype=torch.float64)
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        device = _comm_device(group)
+        stats, sums = stats.to(device), sums.to(device)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(sums, group=group)
+        stats, sums = stats.cpu(), sums.cpu()
+    tokens = int(sums[1].item())
+    out = {"max": float(stats[0].item()), "mean": float(sums[0].item() / tokens) if tokens else 0.0,
+           "tokens": tokens}
+    if threshold is not None and out["max"] > threshold:
+        message = (f"engine vs actor log-probs differ by up to {out['max']:.3g} (mean {out['mean']:.3g}) > "
+                   f"rollout.logprob_warn_threshold={threshold}: check the weight sync and engine dtype")
+        logger.warning(message)
+        warnings.warn(message, LogprobMismatchWarning, stacklevel=2)
+    return out
+
+
+def _comm_device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

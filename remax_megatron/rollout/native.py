@@ -1,0 +1,265 @@
+"""The native rollout engine: a transformers causal LM with a KV cache, for CPU and small GPU runs.
+
+The model is built from `config.json` alone (no weight download); its weights
+arrive through `sync_weights` from the actor's export (one full replica per
+rank, so `rollout.tp` must be 1). `generate` runs ONE batched decode loop over
+all P * (n + 1) rows of this rank's P prompts: for prompt p the rows
+p*(n+1) .. p*(n+1)+n-1 are sampled, row p*(n+1)+n is greedy (argmax). The
+prompts are prefilled once (left-padded, positions start at each prompt's
+first token) and the KV cache is repeated n + 1 times; finished rows leave
+the batch.
+
+Sampling (same semantics as vLLM): logits / temperature -> keep the top_k
+largest -> keep the smallest set of most likely tokens whose mass reaches
+top_p (of the top-k renormalised distribution) -> sample with this rank's
+torch.Generator. Greedy rows take argmax of the raw logits. Log-probs follow
+the convention in rollout/engine.py.
+
+sleep()/wake_up(): the KV cache lives only inside a generate call, so between
+calls the engine holds just its weights; on CUDA sleep() moves them to the CPU
+and empties the allocator cache, wake_up() moves them back. On CPU both are
+no-ops (there is no separate device memory to free).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from remax_megatron.rollout.engine import Completion, PromptRollout, RolloutEngine, SamplingParams, \
+    world_size_and_rank
+from remax_megatron.rollout.sequences import left_pad
+
+_SEED_MIX = 1_000_003
+
+
+def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """scaled logits [B, V] -> the same with tokens outside top-k / top-p set to -inf.
+
+    top-k first (k largest; ties at the k-th value are kept), then top-p on the
+    renormalised rest: a token is kept when the mass of the tokens ranked above
+    it is < top_p, so the most likely token always survives.
+    """
+    out = scaled
+    vocab = scaled.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(out, top_k, dim=-1).values[..., -1:]                  # [B, 1]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(out, dim=-1, descending=True)         # [B, V]
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        out = out.masked_fill(drop, float("-inf"))
+    return out
+
+
+def sample_next(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, top_k: int,
+                top_p: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step.
+
+    logits [B, V] float32, temperature [B] (1.0 on greedy rows), greedy [B] bool
+    -> (tokens [B] long, logprobs [B] float32 of log softmax(logits / temperature)[token]).
+    """
+    scaled = logits / temperature.unsqueeze(-1)
+    logprobs = torch.log_softmax(scaled, dim=-1)                                # [B, V]
+    tokens = logits.argmax(-1)
+    sampled_rows = (~greedy).nonzero().squeeze(-1)
+    if sampled_rows.numel():
+        probs = filter_logits(scaled[sampled_rows], top_k, top_p).softmax(-1)
+        draws = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tokens = tokens.index_copy(0, sampled_rows, draws)
+    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _eos_ids(hf_dir: str, config) -> set[int]:
+    ids = []
+    try:
+        from transformers import GenerationConfig
+
+        ids.append(GenerationConfig.from_pretrained(hf_dir).eos_token_id)
+    except OSError:
+        pass
+    ids.append(getattr(config, "eos_token_id", None))
+    out = set()
+    for item in ids:
+        if isinstance(item, int):
+            out.add(item)
+        elif item:
+            out.update(int(i) for i in item)
+    return out
+
+
+class NativeEngine(RolloutEngine):
+    """transformers AutoModelForCausalLM + a hand-written batched decode loop."""
+
+    name = "native"
+
+    def __init__(self, hf_dir: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device | None = None):
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.initialization import no_init_weights
+
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.hf_dir, self.dtype, self.device = hf_dir, dtype, torch.device(device)
+        config = AutoConfig.from_pretrained(hf_dir)
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.tie_weights()  # no_init_weights also skips tying (transformers 5)
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.eos_token_ids = _eos_ids(hf_dir, config)
+        pad = getattr(config, "pad_token_id", None)
+        self.pad_token_id = int(pad) if pad is not None else min(self.eos_token_ids, default=0)
+        _, self.rank = world_size_and_rank()
+        self.seed = int(seed)
+        self.generator = self._make_generator(self.seed)
+        self._tokenizer = None
+        self._params = dict(self.model.named_parameters())
+        self._loaded: set[str] | None = None
+        self.synced = False
+
+    def _make_generator(self, seed: int) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed((seed * _SEED_MIX + self.rank) % (2**63 - 1))
+        return g
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
+        return self._tokenizer
+
+    # ---- weights -------------------------------------------------------------------------
+    def begin_weight_update(self) -> None:
+        if self.asleep:
+            self.wake_up()
+        self._loaded = set()
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named_tensors:
+            param = self._params.get(name)
+            if param is None:
+                raise ValueError(f"weight {name!r} has no parameter in the native engine's "
+                                 f"{type(self.model).__name__}: is the actor the same architecture as {self.hf_dir}?")
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} but the engine has "
+                                 f"{tuple(param.shape)}: does {self.hf_dir}/config.json match the actor?")
+            param.copy_(tensor)
+            if self._loaded is not None:
+                self._loaded.add(name)
+
+    def finish_weight_update(self) -> None:
+        missing = sorted(set(self._params) - (self._loaded or set()))
+        self._loaded = None
+        if missing:
+            raise ValueError(f"weight sync left {len(missing)} engine parameters unset (e.g. {missing[:3]}): "
+                             "the exported stream does not cover the model")
+        self.synced = True
+
+    # ---- memory --------------------------------------------------------------------------
+    def sleep(self) -> None:
+        if self.device.type == "cuda" and not self.asleep:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.device.type == "cuda" and self.asleep:
+            self.model.to(self.device)
+        self.asleep = False
+
+    # ---- generation ----------------------------------------------------------------------
+    def _check_weights(self) -> None:
+        if not self.synced:
+            raise RuntimeError("native engine: generate before any sync_weights; its weights are "
+                               "uninitialised (call sync_weights(engine, export_hf_weights(actor), ...) first)")
+
+    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[PromptRollout]:
+        if not prompts:
+            return []
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        longest = max(len(p) for p in prompts) + sampling.max_new_tokens
+        if limit is not None and longest > limit:
+            raise ValueError(f"prompt ({longest - sampling.max_new_tokens} tokens) + max_new_tokens "
+                             f"({sampling.max_new_tokens}) exceeds the model's max_position_embeddings={limit}: "
+                             "lower data.max_prompt_tokens or rollout.max_new_tokens")
+        generator = self.generator if sampling.seed is None else self._make_generator(sampling.seed)
+        rows = self._decode_batch(prompts, n, sampling, generator)
+        self.num_requests += 1
+        per = n + 1
+        return [PromptRollout(sampled=rows[p * per:p * per + n], greedy=rows[p * per + n])
+                for p in range(len(prompts))]
+
+    @torch.no_grad()
+    def _decode_batch(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
+                      generator: torch.Generator) -> list[Completion]:
+        """The one engine request: P prompts -> P * (n + 1) completions (n sampled then 1 greedy each)."""
+        per, dev = n + 1, self.device
+        ids, mask, pos = left_pad(prompts, self.pad_token_id, dev)                 # [P, L] each
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         logits_to_keep=1)
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(per)
+        logits = out.logits[:, -1].float().repeat_interleave(per, 0)               # [B, V]
+        mask = mask.repeat_interleave(per, 0)                                      # [B, L]
+        next_pos = pos[:, -1].repeat_interleave(per) + 1                           # [B]
+        greedy = torch.tensor([False] * n + [True], device=dev).repeat(len(prompts))
+        temperature = torch.where(greedy, 1.0, float(sampling.temperature)).to(torch.float32)
+        total = len(prompts) * per
+        active = torch.arange(total, device=dev)                                   # batch row -> output row
+        tokens: list[list[int]] = [[] for _ in range(total)]
+        logprobs: list[list[float]] = [[] for _ in range(total)]
+        finish: list[str | None] = [None] * total
+        eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=dev)
+        for step in range(sampling.max_new_tokens):
+            tok, lp = sample_next(logits, temperature, greedy, sampling.top_k, sampling.top_p, generator)
+            done = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(greedy)
+            tok_list, lp_list, done_list = tok.tolist(), lp.tolist(), done.tolist()
+            for i, row in enumerate(active.tolist()):
+                tokens[row].append(tok_list[i])
+                logprobs[row].append(lp_list[i])
+                if not done_list[i] and sampling.stop and self._hits_stop(tokens[row], sampling.stop):
+                    done_list[i] = True
+                if done_list[i]:
+                    finish[row] = "stop"
+            if step == sampling.max_new_tokens - 1:
+                break
+            keep = ~torch.tensor(done_list, device=dev)
+            if not keep.any():
+                break
+            if not keep.all():
+                index = keep.nonzero().squeeze(-1)
+                cache.batch_select_indices(index)
+                active, tok, mask, next_pos = active[index], tok[index], mask[index], next_pos[index]
+                greedy, temperature = greedy[index], temperature[index]
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            out = self.model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos.unsqueeze(-1),
+                             past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1].float()
+            next_pos = next_pos + 1
+        return [Completion(token_ids=tokens[r], logprobs=logprobs[r], finish_reason=finish[r] or "length")
+                for r in range(total)]
+
+    def _hits_stop(self, token_ids: list[int], stop: list[str]) -> bool:
+        # Earlier steps found no stop string, so only one ending in the new text can be new:
+        # look at the tail that could hold it.
+        text = self.tokenizer.decode(token_ids[-max(len(s) for s in stop) - 8:], skip_special_tokens=True)
+        return any(s in text for s in stop)
+
+    # ---- scoring (parity checks, benchmark) ----------------------------------------------
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Teacher-forced log-probs: input_ids [B, S] right-padded, labels [B, S] (-100 ignored)
+        -> [B, S] float32, log softmax(logits[b, t] / temperature)[labels[b, t]], 0 where ignored."""
+        logits = self.model(input_ids=input_ids.to(self.device)).logits.float() / temperature   # [B, S, V]
+        logp = torch.log_softmax(logits, dim=-1)
+        lab = labels.to(self.device)
+        out = logp.gather(-1, lab.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return out.masked_fill(lab < 0, 0.0)

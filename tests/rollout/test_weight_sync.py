@@ -1,0 +1,102 @@
+"""Bucketed weight sync: bucket packing, dtype cast, one load call per bucket, engine == HF model."""
+
+import pytest
+import torch
+
+from remax_megatron.rollout import RolloutEngine, sync_weights
+from remax_megatron.rollout.weight_sync import BucketPacker
+from tests.rollout.helpers import hf_stream
+
+
+class RecordingEngine(RolloutEngine):
+    """Keeps a copy of every bucket it is handed."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.dtype, self.device = dtype, torch.device("cpu")
+        self.buckets, self.events = [], []
+
+    def begin_weight_update(self):
+        self.events.append("begin")
+
+    def load_weights(self, named_tensors):
+        self.events.append("load")
+        self.buckets.append([(name, t.clone(), t.untyped_storage().data_ptr()) for name, t in named_tensors])
+
+    def finish_weight_update(self):
+        self.events.append("finish")
+
+
+def _stream():
+    g = torch.Generator().manual_seed(0)
+    shapes = [("a", (300,)), ("b", (64, 64)), ("c", (10,)), ("huge", (600, 300)), ("d", (5, 7))]
+    return [(name, torch.randn(shape, generator=g)) for name, shape in shapes]
+
+
+def test_buckets_are_contiguous_and_complete():
+    tensors = _stream()
+    engine = RecordingEngine()
+    stats = sync_weights(engine, iter(tensors), bucket_mb=40_000 / 2**20)  # 40 kB buckets
+    assert engine.events[0] == "begin" and engine.events[-1] == "finish"
+    assert stats["buckets"] == len(engine.buckets) == engine.events.count("load")
+    got = [(name, t) for bucket in engine.buckets for name, t, _ in bucket]
+    assert [n for n, _ in got] == [n for n, _ in tensors]
+    for (_, ref), (_, t) in zip(tensors, got):
+        assert torch.equal(ref, t)
+    assert stats["bytes"] == sum(t.numel() * 4 for _, t in tensors)
+    # a (1.2 kB) + b (16 kB) share a bucket; the 720 kB tensor goes alone.
+    names = [[n for n, _, _ in bucket] for bucket in engine.buckets]
+    assert names[0] == ["a", "b", "c"] and ["huge"] in names
+    # Every tensor of a bucket is a view into one buffer.
+    for bucket in engine.buckets:
+        assert len({ptr for _, _, ptr in bucket}) == 1
+
+
+def test_cast_to_engine_dtype():
+    engine = RecordingEngine(dtype=torch.bfloat16)
+    tensors = _stream()
+    stats = sync_weights(engine, iter(tensors), bucket_mb=1)
+    assert stats["buckets"] == 1
+    for (_, ref), (_, t, _) in zip(tensors, engine.buckets[0]):
+        assert t.dtype == torch.bfloat16 and torch.equal(t, ref.to(torch.bfloat16))
+    assert stats["bytes"] == sum(t.numel() * 2 for _, t in tensors)
+
+
+def test_packer_reuses_its_buffer():
+    packer = BucketPacker(4096, torch.float32, torch.device("cpu"))
+    ready = [packer.add(f"t{i}", torch.full((300,), float(i))) for i in range(8)]
+    ptrs = {b[0][1].untyped_storage().data_ptr() for b in ready if b is not None}
+    assert len(ptrs) == 1
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_bucket_size_must_be_positive(bad):
+    with pytest.raises(ValueError, match=f"rollout.sync_bucket_mb={bad}"):
+        sync_weights(RecordingEngine(), iter(_stream()), bucket_mb=bad)
+
+
+def test_native_engine_after_sync_equals_transformers(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    from remax_megatron.rollout.native import NativeEngine
+
+    engine = NativeEngine(tiny_llama, device="cpu")
+    stats = sync_weights(engine, hf_stream(tiny_llama), bucket_mb=0.05)
+    assert stats["buckets"] > 1 and stats["seconds"] > 0
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.randint(4, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(engine.model(ids).logits, hf(ids).logits)
+
+
+def test_incomplete_or_foreign_stream_is_refused(tiny_llama):
+    from remax_megatron.rollout.native import NativeEngine
+
+    engine = NativeEngine(tiny_llama, device="cpu")
+    partial = [(n, t) for n, t in hf_stream(tiny_llama) if n != "model.norm.weight"]
+    with pytest.raises(ValueError, match="left 1 engine parameters unset"):
+        sync_weights(engine, iter(partial), bucket_mb=1)
+    with pytest.raises(ValueError, match="'lm_head.bias' has no parameter"):
+        sync_weights(engine, iter([("lm_head.bias", torch.zeros(3))]), bucket_mb=1)
+    with pytest.raises(ValueError, match="shape \\(3,\\) but the engine has"):
+        sync_weights(engine, iter([("model.norm.weight", torch.zeros(3))]), bucket_mb=1)
