@@ -249,8 +249,9 @@ class Config:
             ParallelLayout(tp=self.actor.tp, pp=self.actor.pp, world_size=world_size)
         except ValueError as e:
             raise ValueError(f"actor layout: {e}") from None
-        if world_size % self.rollout.tp:
-            raise ValueError(f"rollout.tp={self.rollout.tp} does not divide the world size {world_size}")
+        from remax_megatron.rollout.engine import check_rollout_layout
+
+        check_rollout_layout(self.rollout, None, world_size)
         if self.reward.model and (self.reward.tp, self.reward.pp) != (self.actor.tp, self.actor.pp):
             raise ValueError(f"reward.tp={self.reward.tp}, reward.pp={self.reward.pp} differ from actor.tp="
                              f"{self.actor.tp}, actor.pp={self.actor.pp}: the reward model shares the actor's "

@@ -85,10 +85,29 @@ class CpuAdamW:
         for p in self.params:
             p.grad = None
 
-    def state_dict(self):
-        return self.optimizer.state_dict()
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False) -> dict:
+        """Adam moments as ShardedTensors laid out like their parameters: reshardable across TP/PP."""
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            optim_state_to_sharding_state,
+        )
 
-    def load_state_dict(self, state):
+        if is_loading:
+            for p in self.params:  # torch creates Adam state lazily; the load fills it
+                self.optimizer.state[p] = {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p),
+                                           "exp_avg_sq": torch.zeros_like(p)}
+        state = self.optimizer.state_dict()
+        steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
+        assert len(steps) <= 1, "Adam steps differ between parameters"
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, iter(self.params))
+        optim_state_to_sharding_state(state, id_map, exclude_keys="step")
+        state["state"]["common_step"] = steps.pop() if steps else 0.0
+        return state
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        step = state["state"].pop("common_step")
+        for param_state in state["state"].values():
+            param_state["step"] = torch.tensor(float(step))
         self.optimizer.load_state_dict(state)
 
 
@@ -127,10 +146,13 @@ class MegatronOptimizer:
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def state_dict(self):
-        return self.optimizer.state_dict()
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False) -> dict:
+        # Fully reshardable: a run saved at one TP/PP/DP layout resumes at another.
+        return self.optimizer.sharded_state_dict(
+            model_sharded_state_dict, is_loading=is_loading,
+            metadata={"distrib_optim_sharding_type": "fully_reshardable"})
 
-    def load_state_dict(self, state):
+    def load_sharded_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
 
 

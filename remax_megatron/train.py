@@ -37,13 +37,13 @@ def check_inputs(cfg, world_size: int) -> dict:
     from remax_megatron.data.prompts import load_prompts
     from remax_megatron.models import check_layout, read_hf_config
     from remax_megatron.reward import RewardFunctions
+    from remax_megatron.rollout import check_rollout_layout
 
     cfg.check_world(world_size)
     actor_dir = resolve_model(cfg.actor.model, "actor.model")
     arch = read_hf_config(actor_dir)
     check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor")
-    if arch.num_kv_heads % cfg.rollout.tp:
-        raise ValueError(f"rollout.tp={cfg.rollout.tp} does not divide num_key_value_heads={arch.num_kv_heads}")
+    check_rollout_layout(cfg.rollout, arch, world_size)
     if arch.task != "causal_lm":
         raise ValueError(f"actor.model {actor_dir} is a {arch.architecture}: the actor must be a *ForCausalLM")
     ref_dir = resolve_model(cfg.reference.model or cfg.actor.model, "reference.model") \
@@ -119,7 +119,8 @@ def build(cfg, checked: dict):
                       scheduler=scheduler, engine=engine, scorer=scorer, tokenizer=tok,
                       sampler=PromptSampler(checked["train"], cfg.trainer.seed, cfg.data.shuffle),
                       eval_prompts=checked["eval"], kl=KLController(cfg.algo.kl_coef, cfg.algo.kl_target,
-                                                                    cfg.algo.kl_horizon))
+                                                                    cfg.algo.kl_horizon),
+                      hf_dir=checked["actor_dir"])
 
 
 def main(argv=None) -> None:
@@ -139,6 +140,7 @@ def main(argv=None) -> None:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
+    from remax_megatron.checkpoint import CheckpointError
     from remax_megatron.metrics import MetricsLogger, is_rank0, print0
     from remax_megatron.trainer import Trainer
 
@@ -152,10 +154,14 @@ def main(argv=None) -> None:
                            wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar,
                            config=None)
     try:
-        Trainer(parts, logger).fit()
+        finished = Trainer(parts, logger).fit()
+    except CheckpointError as e:
+        print0(f"error: {e}")
+        sys.exit(1)
     finally:
         logger.close()
-    print0(f"done: metrics in {os.path.join(cfg.trainer.output_dir, 'metrics.jsonl')}")
+    if finished:
+        print0(f"done: metrics in {os.path.join(cfg.trainer.output_dir, 'metrics.jsonl')}")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,14 @@ value model is trained and no normalisation is needed.
 from __future__ import annotations
 
 import math
+import signal
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from remax_megatron.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
 from remax_megatron.config import Config
 from remax_megatron.kernels import compute_advantages, remax_loss
 from remax_megatron.metrics import MetricsLogger, print0
@@ -52,6 +54,7 @@ class Components:
     sampler: object          # PromptSampler over the train prompts
     eval_prompts: list
     kl: object               # KLController
+    hf_dir: str              # the actor's HF directory (config and tokenizer go into checkpoints)
 
 
 class Trainer:
@@ -62,6 +65,7 @@ class Trainer:
         self.actor_module.config.no_sync_func = parts.actor.no_sync
         self.step = 0
         self.skipped_updates = 0
+        self.preempt = PreemptionFlag()
 
     # ---- the step ------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -302,9 +306,41 @@ class Trainer:
             self.log.write(f"  [eval step {self.step}] {q.text!r} -> {resp[1]!r}")
         return {"step": self.step, "eval/reward_mean": self._dp_mean([row[0] for row in scores])}
 
+    # ---- checkpoints and preemption ----------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"sampler": self.p.sampler.state_dict(), "scheduler": self.p.scheduler.state_dict(),
+                "kl": self.p.kl.state_dict(), "skipped_updates": self.skipped_updates}
+
+    def save(self) -> str:
+        c = self.cfg.checkpoint
+        path = save_checkpoint(c.dir, self.step, self.actor_module, self.p.optimizer, self.state_dict(),
+                               self.p.hf_dir, keep=c.keep)
+        self.log.write(f"saved checkpoint {path}")
+        return path
+
+    def resume(self) -> None:
+        path = find_resume_checkpoint(self.cfg.checkpoint.dir, self.cfg.checkpoint.resume)
+        if path is None:
+            return
+        state = load_checkpoint(path, self.actor_module, self.p.optimizer)
+        self.step = state["step"]
+        self.p.sampler.load_state_dict(state["sampler"])
+        self.p.scheduler.load_state_dict(state["scheduler"])
+        self.p.kl.load_state_dict(state["kl"])
+        self.skipped_updates = state["skipped_updates"]
+        print0(f"resumed from {path} at step {self.step}")
+
+    def _stop_requested(self) -> bool:
+        """True on every rank when any rank received SIGTERM/SIGUSR1 (all stop after the same step)."""
+        flag = torch.tensor([int(self.preempt.requested)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     # ---- the loop ------------------------------------------------------------------------
-    def fit(self) -> None:
+    def fit(self) -> bool:
+        """Train up to trainer.steps; returns False when stopped early by a preemption signal."""
         cfg = self.cfg
+        self.resume()
         if cfg.trainer.eval_every and self.step == 0:
             self.log.log(self.evaluate())
         while self.step < cfg.trainer.steps:
@@ -314,6 +350,27 @@ class Trainer:
                 record.update({k: v for k, v in self.evaluate().items() if k != "step"})
             self.log.log(record)
             self.log.progress(self.step, record)
+            if self._stop_requested():
+                path = self.save()
+                print0(f"preempted ({self.preempt.signal_name}): stopped after step {self.step}, "
+                       f"checkpoint {path}; rerun with checkpoint.resume=auto to continue")
+                return False
+            every = cfg.checkpoint.save_every
+            if (every and self.step % every == 0) or self.step == cfg.trainer.steps:
+                self.save()
+        return True
+
+
+class PreemptionFlag:
+    """SIGTERM / SIGUSR1 (what SLURM sends before a kill) only set a flag; the loop stops at a step boundary."""
+
+    def __init__(self):
+        self.requested, self.signal_name = False, ""
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested, self.signal_name = True, signal.Signals(signum).name
 
 
 def _positions(input_ids: torch.Tensor) -> torch.Tensor:
