@@ -18,6 +18,7 @@ directory and leaves the previous checkpoints untouched.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -61,6 +62,18 @@ def save_checkpoint(root: str, step: int, model, optimizer, trainer_state: dict,
             error = e
     dist.broadcast_object_list(tmp, src=0)
     _agree(error, f"cannot create a checkpoint directory in {root}")
+    # Every rank checks it can write and has room before any collective write starts: a rank that
+    # failed inside dist_checkpointing.save would leave the others waiting in its collectives.
+    try:
+        _preflight(tmp[0], _local_bytes(model, optimizer))
+    except OSError as e:
+        error = e
+    try:
+        _agree(error, f"cannot save checkpoint {final}")
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(tmp[0], ignore_errors=True)
+        raise
     try:
         save_model(model, tmp[0], hf_dir)
         optim_dir = os.path.join(tmp[0], "optimizer")
@@ -97,6 +110,25 @@ def save_checkpoint(root: str, step: int, model, optimizer, trainer_state: dict,
         _prune(root, keep)
     dist.barrier()
     return final
+
+
+def _local_bytes(model, optimizer) -> int:
+    """Bytes this rank writes: its weight shards and two Adam moments of the same size, plus slack."""
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters()) + (1 << 20)
+
+
+def _preflight(directory: str, need: int) -> None:
+    """Raise OSError when this rank cannot write `need` bytes into `directory`."""
+    probe = os.path.join(directory, f".probe-{dist.get_rank()}")
+    with open(probe, "wb") as f:
+        f.write(b"\0" * 4096)
+        f.flush()
+        os.fsync(f.fileno())
+    os.remove(probe)
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        raise OSError(errno.ENOSPC, f"No space left on device: {need / 2**30:.2f} GiB needed, "
+                                    f"{free / 2**30:.2f} GiB free in {directory}")
 
 
 def _agree(error: Exception | None, what: str) -> None:

@@ -92,8 +92,9 @@ class CpuAdamW:
             optim_state_to_sharding_state,
         )
 
-        if is_loading:
-            for p in self.params:  # torch creates Adam state lazily; the load fills it
+        for p in self.params:
+            # torch creates Adam state lazily; zeros at step 0 behave exactly like no state yet.
+            if is_loading or not self.optimizer.state[p]:
                 self.optimizer.state[p] = {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p),
                                            "exp_avg_sq": torch.zeros_like(p)}
         state = self.optimizer.state_dict()

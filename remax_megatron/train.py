@@ -110,7 +110,7 @@ def build(cfg, checked: dict):
     optimizer = build_optimizer(ddp, cfg.optim, dtype)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.steps * cfg.trainer.mini_batches)
     engine = build_engine(cfg.rollout, hf_dir=checked["actor_dir"], arch=checked["arch"], seed=cfg.trainer.seed,
-                          dtype=dtype)
+                          dtype=dtype, replica=groups.dp_rank)
     tok = checked["tokenizer"]
     scorer = RewardScorer(checked["functions"], reward_model, cfg.reward.model_weight,
                           micro_batch_size=cfg.trainer.micro_batch_size,

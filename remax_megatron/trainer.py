@@ -79,9 +79,7 @@ class Trainer:
 
         t = time.perf_counter()
         prompts = self._local_share(p.sampler.next(cfg.trainer.prompts_per_step))
-        rollouts = p.engine.generate([q.token_ids for q in prompts], n=cfg.rollout.n,
-                                     sampling=self._sampling(self.step))
-        p.engine.sleep()
+        rollouts = self._generate([q.token_ids for q in prompts], cfg.rollout.n)
         time_rollout = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -115,6 +113,8 @@ class Trainer:
             "time/train_s": time_train, "time/step_s": step_time, "throughput/tokens_per_s": tokens / step_time,
             "sync/bytes": sync["bytes"], "sync/buckets": sync["buckets"], "kl/coef": p.kl.coef,
             "lr": p.optimizer.param_groups[0]["lr"], "optim/skipped_updates": self.skipped_updates,
+            # Where the data loader stands after this step (resume must continue exactly here).
+            "data/epoch": p.sampler.epoch, "data/position": p.sampler.position,
         })
         return record
 
@@ -130,6 +130,24 @@ class Trainer:
         seed = self.cfg.trainer.seed * 1_000_003 + step * 1009 + self.g.dp_rank
         return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop=list(r.stop), seed=seed)
+
+    def _generate(self, prompt_ids: list[list[int]], n: int) -> list:
+        """n sampled + 1 greedy per prompt; identical on every rank of this model-parallel group.
+
+        The TP/PP ranks of a replica train on one batch, so their rollouts must agree
+        token for token; engines on different ranks may still differ (GPU numerics,
+        separate vLLM instances), so the group's first rank's rollouts are broadcast.
+        """
+        rollouts = self.p.engine.generate(prompt_ids, n=n, sampling=self._sampling(self.step))
+        self.p.engine.sleep()
+        if self.g.tp_size * self.g.pp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            box = [rollouts]
+            group = ps.get_model_parallel_group()
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            rollouts = box[0]
+        return rollouts
 
     def _pad_id(self) -> int:
         tok = self.p.tokenizer
@@ -297,8 +315,7 @@ class Trainer:
             return {}
         p.engine.wake_up()
         sync_weights(p.engine, export_hf_weights(self.actor_module), bucket_mb=self.cfg.rollout.sync_bucket_mb)
-        rollouts = p.engine.generate([q.token_ids for q in prompts], n=0, sampling=self._sampling(self.step))
-        p.engine.sleep()
+        rollouts = self._generate([q.token_ids for q in prompts], 0)
         responses = [[(r.greedy.token_ids, self._decode(r.greedy.token_ids))] for r in rollouts]
         scores, _ = p.scorer.score([q.token_ids for q in prompts], [q.text for q in prompts],
                                    [q.columns for q in prompts], [q.index for q in prompts], responses)

@@ -3,7 +3,7 @@
 ``ensure_builtin_model(name)`` returns a Hugging Face directory, building it on
 first use (tens of seconds on 2 CPU cores) and reusing it afterwards:
 
-* ``tiny-arith``: a LlamaForCausalLM, 3 layers, hidden 96, character tokenizer.
+* ``tiny-arith``: a LlamaForCausalLM, 4 layers (so PP=2 splits it), hidden 96, character tokenizer.
   Random init, then supervised on the *train* prompts with a deliberately
   miscalibrated target: the correct sum with probability ``ACTOR_P_CORRECT``
   (0.35) and the systematic mistake ``a+b+1`` otherwise, each followed by
@@ -49,7 +49,7 @@ import time
 BUILTIN_VERSION = "1"
 MARKER = "remax_builtin.json"  # written last inside the directory: its presence marks a complete build
 
-ARCH = dict(family="llama", hidden=96, layers=3, heads=4, kv_heads=2, ffn=256, tie=False)
+ARCH = dict(family="llama", hidden=96, layers=4, heads=4, kv_heads=2, ffn=256, tie=False)
 RECIPES = {
     "tiny-arith": dict(kind="actor", task="arith", arch=ARCH, seed=0, p_correct=0.35, wrong_offset=1,
                        steps=400, lr=3e-3, warmup_frac=0.1, betas=(0.9, 0.98), clip=1.0),
@@ -156,15 +156,34 @@ def build_model(name: str, out: str) -> dict:
 
 
 def _make_random(out: str, recipe: dict) -> None:
-    tools = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools")
-    if tools not in sys.path:
-        sys.path.insert(0, tools)
-    from make_tiny_model import make_tiny_model
+    """A random-init Llama with the character tokenizer: the same model as tools/make_tiny_model.py
+    builds for these arguments (inlined so an installed package, which lacks tools/, can build it)."""
+    import torch
+    import transformers
+
+    from remax_megatron.data.tiny_tokenizer import build_tokenizer
 
     a = recipe["arch"]
-    make_tiny_model(out, family=a["family"], hidden=a["hidden"], layers=a["layers"], heads=a["heads"],
-                    kv_heads=a["kv_heads"], ffn=a["ffn"], tie=a["tie"], reward=recipe["kind"] == "reward",
-                    seed=recipe["seed"], overwrite=True)
+    assert a["family"] == "llama"
+    reward = recipe["kind"] == "reward"
+    tok = build_tokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=a["hidden"], intermediate_size=a["ffn"], num_hidden_layers=a["layers"],
+        num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"], max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=a["tie"] and not reward,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attention_bias=False,
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    if reward:
+        config.num_labels = 1
+    cls = transformers.LlamaForSequenceClassification if reward else transformers.LlamaForCausalLM
+    torch.manual_seed(recipe["seed"])
+    model = cls(config).to(torch.float32)
+    with torch.no_grad():  # as make_tiny_model: perturb the norms (HF inits them to 1)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
 
 
 def _load(out: str, cls_name: str):

@@ -172,12 +172,14 @@ def world_size_and_rank() -> tuple[int, int]:
 
 
 def build_engine(cfg, *, hf_dir: str, arch=None, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device | None = None) -> RolloutEngine:
+                 device: str | torch.device | None = None, replica: int | None = None) -> RolloutEngine:
     """The engine named by `cfg.engine` (a RolloutConfig), its weights still to be synced.
 
     hf_dir: the HF model directory (config.json and tokenizer; weights are not read).
     arch:   the ModelArch of hf_dir (read from it when None) for the layout checks.
-    seed:   trainer.seed; every rank derives its own sampling stream from it.
+    seed:   trainer.seed; every replica derives its own sampling stream from it.
+    replica: the data-parallel replica this rank serves (native engine: ranks of one replica
+            sample identically); default the global rank.
     dtype:  the engine's weight dtype (weight sync casts to it).
     """
     world, _ = world_size_and_rank()
@@ -189,7 +191,7 @@ def build_engine(cfg, *, hf_dir: str, arch=None, seed: int = 0, dtype: torch.dty
     if cfg.engine == "native":
         from remax_megatron.rollout.native import NativeEngine
 
-        return NativeEngine(hf_dir, seed=seed, dtype=dtype, device=device)
+        return NativeEngine(hf_dir, seed=seed, dtype=dtype, device=device, replica=replica)
     from remax_megatron.rollout.vllm_engine import VllmEngine
 
     return VllmEngine(cfg, hf_dir=hf_dir, seed=seed, dtype=dtype)

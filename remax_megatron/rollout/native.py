@@ -98,7 +98,7 @@ class NativeEngine(RolloutEngine):
     name = "native"
 
     def __init__(self, hf_dir: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, replica: int | None = None):
         super().__init__()
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.initialization import no_init_weights
@@ -114,7 +114,9 @@ class NativeEngine(RolloutEngine):
         self.eos_token_ids = _eos_ids(hf_dir, config)
         pad = getattr(config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else min(self.eos_token_ids, default=0)
-        _, self.rank = world_size_and_rank()
+        # The sampling stream is per data-parallel replica: ranks that hold the same prompts
+        # (the TP/PP ranks of one replica) must sample the same tokens. Default: the global rank.
+        self.rank = world_size_and_rank()[1] if replica is None else int(replica)
         self.seed = int(seed)
         self.generator = self._make_generator(self.seed)
         self._tokenizer = None

@@ -1,0 +1,153 @@
+"""Checkpoints end to end (torchrun, 2 gloo processes, tiny random Llama, builtin:arith):
+
+- exact resume: 6 steps straight == 3 steps + resume for 3 (bitwise metrics on CPU)
+- resume at another layout (TP=2 -> PP=2): the first resumed step's loss equals the straight run's
+- SIGTERM mid-run: exit 0 after a checkpoint at a consistent step; the resumed run continues the data order
+- a truncated shard / missing manifest: error naming the file; resume=auto falls back with a warning
+- SIGKILL of one rank: the job exits non-zero within the timeout
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tools.make_tiny_model import make_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+TIMING = ("time/", "throughput/")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("m") / "llama"), "llama", hidden=64, layers=2, heads=4,
+                           kv_heads=2, ffn=96, seed=3)
+
+
+def _args(model_dir, out, *extra):
+    return ["-m", "remax_megatron.train", f"actor.model={model_dir}", "actor.tp=2", "data.train=builtin:arith",
+            "data.chat_template=false", "reward.functions=[exact_match]", "rollout.n=2", "rollout.max_new_tokens=4",
+            "trainer.prompts_per_step=4", "trainer.micro_batch_size=4", "trainer.eval_every=0", "optim.lr=1e-3",
+            "logging.progress_bar=false", "logging.tensorboard=false", f"trainer.output_dir={out}", *extra]
+
+
+def _launch(args, nproc=2, **kw):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.Popen([TORCHRUN, f"--nproc_per_node={nproc}", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _train(args, nproc=2):
+    proc = _launch(args, nproc)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def _metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _strip(records):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
+
+
+@pytest.fixture(scope="module")
+def straight(model_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("straight"))
+    _train(_args(model_dir, out, "trainer.steps=6", "checkpoint.save_every=3", "checkpoint.keep=5"))
+    return out
+
+
+@pytest.mark.slow
+def test_resume_is_exact(model_dir, straight, tmp_path):
+    out = str(tmp_path / "run")
+    _train(_args(model_dir, out, "trainer.steps=3"))
+    _train(_args(model_dir, out, "trainer.steps=6", "checkpoint.resume=auto"))
+    resumed, full = _strip(_metrics(out)), _strip(_metrics(straight))
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert resumed == full  # bitwise: every metric of steps 1-6
+
+
+@pytest.mark.slow
+def test_resume_at_another_layout(model_dir, straight, tmp_path):
+    out = str(tmp_path / "pp2")
+    ckpt = os.path.join(straight, "checkpoints", "step_000003")
+    args = _args(model_dir, out, "trainer.steps=4", f"checkpoint.resume={ckpt}", "actor.pp=2")
+    _train([a if a != "actor.tp=2" else "actor.tp=1" for a in args])
+    (first,) = _metrics(out)
+    expected = _metrics(straight)[3]
+    assert first["step"] == 4 and expected["step"] == 4
+    assert abs(first["loss"] - expected["loss"]) < 1e-5
+    assert first["reward/sampled_mean"] == expected["reward/sampled_mean"]
+    assert (first["data/epoch"], first["data/position"]) == (expected["data/epoch"], expected["data/position"])
+
+
+@pytest.mark.slow
+def test_sigterm_saves_at_a_step_boundary_and_resume_continues_the_data(model_dir, straight, tmp_path):
+    out = str(tmp_path / "term")
+    proc = _launch(_args(model_dir, out, "trainer.steps=400", "checkpoint.save_every=0"))
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + 300
+    while time.time() < deadline and not (os.path.exists(metrics) and len(open(metrics).readlines()) >= 2):
+        time.sleep(0.2)
+    # SIGTERM every rank, as SLURM does at preemption / time limit (torchrun itself exits 1 on a signal).
+    for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split():
+        os.kill(int(pid), signal.SIGTERM)
+    log, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, log[-3000:]
+    assert "preempted (SIGTERM)" in log
+    done = _metrics(out)
+    ckpt = open(os.path.join(out, "checkpoints", "latest")).read().strip()
+    assert ckpt == f"step_{done[-1]['step']:06d}"      # the checkpoint is the last finished step
+    _train(_args(model_dir, out, f"trainer.steps={done[-1]['step'] + 2}"))
+    records = _strip(_metrics(out))
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))   # no step repeated or skipped
+    full = _strip(_metrics(straight))
+    for r in records[: len(full)]:  # same data order (and everything else) as the uninterrupted run
+        assert r == full[r["step"] - 1]
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoint_is_named_and_auto_falls_back(straight, tmp_path):
+    import shutil
+
+    from remax_megatron.checkpoint import CheckpointError, find_resume_checkpoint, validate
+
+    root = str(tmp_path / "checkpoints")
+    shutil.copytree(os.path.join(straight, "checkpoints"), root)
+    newest = os.path.join(root, "step_000006")
+    shard = next(os.path.join(newest, "model", f) for f in os.listdir(os.path.join(newest, "model"))
+                 if f.endswith(".distcp"))
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    with pytest.raises(CheckpointError, match=os.path.basename(shard) + " has"):
+        validate(newest)
+    with pytest.warns(UserWarning, match="skipping invalid checkpoint"):
+        assert find_resume_checkpoint(root, "auto") == os.path.join(root, "step_000003")
+    os.remove(os.path.join(root, "step_000003", "manifest.json"))
+    with pytest.raises(CheckpointError, match="manifest.json is missing"):
+        find_resume_checkpoint(root, os.path.join(root, "step_000003"))
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_rank_fails_the_job_quickly(model_dir, tmp_path):
+    out = str(tmp_path / "kill")
+    proc = _launch(_args(model_dir, out, "trainer.steps=400", "trainer.dist_timeout_minutes=1"))
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + 300
+    while time.time() < deadline and not os.path.exists(metrics):
+        time.sleep(0.2)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    start = time.time()
+    os.kill(int(workers[1]), signal.SIGKILL)
+    proc.communicate(timeout=150)
+    assert proc.returncode != 0
+    assert time.time() - start < 120

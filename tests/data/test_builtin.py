@@ -1,0 +1,127 @@
+"""Built-in arith task and its warm-started tiny actor / reward model (built offline, cached, locked)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from remax_megatron.data.builtin import builtin_task
+from remax_megatron.data import builtin_models as bm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_arith_split_is_deterministic_disjoint_and_complete():
+    a, b = builtin_task("arith"), builtin_task("arith")
+    assert a == b
+    assert (len(a["train"]), len(a["eval"])) == (80, 20)
+    train, held = {r["prompt"] for r in a["train"]}, {r["prompt"] for r in a["eval"]}
+    assert not train & held and len(train | held) == 100
+    for r in a["train"] + a["eval"]:
+        x, y = r["prompt"].rstrip("=").split("+")
+        assert r["prompt"] == f"{x}+{y}=" and r["answer"] == str(int(x) + int(y))
+    a["train"][0]["answer"] = "oops"  # callers get copies
+    assert builtin_task("arith")["train"][0]["answer"] != "oops"
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(ValueError, match="arith"):
+        builtin_task("nope")
+    with pytest.raises(ValueError, match="tiny-arith"):
+        bm.ensure_builtin_model("nope")
+
+
+def test_cache_path_follows_env_and_recipe(tmp_path, monkeypatch):
+    monkeypatch.setenv("REMAX_CACHE", str(tmp_path))
+    p = bm.builtin_model_path("tiny-arith")
+    assert os.path.dirname(p) == str(tmp_path) and os.path.basename(p).startswith("tiny-arith-")
+    assert bm.builtin_model_path("tiny-arith", "/x").startswith("/x/")
+    assert bm.recipe_hash("tiny-arith") != bm.recipe_hash("tiny-arith-rm")
+    monkeypatch.setitem(bm.RECIPES, "tiny-arith", dict(bm.RECIPES["tiny-arith"], steps=1))
+    assert bm.builtin_model_path("tiny-arith") != p
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("remax_cache"))
+    return cache, {n: bm.ensure_builtin_model(n, cache, verbose=False) for n in ("tiny-arith", "tiny-arith-rm")}
+
+
+@pytest.mark.slow
+def test_actor_is_greedy_wrong_but_samples_right(built):
+    import transformers
+
+    path = built[1]["tiny-arith"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    cfg = model.config
+    assert cfg.num_attention_heads % 2 == 0 and cfg.num_key_value_heads % 2 == 0
+    assert (cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id, len(tok)) == (0, 1, 2, 101)
+    m = bm.evaluate_actor(model, tok)
+    assert m["greedy_acc"] <= 0.35, m
+    assert m["p_correct"] >= 0.2 and m["p_correct"] + m["p_off_by_one"] > 0.95, m
+    evals = builtin_task("arith")["eval"]
+    prompts = [r["prompt"] for r in evals for _ in range(10)]
+    answers = [r["answer"] for r in evals for _ in range(10)]
+    samples = bm.sample_answers(model, tok, prompts, seed=0)
+    assert all(s is not None and s.isdigit() for s in samples), samples  # format: digits then </s>
+    acc = sum(s == a for s, a in zip(samples, answers)) / len(samples)
+    assert 0.2 <= acc <= 0.6, acc
+    # the recorded build metrics are what a fresh evaluation measures
+    assert bm.read_build_info(path)["metrics"] == m
+
+
+@pytest.mark.slow
+def test_reward_model_ranks_correct_above_wrong(built):
+    import transformers
+
+    path = built[1]["tiny-arith-rm"]
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    assert model.config.num_labels == 1 and model.config.pad_token_id == 0
+    m = bm.evaluate_reward(model, tok)
+    assert m["gap"] > 0.3 and m["gap_off_by_one"] > 0.3 and m["pair_rank_acc"] > 0.8, m
+    # HF scores at the last non-pad token: right padding does not change a score
+    one = bm.reward_scores(model, tok, ["3+4="], ["7"])
+    two = bm.reward_scores(model, tok, ["3+4=", "9+9="], ["7", "18"])
+    torch.testing.assert_close(one[0], two[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_second_call_reuses_the_cache(built):
+    cache, paths = built
+    for name, path in paths.items():
+        stamp = os.stat(os.path.join(path, "model.safetensors")).st_mtime_ns
+        t = time.time()
+        assert bm.ensure_builtin_model(name, cache) == path
+        assert time.time() - t < 1.0
+        assert os.stat(os.path.join(path, "model.safetensors")).st_mtime_ns == stamp
+    assert not [f for f in os.listdir(cache) if ".tmp-" in f]
+
+
+_CONCURRENT = """
+import sys
+from remax_megatron.data import builtin_models as bm
+bm.RECIPES["tiny-arith"] = dict(bm.RECIPES["tiny-arith"], steps=3)  # same (cheap) recipe in both processes
+print(bm.ensure_builtin_model("tiny-arith", sys.argv[1]))
+"""
+
+
+@pytest.mark.slow
+def test_concurrent_callers_build_once(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    procs = [subprocess.Popen([sys.executable, "-c", _CONCURRENT, str(tmp_path)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    paths = {o[0].strip() for o in outs}
+    assert len(paths) == 1
+    assert sum("building built-in model" in o[1] for o in outs) == 1, outs
+    path = paths.pop()
+    info = bm.read_build_info(path)
+    assert info["recipe"]["steps"] == 3 and os.path.isfile(os.path.join(path, "model.safetensors"))
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(path), os.path.basename(path) + ".lock"])
