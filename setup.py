@@ -28,7 +28,8 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "vllm==0.33.0"],
-        "test": ["pytest", "triton>=3.2", "scipy"],
+        "test": ["pytest", "triton>=3.2", "scipy", "matplotlib"],
+        "plot": ["matplotlib"],
         "wandb": ["wandb"],
     },
 )

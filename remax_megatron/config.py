@@ -252,6 +252,14 @@ class Config:
         from remax_megatron.rollout.engine import check_rollout_layout
 
         check_rollout_layout(self.rollout, None, world_size)
+        dp = world_size // (self.actor.tp * self.actor.pp)
+        t = self.trainer
+        if t.prompts_per_step % dp:
+            raise ValueError(f"trainer.prompts_per_step={t.prompts_per_step} is not divisible by dp={dp}")
+        local = t.prompts_per_step // dp * self.rollout.n
+        if local % (t.mini_batches * t.micro_batch_size):
+            raise ValueError(f"{local} sequences per DP rank (prompts_per_step/dp * rollout.n) are not divisible by "
+                             f"trainer.mini_batches({t.mini_batches}) * trainer.micro_batch_size({t.micro_batch_size})")
         if self.reward.model and (self.reward.tp, self.reward.pp) != (self.actor.tp, self.actor.pp):
             raise ValueError(f"reward.tp={self.reward.tp}, reward.pp={self.reward.pp} differ from actor.tp="
                              f"{self.actor.tp}, actor.pp={self.actor.pp}: the reward model shares the actor's "

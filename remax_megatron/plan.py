@@ -103,22 +103,17 @@ def heaviest_stage_params(arch, vocab: int, tp: int, pp: int) -> int:
 def validate(cfg, arch, world: int, max_tp: int | None = None) -> dict:
     """The trainer's layout and batch checks for `world` processes; returns the derived sizes."""
     from remax_megatron.models.hf_config import check_layout
+    from remax_megatron.rollout.engine import check_rollout_layout
 
     cfg.check_world(world)
     check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor")
-    if arch.num_kv_heads % cfg.rollout.tp:
-        raise ValueError(f"rollout.tp={cfg.rollout.tp} does not divide num_key_value_heads={arch.num_kv_heads}")
+    check_rollout_layout(cfg.rollout, arch, world)
     if max_tp is not None and cfg.actor.tp > max_tp:
         # only for suggestions: TP across nodes is legal but far too slow to propose
         raise ValueError(f"actor.tp={cfg.actor.tp} exceeds {max_tp} GPUs per node")
-    dp = world // (cfg.actor.tp * cfg.actor.pp)
+    dp = world // (cfg.actor.tp * cfg.actor.pp)   # batch divisibility is checked in cfg.check_world
     t = cfg.trainer
-    if t.prompts_per_step % dp:
-        raise ValueError(f"trainer.prompts_per_step={t.prompts_per_step} is not divisible by dp={dp}")
     local = t.prompts_per_step // dp * cfg.rollout.n
-    if local % (t.mini_batches * t.micro_batch_size):
-        raise ValueError(f"{local} sequences per DP rank (prompts_per_step/dp * rollout.n) are not divisible by "
-                         f"trainer.mini_batches({t.mini_batches}) * trainer.micro_batch_size({t.micro_batch_size})")
     return dict(world=world, dp=dp, seqs_per_rank=local,
                 micro_batches=local // (t.mini_batches * t.micro_batch_size))
 

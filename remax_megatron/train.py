@@ -62,14 +62,6 @@ def check_inputs(cfg, world_size: int) -> dict:
         "limit": cfg.reward.length_limit}) if cfg.reward.functions else None
     tokenizer = AutoTokenizer.from_pretrained(actor_dir)
     train, evals, counts = load_prompts(cfg.data, tokenizer)
-    dp = world_size // (cfg.actor.tp * cfg.actor.pp)
-    t = cfg.trainer
-    if t.prompts_per_step % dp:
-        raise ValueError(f"trainer.prompts_per_step={t.prompts_per_step} is not divisible by dp={dp}")
-    local = t.prompts_per_step // dp * cfg.rollout.n
-    if local % (t.mini_batches * t.micro_batch_size):
-        raise ValueError(f"{local} sequences per DP rank (prompts_per_step/dp * rollout.n) are not divisible by "
-                         f"trainer.mini_batches({t.mini_batches}) * trainer.micro_batch_size({t.micro_batch_size})")
     return dict(actor_dir=actor_dir, arch=arch, ref_dir=ref_dir, rm_dir=rm_dir, rm_arch=rm_arch,
                 functions=functions, tokenizer=tokenizer, train=train, eval=evals, data_counts=counts)
 
@@ -142,7 +134,7 @@ def main(argv=None) -> None:
 
     from remax_megatron.checkpoint import CheckpointError
     from remax_megatron.metrics import MetricsLogger, is_rank0, print0
-    from remax_megatron.trainer import Trainer
+    from remax_megatron.trainer import StageError, Trainer
 
     parts = build(cfg, checked)
     if is_rank0():
@@ -155,8 +147,8 @@ def main(argv=None) -> None:
                            config=None)
     try:
         finished = Trainer(parts, logger).fit()
-    except CheckpointError as e:
-        print0(f"error: {e}")
+    except (CheckpointError, StageError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
         logger.close()

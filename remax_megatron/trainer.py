@@ -16,6 +16,7 @@ value model is trained and no normalisation is needed.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
@@ -70,53 +71,63 @@ class Trainer:
     # ---- the step ------------------------------------------------------------------------
     def train_step(self) -> dict:
         cfg, p = self.cfg, self.p
+        times: dict[str, float] = {}
         t_step = time.perf_counter()
 
-        t = time.perf_counter()
-        p.engine.wake_up()
-        sync = sync_weights(p.engine, export_hf_weights(self.actor_module), bucket_mb=cfg.rollout.sync_bucket_mb)
-        time_sync = time.perf_counter() - t
+        with self._stage("sync", times):
+            p.engine.wake_up()
+            sync = sync_weights(p.engine, export_hf_weights(self.actor_module), bucket_mb=cfg.rollout.sync_bucket_mb)
 
-        t = time.perf_counter()
-        prompts = self._local_share(p.sampler.next(cfg.trainer.prompts_per_step))
-        rollouts = self._generate([q.token_ids for q in prompts], cfg.rollout.n)
-        time_rollout = time.perf_counter() - t
+        with self._stage("rollout", times):
+            prompts = self._local_share(p.sampler.next(cfg.trainer.prompts_per_step))
+            rollouts = self._generate([q.token_ids for q in prompts], cfg.rollout.n)
 
-        t = time.perf_counter()
-        r_sampled, r_greedy, reward_metrics = self._rewards(prompts, rollouts)
-        time_reward = time.perf_counter() - t
+        with self._stage("reward", times):
+            r_sampled, r_greedy, reward_metrics = self._rewards(prompts, rollouts)
 
-        t = time.perf_counter()
-        n = cfg.rollout.n
-        batch = pack_sequences([q.token_ids for q in prompts for _ in range(n)],
-                               [c for r in rollouts for c in r.sampled], pad_id=self._pad_id())
-        batch["rewards"] = torch.tensor(r_sampled, dtype=torch.float32)          # [B]
-        batch["baseline"] = torch.tensor(r_greedy, dtype=torch.float32).repeat_interleave(n)  # [B]
-        old_logprobs = self._logprobs(self.actor_module, batch)                   # [B, S] on the last stage
-        ref_logprobs = self._logprobs(p.reference, batch) if p.reference is not None else None
-        kl_in_reward = cfg.algo.kl_mode == "reward" and ref_logprobs is not None
-        advantages = None
-        if self.g.is_last_stage:
-            advantages = compute_advantages(
-                batch["rewards"], batch["baseline"], batch["response_mask"], old_logprobs, ref_logprobs,
-                kl_coef=p.kl.coef if kl_in_reward else 0.0, clip=cfg.algo.advantage_clip or None)
-        stats = self._train_on(batch, old_logprobs, ref_logprobs, advantages)
-        time_train = time.perf_counter() - t
+        with self._stage("train", times):
+            n = cfg.rollout.n
+            batch = pack_sequences([q.token_ids for q in prompts for _ in range(n)],
+                                   [c for r in rollouts for c in r.sampled], pad_id=self._pad_id())
+            batch["rewards"] = torch.tensor(r_sampled, dtype=torch.float32)                      # [B]
+            batch["baseline"] = torch.tensor(r_greedy, dtype=torch.float32).repeat_interleave(n)  # [B]
+            old_logprobs = self._logprobs(self.actor_module, batch)          # [B, S] on the last stage
+            ref_logprobs = self._logprobs(p.reference, batch) if p.reference is not None else None
+            kl_in_reward = cfg.algo.kl_mode == "reward" and ref_logprobs is not None
+            advantages = None
+            if self.g.is_last_stage:
+                advantages = compute_advantages(
+                    batch["rewards"], batch["baseline"], batch["response_mask"], old_logprobs, ref_logprobs,
+                    kl_coef=p.kl.coef if kl_in_reward else 0.0, clip=cfg.algo.advantage_clip or None)
+            stats = self._train_on(batch, old_logprobs, ref_logprobs, advantages)
 
         record = self._step_record(batch, rollouts, r_sampled, r_greedy, old_logprobs, ref_logprobs,
                                    advantages, stats, reward_metrics)
         p.kl.update(record["kl/mean"] * record["response/length_mean"], len(r_sampled))
         step_time = time.perf_counter() - t_step
         tokens = self._global_sum(float(batch["lengths"].sum()))
+        record.update(times)
         record.update({
-            "time/sync_s": time_sync, "time/rollout_s": time_rollout, "time/reward_s": time_reward,
-            "time/train_s": time_train, "time/step_s": step_time, "throughput/tokens_per_s": tokens / step_time,
+            "time/step_s": step_time, "throughput/tokens_per_s": tokens / step_time,
             "sync/bytes": sync["bytes"], "sync/buckets": sync["buckets"], "kl/coef": p.kl.coef,
             "lr": p.optimizer.param_groups[0]["lr"], "optim/skipped_updates": self.skipped_updates,
             # Where the data loader stands after this step (resume must continue exactly here).
             "data/epoch": p.sampler.epoch, "data/position": p.sampler.position,
         })
         return record
+
+    @contextlib.contextmanager
+    def _stage(self, name: str, times: dict):
+        """Time a stage (time/<name>_s) and name it in any failure, e.g. a collective timeout."""
+        start = time.perf_counter()
+        try:
+            yield
+        except (RuntimeError, dist.DistBackendError) as e:
+            if isinstance(e, StageError):
+                raise
+            raise StageError(f"step {self.step + 1}, stage {name!r} failed on rank {dist.get_rank()}: "
+                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        times[f"time/{name}_s"] = time.perf_counter() - start
 
     # ---- pieces of the step ----------------------------------------------------------------
     def _local_share(self, prompts: list) -> list:
@@ -376,6 +387,10 @@ class Trainer:
             if (every and self.step % every == 0) or self.step == cfg.trainer.steps:
                 self.save()
         return True
+
+
+class StageError(RuntimeError):
+    """A stage of the step failed (a peer died, a collective timed out): names the step and stage."""
 
 
 class PreemptionFlag:

@@ -54,7 +54,7 @@ RECIPES = {
     "tiny-arith": dict(kind="actor", task="arith", arch=ARCH, seed=0, p_correct=0.35, wrong_offset=1,
                        steps=400, lr=3e-3, warmup_frac=0.1, betas=(0.9, 0.98), clip=1.0),
     "tiny-arith-rm": dict(kind="reward", task="arith", arch=ARCH, seed=0, negatives_per_prompt=1,
-                          max_answer=19, steps=400, lr=3e-3, warmup_frac=0.1, betas=(0.9, 0.98), clip=1.0,
+                          max_answer=19, steps=600, lr=3e-3, warmup_frac=0.1, betas=(0.9, 0.98), clip=1.0,
                           lm_aux_weight=1.0),
 }
 BUILD_THREADS = 2

@@ -124,10 +124,6 @@ class PolicyModel(GPTModel):
         """Forward this stage: the first stage takes input_ids [b, s] (right-padded)."""
         return self(input_ids, _position_ids(input_ids), attention_mask=None)
 
-    def _vocab_weight(self) -> torch.Tensor:
-        return (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
-                else self.output_layer.weight)
-
     def output_weight(self) -> torch.Tensor:
         """This rank's shard of the (padded) vocab-parallel output weight: [V_padded / tp, h]."""
         return (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
