@@ -30,7 +30,7 @@ from remax_megatron.config import Config
 from remax_megatron.kernels import compute_advantages, remax_loss
 from remax_megatron.metrics import MetricsLogger, print0
 from remax_megatron.models.forward import broadcast_from_last_stage, forward_only
-from remax_megatron.optimizer import build_optimizer, build_scheduler, finalize_grads, wrap_ddp
+from remax_megatron.optimizer import finalize_grads
 from remax_megatron.parallel import ProcessGroups, cpu_compat
 from remax_megatron.rollout import SamplingParams, logprob_mismatch, pack_sequences, sync_weights
 from remax_megatron.weights import export_hf_weights

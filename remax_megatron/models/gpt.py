@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from torch import nn

@@ -24,7 +24,6 @@ no-ops (there is no separate device memory to free).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from remax_megatron.rollout.engine import Completion, PromptRollout, RolloutEngine, SamplingParams, \
     world_size_and_rank
