@@ -31,7 +31,10 @@ def model_dir(tmp_path_factory):
 
 def _args(model_dir, out, *extra):
     return ["-m", "remax_megatron.train", f"actor.model={model_dir}", "actor.tp=2", "data.train=builtin:arith",
-            "data.chat_template=false", "reward.functions=[exact_match]", "rollout.n=2", "rollout.max_new_tokens=4",
+            "data.chat_template=false",
+            # A random model never answers right: the length penalty gives non-zero advantages, so the
+            # weights and Adam state really change between checkpoints.
+            "reward.functions=[exact_match,length_penalty]", "reward.length_limit=2", "rollout.n=2", "rollout.max_new_tokens=4",
             "trainer.prompts_per_step=4", "trainer.micro_batch_size=4", "trainer.eval_every=0", "optim.lr=1e-3",
             "logging.progress_bar=false", "logging.tensorboard=false", f"trainer.output_dir={out}", *extra]
 
@@ -72,6 +75,7 @@ def test_resume_is_exact(model_dir, straight, tmp_path):
     _train(_args(model_dir, out, "trainer.steps=6", "checkpoint.resume=auto"))
     resumed, full = _strip(_metrics(out)), _strip(_metrics(straight))
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert all(r["grad_norm"] > 0 for r in full) and len({r["loss"] for r in full}) > 1  # real updates
     assert resumed == full  # bitwise: every metric of steps 1-6
 
 
@@ -151,3 +155,25 @@ def test_sigkill_of_one_rank_fails_the_job_quickly(model_dir, tmp_path):
     proc.communicate(timeout=150)
     assert proc.returncode != 0
     assert time.time() - start < 120
+
+
+@pytest.mark.slow
+def test_training_checkpoint_exports_to_hf(model_dir, straight, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ckpt = os.path.join(straight, "checkpoints", "step_000006")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    one, two = str(tmp_path / "hf1"), str(tmp_path / "hf2")
+    r = subprocess.run([sys.executable, "tools/convert_megatron_to_hf.py", "--ckpt", ckpt, "--out", one],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([TORCHRUN, "--nproc_per_node=2", "tools/convert_megatron_to_hf.py", "--ckpt", ckpt,
+                        "--out", two, "--tp", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = load_file(f"{one}/model.safetensors"), load_file(f"{two}/model.safetensors")
+    initial = load_file(f"{model_dir}/model.safetensors")
+    assert sorted(a) == sorted(initial) and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], initial[k]) for k in a)   # the trained weights, not the initial ones
+    AutoModelForCausalLM.from_pretrained(one)
