@@ -26,7 +26,7 @@ def convert(hf_dir: str, out: str, tp: int = 1, pp: int = 1, overwrite: bool = F
     from remax_megatron.models.hf_config import check_layout, read_hf_config
     from remax_megatron.parallel import ParallelLayout, init_distributed
     from remax_megatron.weights import HFCheckpointReader, load_hf_weights
-    from remax_megatron.weights.hf_io import holds_checkpoint
+    from remax_megatron.weights.hf_io import holds_checkpoint, replace_dir
     from remax_megatron.weights.megatron_ckpt import build_model_for, save_model
 
     out = os.path.abspath(out)
@@ -52,14 +52,7 @@ def convert(hf_dir: str, out: str, tp: int = 1, pp: int = 1, overwrite: bool = F
             shutil.rmtree(tmp[0], ignore_errors=True)
         raise
     if dist.get_rank() == 0:
-        if os.path.exists(out):
-            old = out + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(out, old)
-            os.rename(tmp[0], out)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp[0], out)
+        replace_dir(tmp[0], out)
     dist.barrier()
     return out
 

@@ -101,6 +101,19 @@ def _open_checked(path: str):
         raise ValueError(f"{path} is not a readable safetensors file ({e}): {fix}") from None
 
 
+def replace_dir(src: str, dst: str) -> None:
+    """Rename the finished directory `src` to `dst`; an existing `dst` is moved aside first and
+    deleted only once the new one is in place (a crash never leaves neither)."""
+    if os.path.exists(dst):
+        old = dst + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(dst, old)
+        os.rename(src, dst)
+        shutil.rmtree(old)
+    else:
+        os.rename(src, dst)
+
+
 def holds_checkpoint(path: str) -> bool:
     """True when `path` already holds model weights or a Megatron checkpoint."""
     if not os.path.isdir(path):
@@ -162,15 +175,7 @@ class HFDirWriter:
                 weight_map.update({n: final for n in names})
             with open(os.path.join(self.tmp, INDEX), "w") as f:
                 json.dump({"metadata": {"total_size": size}, "weight_map": weight_map}, f, indent=2)
-        if os.path.exists(self.out_dir):
-            # --overwrite: move the old directory aside first, delete it only once the new one is in place.
-            old = self.out_dir + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(self.out_dir, old)
-            os.rename(self.tmp, self.out_dir)
-            shutil.rmtree(old)
-        else:
-            os.rename(self.tmp, self.out_dir)
+        replace_dir(self.tmp, self.out_dir)
 
     def __enter__(self):
         return self
