@@ -17,6 +17,7 @@ value model is trained and no normalisation is needed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import signal
 import time
@@ -32,8 +33,7 @@ from remax_megatron.metrics import MetricsLogger, print0
 from remax_megatron.models.forward import broadcast_from_last_stage, forward_only
 from remax_megatron.optimizer import finalize_grads
 from remax_megatron.parallel import ProcessGroups, cpu_compat
-from remax_megatron.rollout import SamplingParams, logprob_mismatch, pack_sequences, sync_weights
-from remax_megatron.weights import export_hf_weights
+from remax_megatron.rollout import SamplingParams, WeightSync, logprob_mismatch, pack_sequences
 
 # Statistics of the loss that are summed over micro-batches and DP ranks (each already normalised globally).
 LOSS_STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac")
@@ -68,6 +68,11 @@ class Trainer:
         self.skipped_updates = 0
         self.preempt = PreemptionFlag()
 
+    @functools.cached_property
+    def weight_sync(self) -> WeightSync:
+        """Actor -> engine sync (keeps its buffers between steps)."""
+        return WeightSync(self.p.engine, self.actor_module, bucket_mb=self.cfg.rollout.sync_bucket_mb)
+
     # ---- the step ------------------------------------------------------------------------
     def train_step(self) -> dict:
         cfg, p = self.cfg, self.p
@@ -76,7 +81,7 @@ class Trainer:
 
         with self._stage("sync", times):
             p.engine.wake_up()
-            sync = sync_weights(p.engine, export_hf_weights(self.actor_module), bucket_mb=cfg.rollout.sync_bucket_mb)
+            sync = self.weight_sync()
 
         with self._stage("rollout", times):
             prompts = self._local_share(p.sampler.next(cfg.trainer.prompts_per_step))
@@ -325,7 +330,7 @@ class Trainer:
         if not prompts:
             return {}
         p.engine.wake_up()
-        sync_weights(p.engine, export_hf_weights(self.actor_module), bucket_mb=self.cfg.rollout.sync_bucket_mb)
+        self.weight_sync()
         rollouts = self._generate([q.token_ids for q in prompts], 0)
         responses = [[(r.greedy.token_ids, self._decode(r.greedy.token_ids))] for r in rollouts]
         scores, _ = p.scorer.score([q.token_ids for q in prompts], [q.text for q in prompts],

@@ -6,8 +6,8 @@
         --json sync.json
 
 Every rank builds the actor shard (TP x PP from the flags, DP = the rest) and a
-native engine (a full replica), then times `sync_weights(engine,
-export_hf_weights(actor))` between barriers. Measured in the same run:
+native engine (a full replica), then times the trainer's `WeightSync(engine,
+actor)()` (export in the engine dtype -> buckets -> engine) between barriers. Measured in the same run:
 
 - transport_gbps: one plain `dist.broadcast` of the same number of bytes from
   rank 0 over all ranks and the same backend: what the transport allows;
@@ -79,8 +79,8 @@ def run(args) -> dict:
     from remax_megatron.config import RolloutConfig
     from remax_megatron.models import build_policy, read_hf_config
     from remax_megatron.parallel import ParallelLayout, init_distributed
-    from remax_megatron.rollout import build_engine, sync_weights
-    from remax_megatron.weights import export_hf_weights, load_hf_weights
+    from remax_megatron.rollout import WeightSync, build_engine
+    from remax_megatron.weights import load_hf_weights
 
     rank, world = init_distributed()
     layout = ParallelLayout(tp=args.tp, pp=args.pp, world_size=world)
@@ -91,10 +91,11 @@ def run(args) -> dict:
     load_hf_weights(actor, args.hf_dir)
     engine = build_engine(RolloutConfig(sync_bucket_mb=args.bucket_mb), hf_dir=args.hf_dir, arch=arch,
                           seed=0, dtype=dtype)
+    weight_sync = WeightSync(engine, actor, bucket_mb=args.bucket_mb)
     stats = {}
 
     def sync():
-        stats.update(sync_weights(engine, export_hf_weights(actor), bucket_mb=args.bucket_mb))
+        stats.update(weight_sync())
 
     sync()  # warm-up: first-touch page faults, allocator growth
     sync_times = _timed(sync, args.repeats)

@@ -18,7 +18,7 @@ from remax_megatron.rollout.sequences import (
     prepare_prompts,
     tokenize_prompts,
 )
-from remax_megatron.rollout.weight_sync import sync_weights
+from remax_megatron.rollout.weight_sync import WeightSync, sync_weights
 
 __all__ = [
     "Completion",
@@ -27,6 +27,7 @@ __all__ = [
     "PromptRollout",
     "RolloutEngine",
     "SamplingParams",
+    "WeightSync",
     "build_engine",
     "check_rollout_layout",
     "flatten_rollouts",

@@ -1,25 +1,25 @@
 """Bucketed weight sync: the actor's exported HF tensors streamed into the rollout engine.
 
-    stats = sync_weights(engine, export_hf_weights(actor), bucket_mb=cfg.rollout.sync_bucket_mb)
-    # {"bytes": ..., "seconds": ..., "buckets": ...}
+    sync = WeightSync(engine, actor_module, bucket_mb=cfg.rollout.sync_bucket_mb)
+    stats = sync()   # {"bytes": ..., "seconds": ..., "buckets": ...}, every step
 
-`export_hf_weights` already yields every full HF tensor on every rank of the
-actor's TP x PP group (TP all-gather + PP broadcast inside the export). Every
+The actor's exporter (weights/export.py) yields every full HF tensor on every
+rank of the actor's TP x PP group, bucket by bucket, in the engine dtype. Every
 rank runs an engine that needs all of them: the native engine is a full replica
 per rank, and each rank of a vLLM engine passes full HF tensors to its model's
-`load_weights`, which keeps that rank's shard. So nothing is sent between ranks
-here; each rank packs its stream into buckets and hands them to its engine.
+`load_weights`, which keeps that rank's shard. So nothing more is sent between
+ranks here: each export bucket goes to the engine in ONE `load_weights` call.
 
-A bucket is one contiguous buffer in the engine's dtype on the engine's device
-(allocated once and reused: peak extra memory is one bucket, or one tensor
-when a single tensor is larger), filled by casting copies; the engine gets it as
-a list of (name, view) in ONE `load_weights` call per bucket.
+`sync_weights(engine, stream, bucket_mb)` does the same for any (name, tensor)
+stream: a BucketPacker copies (and casts) each tensor as it arrives into one
+reused buffer in the engine's dtype on the engine's device (peak extra memory:
+one bucket, or one tensor when a single tensor is larger).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
@@ -29,7 +29,14 @@ _ALIGN_BYTES = 256  # each view starts on a 256-byte boundary (vectorised copies
 
 
 class BucketPacker:
-    """Groups a (name, tensor) stream into buckets of at most `bucket_bytes` (in the target dtype)."""
+    """Packs a (name, tensor) stream into one reused buffer of `bucket_bytes` (in the target dtype).
+
+        if not packer.fits(tensor):
+            engine.load_weights(packer.take())
+        packer.put(name, tensor)      # copies (and casts) now: the source may be reused after
+
+    A tensor larger than the bucket goes alone into a buffer grown to fit it.
+    """
 
     def __init__(self, bucket_bytes: int, dtype: torch.dtype, device: torch.device):
         if bucket_bytes <= 0:
@@ -38,74 +45,122 @@ class BucketPacker:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.align = max(1, _ALIGN_BYTES // self.itemsize)
         self._buffer: torch.Tensor | None = None
-        self._pending: list[tuple[str, torch.Tensor]] = []
-        self._pending_elems = 0
+        self._views: list[tuple[str, torch.Tensor]] = []
+        self._used = 0  # elements, aligned
 
     def _padded(self, numel: int) -> int:
         return -(-numel // self.align) * self.align
 
-    def add(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
-        """Queue one tensor; returns a full bucket to load when this tensor does not fit."""
-        ready = None
+    def fits(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` joins the current bucket (always true for an empty bucket)."""
+        return not self._views or (self._used + self._padded(tensor.numel())) * self.itemsize <= self.bucket_bytes
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy `tensor` (cast to the target dtype) into the bucket; call `take` first unless it `fits`."""
+        assert self.fits(tensor), "take() the full bucket before putting a tensor that does not fit"
         size = self._padded(tensor.numel())
-        if self._pending and (self._pending_elems + size) * self.itemsize > self.bucket_bytes:
-            ready = self.flush()
-        self._pending.append((name, tensor))
-        self._pending_elems += size
-        return ready
-
-    def flush(self) -> list[tuple[str, torch.Tensor]] | None:
-        """The queued tensors packed into the bucket buffer as (name, view), or None if empty.
-
-        The views alias the reused buffer: load them before the next flush.
-        """
-        if not self._pending:
-            return None
-        need = max(self._pending_elems, self.bucket_bytes // self.itemsize)
+        need = max(self._used + size, self.bucket_bytes // self.itemsize)
         if self._buffer is None or self._buffer.numel() < need:
-            self._buffer = None
+            self._buffer = None  # free before growing (only happens for an empty bucket or the first put)
             self._buffer = torch.empty(need, dtype=self.dtype, device=self.device)
-        out, offset = [], 0
-        for name, tensor in self._pending:
-            view = self._buffer[offset:offset + tensor.numel()].view(tensor.shape)
-            view.copy_(tensor)
-            out.append((name, view))
-            offset += self._padded(tensor.numel())
-        self._pending, self._pending_elems = [], 0
-        return out
+        view = self._buffer[self._used:self._used + tensor.numel()].view(tensor.shape)
+        view.copy_(tensor)
+        self._views.append((name, view))
+        self._used += size
+
+    def pack(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The stream as full buckets; load each before asking for the next."""
+        for name, tensor in weights:
+            if not self.fits(tensor):
+                yield self.take()
+            self.put(name, tensor)
+        if self._views:
+            yield self.take()
+
+    def take(self) -> list[tuple[str, torch.Tensor]]:
+        """The bucket's (name, view) pairs; the views alias the buffer: load them before the next put."""
+        views, self._views, self._used = self._views, [], 0
+        return views
 
     def release(self) -> None:
-        self._buffer, self._pending, self._pending_elems = None, [], 0
+        self._buffer, self._views, self._used = None, [], 0
 
 
 def sync_weights(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tensor]],
-                 bucket_mb: float) -> dict:
+                 bucket_mb: float, packer: BucketPacker | None = None) -> dict:
     """Stream (hf_name, full tensor) pairs into `engine` in buckets of `bucket_mb` MiB.
 
     Returns {"bytes": bytes delivered (engine dtype), "seconds": wall time of the
     whole sync including the export that produces `weights`, "buckets": count}.
-    Every rank calls it with its own engine and the same export stream.
+    Every rank calls it with its own engine and the same export stream. `packer`: a
+    BucketPacker to reuse (kept, not released); by default one for this call.
     """
     if not bucket_mb > 0:
         raise ValueError(f"rollout.sync_bucket_mb={bucket_mb!r} must be > 0")
-    start = time.perf_counter()
-    packer = BucketPacker(int(bucket_mb * 2**20), engine.dtype, engine.device)
-    total_bytes, buckets = 0, 0
-    engine.begin_weight_update()
+    own_packer = packer is None
+    if own_packer:
+        packer = BucketPacker(int(bucket_mb * 2**20), engine.dtype, engine.device)
     try:
-        for name, tensor in weights:
-            total_bytes += tensor.numel() * packer.itemsize
-            bucket = packer.add(name, tensor)
-            if bucket is not None:
-                engine.load_weights(bucket)
-                buckets += 1
-        bucket = packer.flush()
-        if bucket is not None:
-            engine.load_weights(bucket)
-            buckets += 1
+        return load_buckets(engine, packer.pack(weights))
     finally:
-        packer.release()
+        if own_packer:
+            packer.release()
+
+
+def load_buckets(engine: RolloutEngine, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> dict:
+    """One weight update of `engine`: one `load_weights` call per bucket. Stats as sync_weights."""
+    start, total_bytes, count = time.perf_counter(), 0, 0
+    engine.begin_weight_update()
+    for bucket in buckets:
+        engine.load_weights(bucket)
+        total_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        count += 1
     engine.finish_weight_update()
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
-    return {"bytes": total_bytes, "seconds": time.perf_counter() - start, "buckets": buckets}
+    return {"bytes": total_bytes, "seconds": time.perf_counter() - start, "buckets": count}
+
+
+class WeightSync:
+    """The trainer's per-step sync: `model`'s export, in the engine dtype, into `engine`.
+
+        sync = WeightSync(engine, actor_module, bucket_mb=cfg.rollout.sync_bucket_mb)
+        stats = sync()        # every step
+
+    The exporter casts to the engine dtype before sending (bf16 engine: half the bytes of an
+    fp32 actor) and its buckets, already in the engine's dtype and on its device, go to the
+    engine as they are (a packer repacks them only when the devices differ). Buffers are
+    kept between syncs on CPU, where fresh pages cost page faults on every sync, and freed
+    after each sync on CUDA, where the caching allocator reuses the blocks and training
+    needs the memory.
+    """
+
+    def __init__(self, engine: RolloutEngine, model, bucket_mb: float):
+        from remax_megatron.weights.export import HFExporter
+
+        if not bucket_mb > 0:
+            raise ValueError(f"rollout.sync_bucket_mb={bucket_mb!r} must be > 0")
+        self.engine, self.bucket_mb = engine, bucket_mb
+        self.exporter = HFExporter(model, dtype=engine.dtype, bucket_mb=bucket_mb)
+        self.packer = BucketPacker(int(bucket_mb * 2**20), engine.dtype, engine.device)
+
+    def __call__(self) -> dict:
+        try:
+            if _same_device(self.exporter.device, self.engine.device):
+                return load_buckets(self.engine, self.exporter.buckets())
+            return sync_weights(self.engine, self.exporter, self.bucket_mb, packer=self.packer)
+        finally:
+            if self.exporter.device.type != "cpu":
+                self.exporter.release()
+            if self.packer.device.type != "cpu":
+                self.packer.release()
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)

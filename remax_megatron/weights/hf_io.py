@@ -146,7 +146,8 @@ class HFDirWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
             self._flush()
-        self._pending[name] = tensor.detach().contiguous().cpu()
+        owned = torch.empty(tensor.shape, dtype=tensor.dtype)  # a copy: streamed tensors may alias reused buffers
+        self._pending[name] = owned.copy_(tensor.detach())
         self._pending_bytes += nbytes
 
     def _flush(self) -> None:

@@ -143,29 +143,47 @@ class WeightMapping:
         raise AssertionError(spec.kind)
 
     # ---- TP shards -> full HF tensors ----------------------------------------------------
-    def merge_shards(self, spec: ParamSpec, shards: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        """Inverse of load_shard: the TP shards (rank order) -> [(hf_name, full tensor)]."""
+    def merge_shards(self, spec: ParamSpec, shards: list[torch.Tensor],
+                     out: list[torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
+        """Inverse of load_shard: the TP shards (rank order) -> [(hf_name, full tensor)].
+
+        out: one tensor of the HF shape per name of `spec.hf` to write into (the exporter passes
+        reused buffers); fresh ones by default. A replicated tensor is returned as is.
+        """
         a = self.arch
         if spec.kind == REPLICATED:
             return [(spec.hf[0], shards[0])]
+        if out is None:
+            out = [torch.empty(_hf_shape(self, n), dtype=shards[0].dtype, device=shards[0].device)
+                   for n in spec.hf]
+        tp = len(shards)
         if spec.kind == ROW:
-            return [(spec.hf[0], torch.cat(shards, dim=1))]
-        if spec.kind == VOCAB:
-            return [(spec.hf[0], torch.cat(shards, dim=0)[: a.vocab_size])]
-        if spec.kind == FC1:
-            halves = [s.chunk(2, dim=0) for s in shards]
-            gate = torch.cat([h[0] for h in halves])
-            up = torch.cat([h[1] for h in halves])
-            return [(spec.hf[0], gate), (spec.hf[1], up)]
-        if spec.kind == QKV:
-            qpg, hd = a.num_heads // a.num_kv_heads, a.head_dim
-            full = torch.cat(shards, dim=0)
-            tail = full.shape[1:]
-            grouped = full.reshape(a.num_kv_heads, (qpg + 2) * hd, *tail)
-            q, k, v = grouped.split([qpg * hd, hd, hd], dim=1)
-            return [(spec.hf[0], q.reshape(-1, *tail)), (spec.hf[1], k.reshape(-1, *tail)),
-                    (spec.hf[2], v.reshape(-1, *tail))]
-        raise AssertionError(spec.kind)
+            torch.cat(shards, dim=1, out=out[0])
+        elif spec.kind == VOCAB:
+            rows = shards[0].shape[0]  # padded_vocab // tp: the padding rows are dropped
+            for r, shard in enumerate(shards):
+                start, stop = r * rows, min((r + 1) * rows, a.vocab_size)
+                if start < stop:
+                    out[0][start:stop].copy_(shard[: stop - start])
+        elif spec.kind == FC1:
+            rows = a.ffn_hidden_size // tp  # each shard is [gate rows; up rows]
+            for r, shard in enumerate(shards):
+                out[0][r * rows:(r + 1) * rows].copy_(shard[:rows])
+                out[1][r * rows:(r + 1) * rows].copy_(shard[rows:])
+        elif spec.kind == QKV:
+            # Each shard holds `groups` KV groups, each [q heads of the group; k; v] along dim 0.
+            qpg, hd, groups = a.num_heads // a.num_kv_heads, a.head_dim, a.num_kv_heads // tp
+            tail = shards[0].shape[1:]
+            q, k, v = (t.view(a.num_kv_heads, -1, *tail) for t in out)
+            for r, shard in enumerate(shards):
+                g = slice(r * groups, (r + 1) * groups)
+                grouped = shard.reshape(groups, (qpg + 2) * hd, *tail)
+                q[g].copy_(grouped[:, :qpg * hd])
+                k[g].copy_(grouped[:, qpg * hd:(qpg + 1) * hd])
+                v[g].copy_(grouped[:, (qpg + 1) * hd:])
+        else:
+            raise AssertionError(spec.kind)
+        return list(zip(spec.hf, out))
 
     def shard_shape(self, spec: ParamSpec) -> tuple[int, ...]:
         """Shape of one TP shard of `spec` (same on every TP rank)."""

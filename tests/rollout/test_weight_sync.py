@@ -64,9 +64,17 @@ def test_cast_to_engine_dtype():
 
 def test_packer_reuses_its_buffer():
     packer = BucketPacker(4096, torch.float32, torch.device("cpu"))
-    ready = [packer.add(f"t{i}", torch.full((300,), float(i))) for i in range(8)]
-    ptrs = {b[0][1].untyped_storage().data_ptr() for b in ready if b is not None}
-    assert len(ptrs) == 1
+    source = torch.empty(300)  # one reused source buffer, like the export's
+    ready, values = [], []
+    for i in range(8):
+        if not packer.fits(source):
+            ready.append(packer.take())
+            values.append([float(t[0]) for _, t in ready[-1]])  # read before the next put reuses the buffer
+        packer.put(f"t{i}", source.fill_(float(i)))
+    assert len(ready) >= 2
+    assert len({b[0][1].untyped_storage().data_ptr() for b in ready}) == 1
+    # Each tensor was copied when put: later fills of the source did not change it.
+    assert [v for vs in values for v in vs] == [float(i) for i in range(sum(map(len, values)))]
 
 
 @pytest.mark.parametrize("bad", [0, -1])
