@@ -49,6 +49,7 @@ class TrainerConfig:
     eval_every: int = 5             # greedy eval every N steps (0: never)
     eval_prompts: int = 32          # held-out prompts evaluated
     dist_timeout_minutes: int = 30  # collective timeout: a dead rank fails the job after this
+    peak_tflops: float = 0.0        # device peak for perf/mfu; 0: from the GPU's name (H100/H200/A100/L40S)
 
     def __post_init__(self):
         for key in ("steps", "prompts_per_step", "micro_batch_size", "mini_batches"):
@@ -56,6 +57,7 @@ class TrainerConfig:
         for key in ("eval_every", "eval_prompts"):
             _positive(f"trainer.{key}", getattr(self, key), zero_ok=True)
         _positive("trainer.dist_timeout_minutes", self.dist_timeout_minutes)
+        _positive("trainer.peak_tflops", self.peak_tflops, zero_ok=True)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class ActorConfig:
     sequence_parallel: bool = False  # shard activations along the sequence within TP (GPU)
     recompute: str = "none"         # activation recompute: none | selective | full
     make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this * tp
+    offload_during_rollout: bool = False  # params, grads, optimizer state to host while the engine generates
 
     def __post_init__(self):
         _positive("actor.tp", self.tp)

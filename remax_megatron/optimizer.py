@@ -85,6 +85,10 @@ class CpuAdamW:
         for p in self.params:
             p.grad = None
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the optimizer's own state (Adam moments): what an offload must keep."""
+        return [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False) -> dict:
         """Adam moments as ShardedTensors laid out like their parameters: reshardable across TP/PP."""
         from megatron.core.dist_checkpointing.optimizer import (
@@ -146,6 +150,16 @@ class MegatronOptimizer:
     def zero_grad(self) -> None:
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """fp32 main weights (shards under the DistributedOptimizer) and Adam moments of every
+        underlying torch/TE/Apex optimizer: what an offload must keep."""
+        out = []
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            out += [p for group in inner.param_groups for p in group["params"]]
+            out += [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t)]
+        return out
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False) -> dict:
         # Fully reshardable: a run saved at one TP/PP/DP layout resumes at another.

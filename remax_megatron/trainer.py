@@ -29,8 +29,11 @@ import torch.distributed as dist
 from remax_megatron.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
 from remax_megatron.config import Config
 from remax_megatron.kernels import compute_advantages, remax_loss
+from remax_megatron.flops import forward_flops, peak_tflops
+from remax_megatron.memory import TrainStateOffload, phase_memory
 from remax_megatron.metrics import MetricsLogger, print0
 from remax_megatron.models.forward import broadcast_from_last_stage, forward_only
+from remax_megatron.models.gpt import check_sequence_length, sequence_multiple
 from remax_megatron.optimizer import finalize_grads
 from remax_megatron.parallel import ProcessGroups, cpu_compat
 from remax_megatron.rollout import SamplingParams, WeightSync, logprob_mismatch, pack_sequences
@@ -69,6 +72,11 @@ class Trainer:
         self.preempt = PreemptionFlag()
 
     @functools.cached_property
+    def offload(self) -> TrainStateOffload:
+        """Frees the actor's training state while the engine generates (actor.offload_during_rollout)."""
+        return TrainStateOffload(self.p.actor, self.p.optimizer, enabled=self.cfg.actor.offload_during_rollout)
+
+    @functools.cached_property
     def weight_sync(self) -> WeightSync:
         """Actor -> engine sync (keeps its buffers between steps)."""
         return WeightSync(self.p.engine, self.actor_module, bucket_mb=self.cfg.rollout.sync_bucket_mb)
@@ -83,7 +91,7 @@ class Trainer:
             p.engine.wake_up()
             sync = self.weight_sync()
 
-        with self._stage("rollout", times):
+        with self._stage("rollout", times), self.offload.offloaded():
             prompts = self._local_share(p.sampler.next(cfg.trainer.prompts_per_step))
             rollouts = self._generate([q.token_ids for q in prompts], cfg.rollout.n)
 
@@ -93,7 +101,8 @@ class Trainer:
         with self._stage("train", times):
             n = cfg.rollout.n
             batch = pack_sequences([q.token_ids for q in prompts for _ in range(n)],
-                                   [c for r in rollouts for c in r.sampled], pad_id=self._pad_id())
+                                   [c for r in rollouts for c in r.sampled], pad_id=self._pad_id(),
+                                   pad_to_multiple=sequence_multiple(self.actor_module))
             batch["rewards"] = torch.tensor(r_sampled, dtype=torch.float32)                      # [B]
             batch["baseline"] = torch.tensor(r_greedy, dtype=torch.float32).repeat_interleave(n)  # [B]
             old_logprobs = self._logprobs(self.actor_module, batch)          # [B, S] on the last stage
@@ -112,6 +121,7 @@ class Trainer:
         step_time = time.perf_counter() - t_step
         tokens = self._global_sum(float(batch["lengths"].sum()))
         record.update(times)
+        record.update(self._perf(prompts, rollouts, batch, step_time, times["time/train_s"]))
         record.update({
             "time/step_s": step_time, "throughput/tokens_per_s": tokens / step_time,
             "sync/bytes": sync["bytes"], "sync/buckets": sync["buckets"], "kl/coef": p.kl.coef,
@@ -123,10 +133,12 @@ class Trainer:
 
     @contextlib.contextmanager
     def _stage(self, name: str, times: dict):
-        """Time a stage (time/<name>_s) and name it in any failure, e.g. a collective timeout."""
+        """Time a stage (time/<name>_s), record its memory (memory.phase_memory) and name it in any
+        failure, e.g. a collective timeout."""
         start = time.perf_counter()
         try:
-            yield
+            with phase_memory(name, times):
+                yield
         except (RuntimeError, dist.DistBackendError) as e:
             if isinstance(e, StageError):
                 raise
@@ -255,6 +267,7 @@ class Trainer:
 
             return hidden, loss_fn
 
+        check_sequence_length(self.actor_module, micro[0]["input_ids"].shape[1])
         outputs = cpu_compat.forward_backward_func()(
             forward_step_func=step_fn, data_iterator=batches, model=[self.p.actor], num_microbatches=len(micro),
             seq_length=micro[0]["input_ids"].shape[1], micro_batch_size=micro[0]["input_ids"].shape[0],
@@ -276,6 +289,27 @@ class Trainer:
             tensor = tensor.clone()
             dist.all_reduce(tensor, group=self.g.dp)
         return tensor
+
+    def _perf(self, prompts, rollouts, batch, step_time: float, train_time: float) -> dict:
+        """Model TFLOP/s per device and MFU of the step and of its train stage (remax_megatron.flops)."""
+        arch = self.actor_module.arch
+        rows = [len(q.token_ids) + len(c.token_ids) for q, r in zip(prompts, rollouts) for c in r.sampled + [r.greedy]]
+        rollout = forward_flops(arch, rows)
+        rm = self.p.scorer.reward_model
+        reward = forward_flops(rm.arch, rows) if rm is not None else 0.0
+        passes = 3 + 1 + (self.p.reference is not None)  # forward + backward, old log-probs, reference
+        train = passes * forward_flops(arch, batch["lengths"].tolist())
+        # Prompts are split over DP only: the ranks of one model-parallel group share one replica's work.
+        step_flops, train_flops = (float(x) for x in self._dp_sum(torch.tensor(
+            [rollout + reward + train, train], dtype=torch.float64)))
+        world = dist.get_world_size()
+        out = {"perf/tflops_per_device": step_flops / step_time / world / 1e12,
+               "perf/train_tflops_per_device": train_flops / train_time / world / 1e12}
+        peak = peak_tflops(self.actor_module.config.params_dtype, self.cfg.trainer.peak_tflops)
+        if peak:
+            out["perf/mfu"] = out["perf/tflops_per_device"] / peak
+            out["perf/mfu_train"] = out["perf/train_tflops_per_device"] / peak
+        return out
 
     def _global_sum(self, value: float) -> float:
         return float(self._dp_sum(torch.tensor(value, dtype=torch.float64)))
@@ -331,7 +365,8 @@ class Trainer:
             return {}
         p.engine.wake_up()
         self.weight_sync()
-        rollouts = self._generate([q.token_ids for q in prompts], 0)
+        with self.offload.offloaded():
+            rollouts = self._generate([q.token_ids for q in prompts], 0)
         responses = [[(r.greedy.token_ids, self._decode(r.greedy.token_ids))] for r in rollouts]
         scores, _ = p.scorer.score([q.token_ids for q in prompts], [q.text for q in prompts],
                                    [q.columns for q in prompts], [q.index for q in prompts], responses)

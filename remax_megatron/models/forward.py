@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from remax_megatron.models.gpt import check_sequence_length
 from remax_megatron.parallel import cpu_compat
 
 
@@ -22,6 +23,7 @@ def forward_only(model, micro_batches: list[dict], head: Callable[[object, torch
     if not micro_batches:
         return []
     b, s = micro_batches[0]["input_ids"].shape
+    check_sequence_length(model, s)
     results: list = []
     batches = iter(micro_batches)
 

@@ -33,20 +33,41 @@ def transformer_engine_usable() -> bool:
     return True
 
 
-def layer_spec():
-    """Transformer Engine spec when usable, else the local (pure megatron-core) spec."""
+class RMSNorm(nn.RMSNorm):
+    """torch RMSNorm with megatron's norm signature, for the local (non-TE) spec.
+
+    megatron's own torch wrapper refuses sequence parallel (its weight would miss the TP
+    all-reduce of its gradient) and builds fp32 weights whatever params_dtype is. This one
+    marks the weight `sequence_parallel` so finalize_model_grads sums its gradient over TP,
+    and builds it in params_dtype (a bf16 model is bf16 throughout, like the TE spec).
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def layer_spec(config):
+    """Transformer Engine spec when usable, else the local (pure megatron-core) spec with RMSNorm above.
+
+    Returns the block spec of this pipeline stage (its layers and the final norm).
+    """
     from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     if transformer_engine_usable():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=RMSNorm)
 
 
-def _gpt_kwargs(arch: ModelArch, tp: int, divisible_by: int) -> dict:
+def _gpt_kwargs(arch: ModelArch, config, tp: int, divisible_by: int) -> dict:
     from megatron.core import parallel_state as ps
 
     return dict(
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_spec(config),
         vocab_size=padded_vocab_size(arch.vocab_size, tp, divisible_by),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -184,7 +205,7 @@ def build_policy(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype
                                 recompute_granularity=recompute_granularity, init_weights=init_weights)
     with cpu_compat.redirect_cuda():
         model = PolicyModel(config=config, share_embeddings_and_output_weights=arch.tie_word_embeddings,
-                            **_gpt_kwargs(arch, tp, make_vocab_size_divisible_by))
+                            **_gpt_kwargs(arch, config, tp, make_vocab_size_divisible_by))
     model.arch = arch
     _mark_tensor_parallel(model)
     if model.post_process:
@@ -207,7 +228,7 @@ def build_reward_model(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch
                                 sequence_parallel=sequence_parallel, init_weights=init_weights)
     with cpu_compat.redirect_cuda():
         model = RewardModel(config=config, share_embeddings_and_output_weights=False,
-                            **_gpt_kwargs(arch, tp, make_vocab_size_divisible_by))
+                            **_gpt_kwargs(arch, config, tp, make_vocab_size_divisible_by))
     model.arch = arch
     _mark_tensor_parallel(model)
     if model.post_process:
@@ -216,6 +237,20 @@ def build_reward_model(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch
     model.requires_grad_(False)
     model.eval()
     return model
+
+
+def sequence_multiple(model) -> int:
+    """Batches for `model` need a sequence length that is a multiple of this (TP with sequence parallel)."""
+    config = model.config
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
+def check_sequence_length(model, seq_length: int) -> None:
+    """Raise before a schedule starts (on every rank alike) when sequence parallel cannot split `seq_length`."""
+    multiple = sequence_multiple(model)
+    if seq_length % multiple:
+        raise ValueError(f"sequence length {seq_length} is not a multiple of tp={multiple}, which sequence "
+                         f"parallel needs: pad batches to a multiple of {multiple} (pack_sequences(pad_to_multiple=))")
 
 
 def params_dtype_of(name: str) -> torch.dtype:

@@ -60,11 +60,13 @@ class RewardScorer:
     def _model_scores(self, sequences: list[list[int]]) -> list[float]:
         """Reward-model score at each sequence's last token (collective over the RM's TP x PP group)."""
         from remax_megatron.models.forward import broadcast_from_last_stage, forward_only
+        from remax_megatron.models.gpt import sequence_multiple
 
         mbs = self.micro_batch_size
         count = len(sequences)
         padded_count = -(-count // mbs) * mbs
-        width = max(len(s) for s in sequences)
+        multiple = sequence_multiple(self.reward_model)
+        width = -(-max(len(s) for s in sequences) // multiple) * multiple  # sequence parallel splits it
         ids = torch.full((padded_count, width), self.pad_id, dtype=torch.long)
         lengths = torch.ones(padded_count, dtype=torch.long)
         for i, seq in enumerate(sequences):

@@ -1,4 +1,5 @@
-"""Megatron actor logits and reward-model scores vs transformers, at several TP x PP layouts (gloo)."""
+"""Megatron actor logits and reward-model scores vs transformers, at several TP x PP layouts (gloo),
+with and without sequence parallel."""
 
 import pytest
 import torch
@@ -45,7 +46,16 @@ def _labels(ids):
     return labels
 
 
-def _actor_body(rank, world, model_dir, tp, pp, expected):
+def _sp_pad(ids, labels_or_none, fill):
+    """Sequence parallel at TP=2 needs an even length: one trailing column (a causal model's earlier
+    positions cannot see it; labels there are ignored)."""
+    ids = torch.cat([ids, ids[:, :1].clone().fill_(fill)], dim=1)
+    if labels_or_none is None:
+        return ids, None
+    return ids, torch.cat([labels_or_none, torch.full_like(labels_or_none[:, :1], -100)], dim=1)
+
+
+def _actor_body(rank, world, model_dir, tp, pp, expected, sp=False):
     from remax_megatron.models import build_policy, read_hf_config
     from remax_megatron.models.forward import forward_only
     from remax_megatron.parallel import ParallelLayout
@@ -53,14 +63,18 @@ def _actor_body(rank, world, model_dir, tp, pp, expected):
 
     ParallelLayout(tp=tp, pp=pp, world_size=world).initialize()
     arch = read_hf_config(model_dir)
-    model = build_policy(arch, tp=tp, pp=pp)
+    model = build_policy(arch, tp=tp, pp=pp, sequence_parallel=sp)
+    assert model.config.sequence_parallel == sp
     load_hf_weights(model, model_dir)
     ids = _inputs(arch.vocab_size)
     labels = _labels(ids)
+    S = ids.shape[1]
+    if sp:
+        ids, labels = _sp_pad(ids, labels, fill=5)
 
     def head(m, hidden, batch):
         logprobs, entropy = m.token_logprobs(hidden, batch["labels"], temperature=0.7, with_entropy=True)
-        return m.full_logits(hidden), logprobs, entropy
+        return m.full_logits(hidden)[:, :S], logprobs[:, :S], entropy[:, :S]
 
     out = forward_only(model, [{"input_ids": ids[:2], "labels": labels[:2]},
                                {"input_ids": ids[2:].expand(2, -1), "labels": labels[2:].expand(2, -1)}], head)
@@ -71,6 +85,7 @@ def _actor_body(rank, world, model_dir, tp, pp, expected):
         assert err < 1e-5, f"tp={tp} pp={pp}: max |logits - transformers| = {err}"
         # Fused vocab-parallel log-probs (padding rows excluded) vs log_softmax of HF logits.
         ref = torch.log_softmax(expected.double() / 0.7, dim=-1)
+        labels = labels[:, :S]
         ref_lp = ref.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(labels < 0, 0)
         ref_ent = -(ref.exp() * ref).sum(-1).masked_fill(labels < 0, 0)
         logprobs = torch.cat([out[0][1], out[1][1][:1]])
@@ -87,7 +102,29 @@ def test_actor_logits_match_transformers(models, family, tp, pp):
     run_distributed(_actor_body, world_size=tp * pp, args=(models[family], tp, pp, expected))
 
 
-def _rm_body(rank, world, model_dir, tp, pp, expected):
+@pytest.mark.slow
+@pytest.mark.parametrize("family,tp,pp", [("llama", 2, 1), ("qwen2", 2, 2)])
+def test_actor_sequence_parallel_matches_transformers(models, family, tp, pp):
+    expected = _hf_logits(models[family])
+    run_distributed(_actor_body, world_size=tp * pp, args=(models[family], tp, pp, expected, True))
+
+
+def _odd_length_body(rank, world, model_dir):
+    from remax_megatron.models import build_policy, read_hf_config
+    from remax_megatron.models.forward import forward_only
+    from remax_megatron.parallel import ParallelLayout
+
+    ParallelLayout(tp=2, pp=1, world_size=world).initialize()
+    model = build_policy(read_hf_config(model_dir), tp=2, pp=1, sequence_parallel=True)
+    with pytest.raises(ValueError, match="sequence length 17 is not a multiple of tp=2"):
+        forward_only(model, [{"input_ids": torch.ones(2, 17, dtype=torch.long)}], lambda m, h, b: h)
+
+
+def test_sequence_parallel_refuses_odd_length_on_every_rank(models):
+    run_distributed(_odd_length_body, world_size=2, args=(models["llama"],))
+
+
+def _rm_body(rank, world, model_dir, tp, pp, expected, sp=False):
     from remax_megatron.models import build_reward_model, read_hf_config
     from remax_megatron.models.forward import broadcast_from_last_stage, forward_only
     from remax_megatron.parallel import ParallelLayout
@@ -95,9 +132,11 @@ def _rm_body(rank, world, model_dir, tp, pp, expected):
 
     ParallelLayout(tp=tp, pp=pp, world_size=world).initialize()
     arch = read_hf_config(model_dir)
-    model = build_reward_model(arch, tp=tp, pp=pp)
+    model = build_reward_model(arch, tp=tp, pp=pp, sequence_parallel=sp)
     load_hf_weights(model, model_dir)
     ids, lengths = _rm_inputs(arch.vocab_size, arch.pad_token_id)
+    if sp:
+        ids, _ = _sp_pad(ids, None, fill=arch.pad_token_id)
     out = forward_only(model, [{"input_ids": ids, "lengths": lengths}],
                        lambda m, values, batch: m.scores(values, batch["lengths"]))
     scores = broadcast_from_last_stage(out[0] if out else None, (ids.shape[0],), torch.float32)
@@ -123,3 +162,14 @@ def test_reward_model_scores_match_transformers(models, tp, pp):
     with torch.no_grad():
         expected = hf(ids).logits.view(-1).float()
     run_distributed(_rm_body, world_size=tp * pp, args=(models["rm"], tp, pp, expected))
+
+
+@pytest.mark.slow
+def test_reward_model_sequence_parallel_matches_transformers(models):
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(models["rm"], dtype=torch.float32).eval()
+    ids, _ = _rm_inputs(hf.config.vocab_size, hf.config.pad_token_id)
+    with torch.no_grad():
+        expected = hf(ids).logits.view(-1).float()
+    run_distributed(_rm_body, world_size=2, args=(models["rm"], 2, 1, expected, True))

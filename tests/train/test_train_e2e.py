@@ -2,7 +2,8 @@
 
 - configs/tiny_cpu.yaml (shortened) raises the greedy eval reward by >= 0.2; every DESIGN.md metric is logged
 - configs/tiny_cpu_rm.yaml (shortened) raises the reward-model score of greedy eval answers
-- the same seed and layout give identical metrics; the first step's loss agrees between TP=2 and PP=2
+- the same seed and layout give identical metrics; the first step's loss agrees between TP=2, PP=2
+  and TP=2 with sequence parallel; offloading the training state during rollouts changes nothing
 - bad input is refused with one line before any work
 """
 
@@ -37,7 +38,8 @@ def _train(env, config, out, *overrides, nproc=2):
 
 
 def _timeless(records):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in records]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "memory/", "perf/"))}
+            for r in records]
 
 
 @pytest.mark.slow
@@ -70,9 +72,18 @@ def test_same_seed_same_metrics_and_layouts_agree(env, tmp_path):
     a = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "a"), *short)
     b = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "b"), *short)
     assert _timeless(a) == _timeless(b)
+    assert all(f"memory/rss_gib_{stage}" in a[0] for stage in ("sync", "rollout", "reward", "train"))
+    assert a[0]["perf/tflops_per_device"] > 0 and "perf/mfu" not in a[0]  # no known CPU peak
+    # Training state offloaded while the engine generates: bitwise the same run.
+    off = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "off"), *short, "actor.offload_during_rollout=true")
+    assert _timeless(off) == _timeless(a)
     pp = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "pp"), *short, "actor.tp=1", "actor.pp=2")
     assert abs(pp[0]["loss"] - a[0]["loss"]) < 1e-5, (pp[0]["loss"], a[0]["loss"])
     assert pp[0]["reward/sampled_mean"] == a[0]["reward/sampled_mean"]
+    # Sequence parallel at TP=2 (responses padded to an even length): same first step.
+    sp = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "sp"), *short, "actor.sequence_parallel=true")
+    assert abs(sp[0]["loss"] - a[0]["loss"]) < 1e-5, (sp[0]["loss"], a[0]["loss"])
+    assert sp[0]["reward/sampled_mean"] == a[0]["reward/sampled_mean"]
 
 
 def _refused(env, tmp_path, *overrides, world=1):

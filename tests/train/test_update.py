@@ -1,6 +1,7 @@
 """The actor update on CPU: megatron DDP + schedule + fused log-probs + ReMax loss + CpuAdamW.
 
-- the loss and gradient of one update agree across (TP=2, PP=1), (TP=1, PP=2) and (TP=1, PP=1)
+- the loss and gradient of one update agree across (TP=2, PP=1), (TP=1, PP=2), (TP=1, PP=1) and
+  TP=2 with sequence parallel (norm-weight gradients summed over TP by finalize_model_grads)
 - token-mean over the global token count: 1 vs 4 micro-batches give the same gradient / weights
 - a non-finite loss skips the update and leaves the weights untouched
 """
@@ -30,7 +31,7 @@ def _batch():
     return dict(input_ids=ids, labels=labels, response_mask=mask, advantages=adv)
 
 
-def _update_body(rank, world, model_dir, tp, pp, micro_batch_size, poison, out_path):
+def _update_body(rank, world, model_dir, tp, pp, micro_batch_size, poison, out_path, sp=False):
     from types import SimpleNamespace
 
     from remax_megatron.config import load_config
@@ -45,7 +46,8 @@ def _update_body(rank, world, model_dir, tp, pp, micro_batch_size, poison, out_p
                              "optim.lr=1e-2", "optim.grad_clip=0",
                              "optim.eps=1e-3"])  # a large eps keeps Adam's first step linear in the grads
     arch = read_hf_config(model_dir)
-    actor = build_policy(arch, tp=tp, pp=pp, init_weights=False)
+    actor = build_policy(arch, tp=tp, pp=pp, init_weights=False, sequence_parallel=sp)
+    assert actor.config.sequence_parallel == sp
     load_hf_weights(actor, model_dir)
     ddp = wrap_ddp(actor, False)
     opt = build_optimizer(ddp, cfg.optim)
@@ -61,9 +63,9 @@ def _update_body(rank, world, model_dir, tp, pp, micro_batch_size, poison, out_p
         torch.save({"stats": stats, "weights": weights, "skipped": trainer.skipped_updates}, out_path)
 
 
-def _run(model_dir, tmp_path, tp, pp, mbs=4, poison=False):
-    out = str(tmp_path / f"u{tp}{pp}{mbs}{poison}.pt")
-    run_distributed(_update_body, world_size=tp * pp, args=(model_dir, tp, pp, mbs, poison, out))
+def _run(model_dir, tmp_path, tp, pp, mbs=4, poison=False, sp=False):
+    out = str(tmp_path / f"u{tp}{pp}{mbs}{poison}{sp}.pt")
+    run_distributed(_update_body, world_size=tp * pp, args=(model_dir, tp, pp, mbs, poison, out, sp))
     return torch.load(out)
 
 
@@ -78,11 +80,12 @@ def test_update_matches_across_layouts_and_micro_batches(model_dir, tmp_path):
     base = _run(model_dir, tmp_path, 1, 1, mbs=4)
     initial = load_file(f"{model_dir}/model.safetensors")
     assert _max_rel(base["weights"], initial) > 1e-4  # the update moved the weights
-    for tp, pp, mbs in [(2, 1, 4), (1, 2, 4), (1, 1, 1), (1, 1, 8)]:
-        other = _run(model_dir, tmp_path, tp, pp, mbs=mbs)
-        assert abs(other["stats"]["loss"] - base["stats"]["loss"]) < 1e-5, (tp, pp, mbs)
+    for tp, pp, mbs, sp in [(2, 1, 4, False), (1, 2, 4, False), (1, 1, 1, False), (1, 1, 8, False),
+                            (2, 1, 4, True)]:
+        other = _run(model_dir, tmp_path, tp, pp, mbs=mbs, sp=sp)
+        assert abs(other["stats"]["loss"] - base["stats"]["loss"]) < 1e-5, (tp, pp, mbs, sp)
         assert abs(other["stats"]["grad_norm"] - base["stats"]["grad_norm"]) < 1e-4 * base["stats"]["grad_norm"]
-        assert _max_rel(other["weights"], base["weights"]) < 1e-4, (tp, pp, mbs)
+        assert _max_rel(other["weights"], base["weights"]) < 1e-4, (tp, pp, mbs, sp)
 
 
 @pytest.mark.slow
@@ -93,3 +96,54 @@ def test_nonfinite_loss_skips_update(model_dir, tmp_path):
     assert out["skipped"] == 1
     initial = load_file(f"{model_dir}/model.safetensors")
     assert all(torch.equal(out["weights"][k], initial[k]) for k in initial)
+
+
+def _offload_body(rank, world, model_dir, tp):
+    from types import SimpleNamespace
+
+    from remax_megatron.config import load_config
+    from remax_megatron.memory import TrainStateOffload
+    from remax_megatron.models import build_policy, read_hf_config
+    from remax_megatron.optimizer import build_optimizer, build_scheduler, wrap_ddp
+    from remax_megatron.parallel import ParallelLayout
+    from remax_megatron.trainer import Trainer
+    from remax_megatron.weights import load_hf_weights
+
+    groups = ParallelLayout(tp=tp, pp=1, world_size=world).initialize(seed=0)
+    cfg = load_config(None, ["reward.functions=[exact_match]", "optim.lr=1e-2"])
+    actor = build_policy(read_hf_config(model_dir), tp=tp, pp=1, init_weights=False)
+    load_hf_weights(actor, model_dir)
+    ddp = wrap_ddp(actor, False)
+    opt = build_optimizer(ddp, cfg.optim)
+    parts = SimpleNamespace(cfg=cfg, groups=groups, actor=ddp, optimizer=opt,
+                            scheduler=build_scheduler(opt, cfg.optim, 10), kl=SimpleNamespace(coef=0.0))
+    trainer = Trainer(parts, logger=None)
+    batch = _batch()
+    trainer._train_on(batch, None, None, batch["advantages"])  # Adam state exists from here on
+    state = list(actor.parameters()) + opt.state_tensors()
+    assert len(opt.state_tensors()) >= 2 * len(list(actor.parameters()))
+    before = [t.detach().clone() for t in state]
+    grad_buffers = [b.grad_data for b in ddp.buffers]
+    for g in grad_buffers:
+        g.fill_(1.0)  # stale grads: dropped by the offload, zeros after the reload
+
+    offload = TrainStateOffload(ddp, opt)
+    for _ in range(2):  # the second round reuses the host buffers
+        offload.offload()
+        assert offload.offloaded_bytes >= sum(t.numel() * t.element_size() for t in state)
+        assert all(t.untyped_storage().nbytes() == 0 for t in state), "a storage was not freed"
+        assert all(g.untyped_storage().nbytes() == 0 for g in grad_buffers)
+        offload.reload()
+        for a, b in zip(state, before):
+            assert a.dtype == b.dtype and torch.equal(a, b)  # bitwise
+        assert all(g.abs().sum() == 0 for g in grad_buffers)  # grads come back zeroed
+        for g in grad_buffers:
+            g.fill_(1.0)
+        # main_grad views into the grad buffer are usable again
+        assert all(p.main_grad.untyped_storage().nbytes() > 0 for p in actor.parameters())
+    trainer._train_on(batch, None, None, batch["advantages"])  # and training goes on
+
+
+@pytest.mark.slow
+def test_offload_reload_round_trip_is_bitwise(model_dir):
+    run_distributed(_offload_body, world_size=2, args=(model_dir, 2))

@@ -1,0 +1,130 @@
+"""Train/rollout memory handoff, for an actor and a rollout engine that share GPUs.
+
+    handoff = TrainStateOffload(ddp_actor, optimizer)   # actor.offload_during_rollout: true
+    with handoff.offloaded():        # params, grads and optimizer state leave the GPU
+        rollouts = engine.generate(...)
+    # back, bitwise; the engine sleeps while the actor trains
+
+It works on storages, not modules: every distinct storage behind the actor's
+parameters (megatron's DDP param buffer under the DistributedOptimizer, or one
+per parameter), its DDP grad buffers and the optimizer's state (Adam moments,
+fp32 main weights) is copied into a host buffer (pinned on CUDA, allocated once
+and reused) and resized to zero bytes; reload resizes it back and copies.
+Every view into a storage (param.main_grad into the grad buffer, parameters
+into the param buffer) stays valid, so nothing is re-wired and the round trip
+is bitwise. Grad buffers are dropped rather than copied: every update zeroes
+them first. On CPU the "host" is the same memory, so offload frees nothing
+there; the same code runs for the tests.
+
+`phase_memory` gives the memory metrics of a phase: on CUDA the peak allocated
+in the phase (`memory/peak_gib_<phase>`), on CPU the process RSS at its end
+(`memory/rss_gib_<phase>`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+GIB = 2**30
+
+
+class TrainStateOffload:
+    """Offload/reload of the actor's params, grads and optimizer state (see module docstring)."""
+
+    def __init__(self, ddp_model, optimizer, enabled: bool = True):
+        self.ddp_model, self.optimizer, self.enabled = ddp_model, optimizer, enabled
+        self._host: dict[int, torch.Tensor] = {}         # key -> host copy (kept between steps)
+        self._dropped: list[tuple[torch.UntypedStorage, int]] = []   # grad storages and their sizes
+        self._saved: list[tuple[torch.UntypedStorage, int, int]] = []  # storage, size, host key
+        self.offloaded_bytes = 0
+
+    def _storages(self) -> tuple[list[torch.UntypedStorage], list[torch.UntypedStorage]]:
+        """(storages to keep, grad storages to drop), each distinct and non-empty."""
+        grads = [b.grad_data for b in _ddp_buffers(self.ddp_model) if b.grad_data is not None]
+        kept = list(self.ddp_model.module.parameters()) + list(self.optimizer.state_tensors())
+        seen: set[int] = set()
+
+        def distinct(tensors):
+            out = []
+            for t in tensors:
+                storage = t.untyped_storage()
+                if storage.nbytes() and storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    out.append(storage)
+            return out
+
+        dropped = distinct(grads)  # first: a grad buffer is never also "kept"
+        return distinct(kept), dropped
+
+    @torch.no_grad()
+    def offload(self) -> None:
+        if not self.enabled or self._saved or self._dropped:
+            return
+        kept, dropped = self._storages()
+        # Keyed by position and size: stable from step to step once Adam has created its state.
+        self._host = {key: self._host[key] for key in ((i, s.nbytes()) for i, s in enumerate(kept))
+                      if key in self._host}
+        for i, storage in enumerate(kept):
+            size = storage.nbytes()
+            key = (i, size)
+            host = self._host.get(key)
+            if host is None:
+                host = self._host[key] = torch.empty(size, dtype=torch.uint8, pin_memory=storage.is_cuda)
+            host.copy_(_bytes(storage), non_blocking=storage.is_cuda)
+            self._saved.append((storage, size, key))
+        if any(s.is_cuda for s, _, _ in self._saved):
+            torch.cuda.synchronize()  # the copies must land before the storages go
+        for storage, _, _ in self._saved:
+            storage.resize_(0)
+        for storage in dropped:
+            self._dropped.append((storage, storage.nbytes()))
+            storage.resize_(0)
+        self.offloaded_bytes = sum(s for _, s, _ in self._saved) + sum(s for _, s in self._dropped)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # hand the blocks to the engine, not just to torch's cache
+
+    @torch.no_grad()
+    def reload(self) -> None:
+        for storage, size, key in self._saved:
+            storage.resize_(size)
+            _bytes(storage).copy_(self._host[key], non_blocking=storage.is_cuda)
+        for storage, size in self._dropped:
+            storage.resize_(size)
+            _bytes(storage).zero_()
+        if any(s.is_cuda for s, _, _ in self._saved):
+            torch.cuda.synchronize()
+        self._saved, self._dropped = [], []
+
+    @contextlib.contextmanager
+    def offloaded(self):
+        self.offload()
+        try:
+            yield
+        finally:
+            self.reload()
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole storage."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _ddp_buffers(ddp_model) -> list:
+    return list(getattr(ddp_model, "buffers", [])) + list(getattr(ddp_model, "expert_parallel_buffers", []))
+
+
+@contextlib.contextmanager
+def phase_memory(name: str, record: dict):
+    """Memory metrics of the phase run inside (see module docstring) into `record`."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    yield
+    if cuda:
+        record[f"memory/peak_gib_{name}"] = torch.cuda.max_memory_allocated() / GIB
+    else:
+        import psutil
+
+        record[f"memory/rss_gib_{name}"] = psutil.Process().memory_info().rss / GIB
