@@ -42,15 +42,31 @@ def finalize_grads(model_chunks, num_tokens=None, **kwargs):
 
 
 class CpuAdamW:
-    """torch AdamW over megatron DDP main grads, with megatron's global grad-norm clipping."""
+    """torch AdamW over megatron DDP main grads, with megatron's global grad-norm clipping and
+    megatron's parameter groups (weight decay skips biases and norm weights).
+
+    Parameters in bf16/fp16 get fp32 main weights, as megatron's mixed-precision optimizers
+    keep on GPU: Adam steps the fp32 copy, the model gets it rounded. fp32 parameters are
+    their own main weights.
+    """
 
     def __init__(self, ddp_model, cfg):
         from megatron.core import parallel_state as ps
 
         self.ddp_model, self.clip = ddp_model, cfg.grad_clip
-        self.params = [p for p in ddp_model.module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        # megatron's groups: no weight decay on biases and 1-D parameters (norm weights).
+        named = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
+        no_decay = [p for n, p in named if p.dim() == 1 or n.endswith(".bias")]
+        decay = [p for n, p in named if not (p.dim() == 1 or n.endswith(".bias"))]
+        self.params = decay + no_decay  # optimizer order: state index i is self.params[i]
+        self.main_params = [p if p.dtype == torch.float32 else p.detach().float() for p in self.params]
+        groups = [{"params": self.main_params[:len(decay)], "wd_mult": 1.0},
+                  {"params": self.main_params[len(decay):], "wd_mult": 0.0}]
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
+                                           betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                            weight_decay=cfg.weight_decay)
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = cfg.weight_decay * group["wd_mult"]
         self.model_parallel_group = ps.get_model_parallel_group()
 
     @property
@@ -75,35 +91,44 @@ class CpuAdamW:
         if not math.isfinite(norm):
             return False, norm
         scale = min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0
-        for p in self.params:
-            p.grad = (p.main_grad * scale).to(p.dtype)
+        for p, main in zip(self.params, self.main_params):
+            main.grad = p.main_grad.float() * scale
         self.optimizer.step()
+        for p, main in zip(self.params, self.main_params):
+            if main is not p:
+                p.copy_(main)
         return True, norm
 
     def zero_grad(self) -> None:
         self.ddp_model.zero_grad_buffer()
-        for p in self.params:
-            p.grad = None
+        for p, main in zip(self.params, self.main_params):
+            p.grad = main.grad = None
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the optimizer's own state (Adam moments): what an offload must keep."""
-        return [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+        """Every tensor of the optimizer's own state (fp32 main weights of low-precision params,
+        Adam moments): what an offload must keep."""
+        masters = [m for p, m in zip(self.params, self.main_params) if m is not p]
+        return masters + [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False) -> dict:
-        """Adam moments as ShardedTensors laid out like their parameters: reshardable across TP/PP."""
+        """Adam moments (and fp32 main weights) as ShardedTensors laid out like their parameters:
+        reshardable across TP/PP."""
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map,
             optim_state_to_sharding_state,
         )
 
-        for p in self.params:
+        for main in self.main_params:
             # torch creates Adam state lazily; zeros at step 0 behave exactly like no state yet.
-            if is_loading or not self.optimizer.state[p]:
-                self.optimizer.state[p] = {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p),
-                                           "exp_avg_sq": torch.zeros_like(p)}
+            if is_loading or not self.optimizer.state[main]:
+                self.optimizer.state[main] = {"step": torch.zeros(()), "exp_avg": torch.zeros_like(main),
+                                              "exp_avg_sq": torch.zeros_like(main)}
         state = self.optimizer.state_dict()
         steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
         assert len(steps) <= 1, "Adam steps differ between parameters"
+        for i, (p, main) in enumerate(zip(self.params, self.main_params)):
+            if main is not p:
+                state["state"][i]["fp32_param"] = main
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, iter(self.params))
         optim_state_to_sharding_state(state, id_map, exclude_keys="step")
         state["state"]["common_step"] = steps.pop() if steps else 0.0
@@ -111,9 +136,13 @@ class CpuAdamW:
 
     def load_sharded_state_dict(self, state: dict) -> None:
         step = state["state"].pop("common_step")
+        masters = {i: s.pop("fp32_param") for i, s in state["state"].items() if "fp32_param" in s}
         for param_state in state["state"].values():
             param_state["step"] = torch.tensor(float(step))
         self.optimizer.load_state_dict(state)
+        with torch.no_grad():
+            for i, master in masters.items():
+                self.main_params[i].copy_(master)
 
 
 class MegatronOptimizer:

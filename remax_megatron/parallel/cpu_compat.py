@@ -15,6 +15,10 @@ else in the package knows about these accommodations (see shared/PITFALLS.md):
 4. The pipeline schedules create tensors with a literal `device="cuda"`, and
    GPTModel's constructor moves the tied embedding with `.cuda()` at PP > 1 ->
    inside `redirect_cuda()` (schedules, model construction) those stay on CPU.
+5. Activation recompute (`tensor_parallel.checkpoint`) saves and restores the
+   CUDA generator's state around the recomputed forward -> the CPU generator's;
+   and the softmax's causal mask (built with a literal `device="cuda"`, inside the
+   checkpointed function where `redirect_cuda()` does not reach) -> built on CPU.
 """
 
 from __future__ import annotations
@@ -102,10 +106,21 @@ def install() -> None:
     utils.GlobalMemoryBuffer.get_tensor = _cpu_get_tensor
     mp_random.CudaRNGStatesTracker.add = _CpuRNGStatesTracker.add
     mp_random.CudaRNGStatesTracker.fork = _CpuRNGStatesTracker.fork
+    from megatron.core.fusions import fused_softmax
+
+    fused_softmax.get_default_causal_mask = _cpu_causal_mask
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     # RoPE, attention and p2p code place tensors on `torch.cuda.current_device()`.
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
     _installed = True
+
+
+@functools.lru_cache
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    """megatron.core.transformer.utils.get_default_causal_mask, on CPU: True above the diagonal."""
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
 
 
 def model_parallel_seed(seed: int) -> None:

@@ -1,6 +1,5 @@
 """Built-in arith task and its warm-started tiny actor / reward model (built offline, cached, locked)."""
 
-import json
 import os
 import subprocess
 import sys

@@ -1,7 +1,8 @@
 """The actor update on CPU: megatron DDP + schedule + fused log-probs + ReMax loss + CpuAdamW.
 
-- the loss and gradient of one update agree across (TP=2, PP=1), (TP=1, PP=2), (TP=1, PP=1) and
-  TP=2 with sequence parallel (norm-weight gradients summed over TP by finalize_model_grads)
+- the loss and gradient of one update agree across (TP=2, PP=1), (TP=1, PP=2), (TP=1, PP=1),
+  TP=2 with sequence parallel (norm-weight gradients summed over TP by finalize_model_grads), with
+  selective recompute, and PP=2 with full recompute
 - token-mean over the global token count: 1 vs 4 micro-batches give the same gradient / weights
 - a non-finite loss skips the update and leaves the weights untouched
 """
@@ -31,7 +32,7 @@ def _batch():
     return dict(input_ids=ids, labels=labels, response_mask=mask, advantages=adv)
 
 
-def _update_body(rank, world, model_dir, tp, pp, micro_batch_size, poison, out_path, sp=False):
+def _update_body(rank, world, model_dir, tp, pp, micro_batch_size, poison, out_path, sp=False, recompute=None):
     from types import SimpleNamespace
 
     from remax_megatron.config import load_config
@@ -46,8 +47,9 @@ def _update_body(rank, world, model_dir, tp, pp, micro_batch_size, poison, out_p
                              "optim.lr=1e-2", "optim.grad_clip=0",
                              "optim.eps=1e-3"])  # a large eps keeps Adam's first step linear in the grads
     arch = read_hf_config(model_dir)
-    actor = build_policy(arch, tp=tp, pp=pp, init_weights=False, sequence_parallel=sp)
-    assert actor.config.sequence_parallel == sp
+    actor = build_policy(arch, tp=tp, pp=pp, init_weights=False, sequence_parallel=sp,
+                         recompute_granularity=recompute)
+    assert actor.config.sequence_parallel == sp and actor.config.recompute_granularity == recompute
     load_hf_weights(actor, model_dir)
     ddp = wrap_ddp(actor, False)
     opt = build_optimizer(ddp, cfg.optim)
@@ -63,9 +65,9 @@ def _update_body(rank, world, model_dir, tp, pp, micro_batch_size, poison, out_p
         torch.save({"stats": stats, "weights": weights, "skipped": trainer.skipped_updates}, out_path)
 
 
-def _run(model_dir, tmp_path, tp, pp, mbs=4, poison=False, sp=False):
-    out = str(tmp_path / f"u{tp}{pp}{mbs}{poison}{sp}.pt")
-    run_distributed(_update_body, world_size=tp * pp, args=(model_dir, tp, pp, mbs, poison, out, sp))
+def _run(model_dir, tmp_path, tp, pp, mbs=4, poison=False, sp=False, recompute=None):
+    out = str(tmp_path / f"u{tp}{pp}{mbs}{poison}{sp}{recompute}.pt")
+    run_distributed(_update_body, world_size=tp * pp, args=(model_dir, tp, pp, mbs, poison, out, sp, recompute))
     return torch.load(out)
 
 
@@ -80,12 +82,13 @@ def test_update_matches_across_layouts_and_micro_batches(model_dir, tmp_path):
     base = _run(model_dir, tmp_path, 1, 1, mbs=4)
     initial = load_file(f"{model_dir}/model.safetensors")
     assert _max_rel(base["weights"], initial) > 1e-4  # the update moved the weights
-    for tp, pp, mbs, sp in [(2, 1, 4, False), (1, 2, 4, False), (1, 1, 1, False), (1, 1, 8, False),
-                            (2, 1, 4, True)]:
-        other = _run(model_dir, tmp_path, tp, pp, mbs=mbs, sp=sp)
-        assert abs(other["stats"]["loss"] - base["stats"]["loss"]) < 1e-5, (tp, pp, mbs, sp)
+    for tp, pp, mbs, sp, rc in [(2, 1, 4, False, None), (1, 2, 4, False, None), (1, 1, 1, False, None),
+                                (1, 1, 8, False, None), (2, 1, 4, True, None), (2, 1, 4, True, "selective"),
+                                (1, 2, 4, False, "full")]:
+        other = _run(model_dir, tmp_path, tp, pp, mbs=mbs, sp=sp, recompute=rc)
+        assert abs(other["stats"]["loss"] - base["stats"]["loss"]) < 1e-5, (tp, pp, mbs, sp, rc)
         assert abs(other["stats"]["grad_norm"] - base["stats"]["grad_norm"]) < 1e-4 * base["stats"]["grad_norm"]
-        assert _max_rel(other["weights"], base["weights"]) < 1e-4, (tp, pp, mbs, sp)
+        assert _max_rel(other["weights"], base["weights"]) < 1e-4, (tp, pp, mbs, sp, rc)
 
 
 @pytest.mark.slow

@@ -1,0 +1,63 @@
+"""The optimizer interface's CPU path (CpuAdamW) against an fp64 AdamW step on the same fixed gradients,
+through tests/gpu/optimizer_step.py: the script tools/gpu_check.sh also runs on a GPU (megatron's
+DistributedOptimizer) to compare the two paths. fp32 and bf16 (fp32 main weights)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tools.make_tiny_model import make_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def expected_after(before, grads, dtype, lr=1e-3, wd=0.1, clip=1.0):
+    """fp64 AdamW (torch's update rule, first step) with megatron's clipping and wd groups."""
+    from remax_megatron.config import OptimConfig
+
+    cfg = OptimConfig()
+    b1, b2, eps = cfg.beta1, cfg.beta2, cfg.eps
+    norm = sum(g.double().pow(2).sum() for g in grads.values()).sqrt()
+    scale = min(1.0, clip / (float(norm) + 1e-6))
+    out = {}
+    for name, w in before.items():
+        w, g = w.double(), grads[name].double() * scale
+        decay = 0.0 if (w.dim() == 1 or name.endswith(".bias")) else wd
+        m, v = (1 - b1) * g, (1 - b2) * g * g
+        m_hat, v_hat = m / (1 - b1), v / (1 - b2)
+        out[name] = w * (1 - lr * decay) - lr * m_hat / (v_hat.sqrt() + eps)
+    return out
+
+
+def run_step(model_dir, dtype, out, cuda_visible=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("MASTER_ADDR", None)
+    if cuda_visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible
+    r = subprocess.run([sys.executable, "-m", "tests.gpu.optimizer_step", "--model-dir", model_dir,
+                        "--dtype", dtype, "--out", out], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_optimizer_step_equals_fp64_adamw(tmp_path, dtype):
+    model_dir = make_tiny_model(str(tmp_path / "m"), "qwen2", hidden=32, layers=2, heads=4, kv_heads=2,
+                                ffn=48, vocab=200, seed=4)
+    res = run_step(model_dir, dtype, str(tmp_path / "cpu.pt"), cuda_visible="")
+    assert res["optimizer"] == "CpuAdamW" and not res["cuda"]
+    want = expected_after(res["before"], res["grads"], torch.float32)
+    assert any(n.endswith(".bias") for n in want) and any(w.dim() == 1 for w in want.values())
+    for name, got in res["after"].items():
+        assert got.dtype == getattr(torch, dtype), name
+        if dtype == "float32":
+            err = (got.double() - want[name]).abs().max().item()
+            assert err < 1e-6, f"{name}: {err}"  # the step moves weights by ~1e-3
+        else:
+            # bf16 weights are the fp32 main weights rounded: within half a bf16 ulp of the fp64 step
+            ulp = torch.finfo(torch.bfloat16).eps * want[name].abs().clamp(min=1e-30)
+            assert ((got.double() - want[name]).abs() <= 0.5 * ulp * 1.01 + 1e-7).all(), name

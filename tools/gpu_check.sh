@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# One-shot GPU check: everything of the GPU path that a single GPU can show, in <= 8 minutes on one
+# H200, summarised in $OUT/gpu_check.json (plus the kernel benchmark JSON, the pytest report and a log).
+#
+#   bash tools/fetch_gpu_wheels.sh        # here, once: megatron-core for the GPU machine's Python
+#   OUT=/some/dir bash tools/gpu_check.sh # there (default OUT: ./gpu_check_out)
+#
+# Steps (each under its own time limit; a failing step is recorded and the next one runs):
+#   env      torch / CUDA / GPU / library versions
+#   tests    pytest tests/gpu: compiled Triton kernels vs the fp64 oracle, actor TP=1 bf16/fp32 vs
+#            transformers, megatron DistributedOptimizer vs the CPU optimizer path on the same grads
+#   kernels  tools/bench_kernels.py at the GPU shape (bf16, 16384 tokens, hidden 4096, vocab 151936)
+#   train    10 steps of the tiny default on the GPU (TP=1, native engine, megatron optimizer)
+# megatron-core is installed from wheels in tools/wheels/ or .whl/ when the Python there lacks it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+LOG="$OUT/gpu_check.log"
+STEPS="$OUT/.steps.jsonl"
+: >"$LOG"; : >"$STEPS"
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore TOKENIZERS_PARALLELISM=false
+
+if ! $PY -c "import megatron.core" 2>/dev/null; then
+    wheels=$(ls tools/wheels/*.whl .whl/*.whl 2>/dev/null)
+    if [ -n "$wheels" ]; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/gpu_check_site \
+            $wheels >>"$LOG" 2>&1
+        export PYTHONPATH=/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+step() {  # step NAME TIMEOUT_S COMMAND...: run, log, record rc and seconds
+    local name=$1 limit=$2; shift 2
+    echo "=== $name: $*" >>"$LOG"
+    local start=$(date +%s%N)
+    timeout "$limit" "$@" >>"$LOG" 2>&1
+    local rc=$?
+    local ms=$(( ($(date +%s%N) - start) / 1000000 ))
+    local secs=$(printf '%d.%03d' $((ms / 1000)) $((ms % 1000)))
+    echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $secs}" >>"$STEPS"
+    echo "=== $name: rc=$rc in ${secs}s" | tee -a "$LOG"
+}
+
+step env 60 $PY - <<'EOF'
+import json, os, torch
+info = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(),
+        "capability": ".".join(map(str, torch.cuda.get_device_capability()))}
+for mod in ("megatron.core", "transformers", "triton", "transformer_engine", "apex", "vllm"):
+    try:
+        m = __import__(mod, fromlist=["_"])
+        info[mod] = getattr(m, "__version__", "present")
+    except Exception as e:
+        info[mod] = None
+json.dump(info, open(os.environ["OUT"] + "/.env.json", "w"))
+print(info)
+EOF
+
+step tests 240 $PY -m pytest -q -p no:cacheprovider tests/gpu --junitxml="$OUT/gpu_tests.xml" -rA
+
+step kernels 150 $PY tools/bench_kernels.py --device cuda --tokens 16384 --hidden 4096 --vocab 151936 \
+    --dtype bf16 --repeats 5 --json "$OUT/bench_kernels.json"
+
+TRAIN_DIR=/tmp/gpu_check_train
+rm -rf "$TRAIN_DIR"
+step train 150 $PY -m torch.distributed.run --nproc_per_node=1 -m remax_megatron.train \
+    --config configs/tiny_cpu.yaml actor.tp=1 reward.tp=1 trainer.steps=10 trainer.eval_every=10 \
+    trainer.output_dir="$TRAIN_DIR" checkpoint.save_every=0 logging.progress_bar=false
+cp "$TRAIN_DIR/metrics.jsonl" "$OUT/train_metrics.jsonl" 2>/dev/null
+
+$PY - <<'EOF'
+import json, os
+out = os.environ["OUT"]
+def load(name, default=None):
+    try:
+        with open(os.path.join(out, name)) as f:
+            return json.load(f)
+    except Exception:
+        return default
+summary = {"env": load(".env.json"), "steps": [json.loads(l) for l in open(os.path.join(out, ".steps.jsonl"))]}
+summary["kernels"] = load("bench_kernels.json")
+try:
+    import xml.etree.ElementTree as ET
+    suite = ET.parse(os.path.join(out, "gpu_tests.xml")).getroot().find("testsuite")
+    summary["tests"] = {k: int(suite.get(k)) for k in ("tests", "failures", "errors", "skipped")}
+    summary["tests"]["failed"] = [c.get("name") for c in suite.iter("testcase")
+                                  if c.find("failure") is not None or c.find("error") is not None]
+except Exception as e:
+    summary["tests"] = {"error": str(e)}
+try:
+    records = [json.loads(l) for l in open(os.path.join(out, "train_metrics.jsonl"))]
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval/reward_mean" in r]
+    keys = ("loss", "grad_norm", "reward/sampled_mean", "time/step_s", "time/sync_s", "time/rollout_s",
+            "time/train_s", "perf/tflops_per_device", "perf/mfu", "memory/peak_gib_train",
+            "memory/peak_gib_rollout", "logprob/engine_vs_actor_max_diff")
+    summary["train"] = {"steps": len(train), "first": {k: train[0].get(k) for k in keys},
+                        "last": {k: train[-1].get(k) for k in keys},
+                        "eval": [(r["step"], r["eval/reward_mean"]) for r in evals]}
+except Exception as e:
+    summary["train"] = {"error": str(e)}
+summary["ok"] = all(s["rc"] == 0 for s in summary["steps"])
+with open(os.path.join(out, "gpu_check.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+print(json.dumps(summary, indent=2))
+EOF
+rm -f "$STEPS" "$OUT/.env.json"
