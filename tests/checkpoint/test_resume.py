@@ -20,7 +20,7 @@ from tools.make_tiny_model import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
-TIMING = ("time/", "throughput/")
+TIMING = ("time/", "throughput/", "memory/", "perf/")  # run-dependent
 
 
 @pytest.fixture(scope="module")

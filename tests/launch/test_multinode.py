@@ -3,7 +3,7 @@
 
 This is what remax.sbatch does on a cluster (one torchrun per node, c10d on the
 first node), with loopback instead of the network. Metrics must match except
-wall-clock ones (time/*, throughput/*, memory/*), which differ between any two runs.
+wall-clock ones (time/*, throughput/*, memory/*, perf/*), which differ between any two runs.
 """
 
 import json
@@ -16,7 +16,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RUN_DEPENDENT = ("time/", "throughput/", "memory/")
+RUN_DEPENDENT = ("time/", "throughput/", "memory/", "perf/")
 TIMEOUT_S = 900
 CONFIG = "configs/tiny_cpu.yaml"
 
