@@ -32,7 +32,8 @@ def _batch():
     return dict(input_ids=ids, labels=labels, response_mask=mask, advantages=adv)
 
 
-def _update_body(rank, world, model_dir, tp, pp, micro_batch_size, poison, out_path, sp=False, recompute=None):
+def _trainer(world, model_dir, tp, pp, overrides, **build_kw):
+    """A Trainer over a megatron DDP actor and the interface's optimizer (no engine: _train_on only)."""
     from types import SimpleNamespace
 
     from remax_megatron.config import load_config
@@ -40,22 +41,28 @@ def _update_body(rank, world, model_dir, tp, pp, micro_batch_size, poison, out_p
     from remax_megatron.optimizer import build_optimizer, build_scheduler, wrap_ddp
     from remax_megatron.parallel import ParallelLayout
     from remax_megatron.trainer import Trainer
-    from remax_megatron.weights import export_hf_weights, load_hf_weights
+    from remax_megatron.weights import load_hf_weights
 
     groups = ParallelLayout(tp=tp, pp=pp, world_size=world).initialize(seed=0)
-    cfg = load_config(None, ["reward.functions=[exact_match]", f"trainer.micro_batch_size={micro_batch_size}",
-                             "optim.lr=1e-2", "optim.grad_clip=0",
-                             "optim.eps=1e-3"])  # a large eps keeps Adam's first step linear in the grads
-    arch = read_hf_config(model_dir)
-    actor = build_policy(arch, tp=tp, pp=pp, init_weights=False, sequence_parallel=sp,
-                         recompute_granularity=recompute)
-    assert actor.config.sequence_parallel == sp and actor.config.recompute_granularity == recompute
+    cfg = load_config(None, ["reward.functions=[exact_match]", *overrides])
+    actor = build_policy(read_hf_config(model_dir), tp=tp, pp=pp, init_weights=False, **build_kw)
     load_hf_weights(actor, model_dir)
     ddp = wrap_ddp(actor, False)
     opt = build_optimizer(ddp, cfg.optim)
     parts = SimpleNamespace(cfg=cfg, groups=groups, actor=ddp, optimizer=opt,
                             scheduler=build_scheduler(opt, cfg.optim, 10), kl=SimpleNamespace(coef=0.0))
-    trainer = Trainer(parts, logger=None)
+    return Trainer(parts, logger=None), actor, ddp, opt
+
+
+def _update_body(rank, world, model_dir, tp, pp, micro_batch_size, poison, out_path, sp=False, recompute=None):
+    from remax_megatron.weights import export_hf_weights
+
+    trainer, actor, _, _ = _trainer(
+        world, model_dir, tp, pp,
+        [f"trainer.micro_batch_size={micro_batch_size}", "optim.lr=1e-2", "optim.grad_clip=0",
+         "optim.eps=1e-3"],  # a large eps keeps Adam's first step linear in the grads
+        sequence_parallel=sp, recompute_granularity=recompute)
+    assert actor.config.sequence_parallel == sp and actor.config.recompute_granularity == recompute
     batch = _batch()
     if poison:
         batch["advantages"][3] = float("nan")
@@ -102,25 +109,9 @@ def test_nonfinite_loss_skips_update(model_dir, tmp_path):
 
 
 def _offload_body(rank, world, model_dir, tp):
-    from types import SimpleNamespace
-
-    from remax_megatron.config import load_config
     from remax_megatron.memory import TrainStateOffload
-    from remax_megatron.models import build_policy, read_hf_config
-    from remax_megatron.optimizer import build_optimizer, build_scheduler, wrap_ddp
-    from remax_megatron.parallel import ParallelLayout
-    from remax_megatron.trainer import Trainer
-    from remax_megatron.weights import load_hf_weights
 
-    groups = ParallelLayout(tp=tp, pp=1, world_size=world).initialize(seed=0)
-    cfg = load_config(None, ["reward.functions=[exact_match]", "optim.lr=1e-2"])
-    actor = build_policy(read_hf_config(model_dir), tp=tp, pp=1, init_weights=False)
-    load_hf_weights(actor, model_dir)
-    ddp = wrap_ddp(actor, False)
-    opt = build_optimizer(ddp, cfg.optim)
-    parts = SimpleNamespace(cfg=cfg, groups=groups, actor=ddp, optimizer=opt,
-                            scheduler=build_scheduler(opt, cfg.optim, 10), kl=SimpleNamespace(coef=0.0))
-    trainer = Trainer(parts, logger=None)
+    trainer, actor, ddp, opt = _trainer(world, model_dir, tp, 1, ["optim.lr=1e-2"])
     batch = _batch()
     trainer._train_on(batch, None, None, batch["advantages"])  # Adam state exists from here on
     state = list(actor.parameters()) + opt.state_tensors()
