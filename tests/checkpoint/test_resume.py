@@ -1,6 +1,7 @@
 """Checkpoints end to end (torchrun, 2 gloo processes, tiny random Llama, builtin:arith):
 
-- exact resume: 6 steps straight == 3 steps + resume for 3 (bitwise metrics on CPU)
+- exact resume: 6 steps straight == 3 steps + resume for 3 (bitwise metrics on CPU); bf16 with fp32
+  main weights: 4 == 2 + 2
 - resume at another layout (TP=2 -> PP=2): the first resumed step's loss equals the straight run's
 - SIGTERM mid-run: exit 0 after a checkpoint at a consistent step; the resumed run continues the data order
 - a truncated shard / missing manifest: error naming the file; resume=auto falls back with a warning
@@ -77,6 +78,19 @@ def test_resume_is_exact(model_dir, straight, tmp_path):
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert all(r["grad_norm"] > 0 for r in full) and len({r["loss"] for r in full}) > 1  # real updates
     assert resumed == full  # bitwise: every metric of steps 1-6
+
+
+@pytest.mark.slow
+def test_bf16_resume_restores_fp32_main_weights(model_dir, tmp_path):
+    """bf16 parameters with fp32 main weights: the main weights are in the checkpoint (not re-derived
+    from the rounded bf16 values), so 2 + 2 steps == 4 steps bitwise."""
+    bf16 = ["actor.dtype=bfloat16", "checkpoint.save_every=2"]
+    straight, run = str(tmp_path / "straight"), str(tmp_path / "run")
+    _train(_args(model_dir, straight, "trainer.steps=4", *bf16))
+    _train(_args(model_dir, run, "trainer.steps=2", *bf16))
+    _train(_args(model_dir, run, "trainer.steps=4", "checkpoint.resume=auto", *bf16))
+    resumed, full = _strip(_metrics(run)), _strip(_metrics(straight))
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4] and resumed == full
 
 
 @pytest.mark.slow
@@ -177,3 +191,45 @@ def test_training_checkpoint_exports_to_hf(model_dir, straight, tmp_path):
     assert sorted(a) == sorted(initial) and all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], initial[k]) for k in a)   # the trained weights, not the initial ones
     AutoModelForCausalLM.from_pretrained(one)
+
+
+def _main_weights_body(rank, world, model_dir, root):
+    import torch
+
+    from remax_megatron.checkpoint import load_checkpoint, save_checkpoint
+    from remax_megatron.config import load_config
+    from remax_megatron.models import build_policy, read_hf_config
+    from remax_megatron.optimizer import build_optimizer, wrap_ddp
+    from remax_megatron.parallel import ParallelLayout
+    from remax_megatron.weights import load_hf_weights
+
+    ParallelLayout(tp=world, pp=1, world_size=world).initialize(seed=0)
+    cfg = load_config(None, ["reward.functions=[exact_match]", "optim.lr=1e-3"])
+
+    def build():
+        actor = build_policy(read_hf_config(model_dir), tp=world, pp=1, params_dtype=torch.bfloat16,
+                             init_weights=False)
+        load_hf_weights(actor, model_dir)
+        ddp = wrap_ddp(actor, False)
+        return actor, build_optimizer(ddp, cfg.optim, torch.bfloat16)
+
+    actor, opt = build()
+    for p in opt.params:
+        p.main_grad.copy_(torch.full_like(p.main_grad, 1e-3))
+    assert opt.step()[0]
+    masters = [m.clone() for m in opt.main_params]
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert any(not torch.equal(m, p.float()) for m, p in zip(masters, opt.params))  # more than bf16 holds
+    path = save_checkpoint(root, 1, actor, opt, {"step": 1, "world_size": world}, model_dir, keep=2)
+
+    actor2, opt2 = build()
+    load_checkpoint(path, actor2, opt2)
+    for m, m2, p, p2 in zip(masters, opt2.main_params, opt.params, opt2.params):
+        assert torch.equal(m, m2) and torch.equal(p, p2)
+
+
+@pytest.mark.slow
+def test_checkpoint_keeps_fp32_main_weights_of_bf16_params(model_dir, tmp_path):
+    from tests._dist import run_distributed
+
+    run_distributed(_main_weights_body, world_size=2, args=(model_dir, str(tmp_path / "ckpt")))
