@@ -30,6 +30,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from remax_megatron.parallel.layout import all_reduce_cpu
 from remax_megatron.weights.megatron_ckpt import load_model, save_model
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -133,8 +134,7 @@ def _preflight(directory: str, need: int) -> None:
 
 def _agree(error: Exception | None, what: str) -> None:
     """Raise on every rank when any rank failed (no rank is left waiting in a collective)."""
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
-    dist.all_reduce(flag)
+    flag = all_reduce_cpu(torch.tensor([0 if error is None else 1], dtype=torch.int32))
     if flag.item():
         reason = f"{type(error).__name__}: {error}" if error is not None else "failed on another rank"
         raise CheckpointError(f"{what}: {reason}")

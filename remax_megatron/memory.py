@@ -8,7 +8,7 @@
 It works on storages, not modules: every distinct storage behind the actor's
 parameters (megatron's DDP param buffer under the DistributedOptimizer, or one
 per parameter), its DDP grad buffers and the optimizer's state (Adam moments,
-fp32 main weights) is copied into a host buffer (pinned on CUDA, allocated once
+fp32 main weights) is copied into a host buffer (page-locked on CUDA, allocated once
 and reused) and resized to zero bytes; reload resizes it back and copies.
 Every view into a storage (param.main_grad into the grad buffer, parameters
 into the param buffer) stays valid, so nothing is re-wired and the round trip
@@ -34,6 +34,11 @@ class TrainStateOffload:
     """Offload/reload of the actor's params, grads and optimizer state (see module docstring)."""
 
     def __init__(self, ddp_model, optimizer, enabled: bool = True):
+        ddp_config = getattr(ddp_model, "ddp_config", None)
+        for flag in ("use_megatron_fsdp", "reuse_grad_buf_for_mxfp8_param_ag", "nccl_ub"):
+            # These share or register the buffers this class frees; it would zero live params.
+            if enabled and getattr(ddp_config, flag, False):
+                raise ValueError(f"actor.offload_during_rollout does not work with megatron DDP's {flag}")
         self.ddp_model, self.optimizer, self.enabled = ddp_model, optimizer, enabled
         self._host: dict[int, torch.Tensor] = {}         # key -> host copy (kept between steps)
         self._dropped: list[tuple[torch.UntypedStorage, int]] = []   # grad storages and their sizes
@@ -64,14 +69,15 @@ class TrainStateOffload:
             return
         kept, dropped = self._storages()
         # Keyed by position and size: stable from step to step once Adam has created its state.
-        self._host = {key: self._host[key] for key in ((i, s.nbytes()) for i, s in enumerate(kept))
-                      if key in self._host}
+        keys = {(i, s.nbytes()) for i, s in enumerate(kept)}
+        for key in [k for k in self._host if k not in keys]:
+            _free_host(self._host.pop(key))
         for i, storage in enumerate(kept):
             size = storage.nbytes()
             key = (i, size)
             host = self._host.get(key)
             if host is None:
-                host = self._host[key] = torch.empty(size, dtype=torch.uint8, pin_memory=storage.is_cuda)
+                host = self._host[key] = _host_buffer(size, pinned=storage.is_cuda)
             host.copy_(_bytes(storage), non_blocking=storage.is_cuda)
             self._saved.append((storage, size, key))
         if any(s.is_cuda for s, _, _ in self._saved):
@@ -104,6 +110,20 @@ class TrainStateOffload:
             yield
         finally:
             self.reload()
+
+
+def _host_buffer(size: int, pinned: bool) -> torch.Tensor:
+    """A host buffer of `size` bytes; `pinned`: page-locked in place with cudaHostRegister (torch's
+    pinned allocator would round it up to a power of two: up to 2x the host memory)."""
+    host = torch.empty(size, dtype=torch.uint8)
+    if pinned and int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), size, 0)) == 0:
+        host.is_registered = True  # copies from it are truly asynchronous; unregister before freeing
+    return host
+
+
+def _free_host(host: torch.Tensor) -> None:
+    if getattr(host, "is_registered", False):
+        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -159,6 +159,10 @@ class MegatronOptimizer:
         )
         self.ddp_model, self.clip = ddp_model, cfg.grad_clip
         self.optimizer = get_megatron_optimizer(config, [ddp_model])
+        # megatron's groups carry wd_mult (0 for biases and norms) but no weight_decay, so the torch
+        # Adam inside would decay every group at its default until the scheduler's first step.
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = cfg.weight_decay * group.get("wd_mult", 1.0)
 
     @property
     def param_groups(self):
@@ -185,7 +189,9 @@ class MegatronOptimizer:
         underlying torch/TE/Apex optimizer: what an offload must keep."""
         out = []
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = opt.optimizer
+            inner = getattr(opt, "optimizer", None)
+            if inner is None:  # a stub for a rank without trainable parameters
+                continue
             out += [p for group in inner.param_groups for p in group["params"]]
             out += [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t)]
         return out

@@ -32,10 +32,10 @@ from remax_megatron.kernels import compute_advantages, remax_loss
 from remax_megatron.flops import forward_flops, peak_tflops
 from remax_megatron.memory import TrainStateOffload, phase_memory
 from remax_megatron.metrics import MetricsLogger, print0
-from remax_megatron.models.forward import broadcast_from_last_stage, forward_only
+from remax_megatron.models.forward import broadcast_from_last_stage, forward_only, to_model_device
 from remax_megatron.models.gpt import check_sequence_length, sequence_multiple
 from remax_megatron.optimizer import finalize_grads
-from remax_megatron.parallel import ProcessGroups, cpu_compat
+from remax_megatron.parallel import ProcessGroups, all_reduce_cpu, cpu_compat
 from remax_megatron.rollout import SamplingParams, WeightSync, logprob_mismatch, pack_sequences
 
 # Statistics of the loss that are summed over micro-batches and DP ranks (each already normalised globally).
@@ -88,7 +88,7 @@ class Trainer:
         t_step = time.perf_counter()
 
         with self._stage("sync", times):
-            p.engine.wake_up()
+            # The sync wakes only the engine's weights; generate wakes its KV cache after the offload.
             sync = self.weight_sync()
 
         with self._stage("rollout", times), self.offload.offloaded():
@@ -212,7 +212,7 @@ class Trainer:
         temperature = self.cfg.rollout.temperature
         out = forward_only(model, self._micro_batches(batch, range(batch["input_ids"].shape[0])),
                            lambda m, hidden, mb: m.token_logprobs(hidden, mb["labels"], temperature=temperature)[0])
-        return torch.cat(out) if out else None
+        return torch.cat(out).cpu() if out else None  # the step's bookkeeping stays on the CPU
 
     def _train_on(self, batch, old_logprobs, ref_logprobs, advantages) -> dict:
         """One or several optimizer updates over the rollout batch; summed loss statistics."""
@@ -249,7 +249,7 @@ class Trainer:
         batches = iter(micro)
 
         def step_fn(data_iterator, ddp_model):
-            mb = next(data_iterator)
+            mb = to_model_device(next(data_iterator), model)
             hidden = ddp_model(mb["input_ids"], _positions(mb["input_ids"]), attention_mask=None)
 
             def loss_fn(output):
@@ -285,10 +285,7 @@ class Trainer:
 
     # ---- metrics -------------------------------------------------------------------------
     def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.g.dp_size > 1:
-            tensor = tensor.clone()
-            dist.all_reduce(tensor, group=self.g.dp)
-        return tensor
+        return all_reduce_cpu(tensor, group=self.g.dp) if self.g.dp_size > 1 else tensor
 
     def _perf(self, prompts, rollouts, batch, step_time: float, train_time: float) -> dict:
         """Model TFLOP/s per device and MFU of the step and of its train stage (remax_megatron.flops)."""
@@ -334,7 +331,7 @@ class Trainer:
         summed = self._dp_sum(torch.cat([vec[:4], vec[5:]]))
         diff_max = vec[4].clone()
         if self.g.dp_size > 1:
-            dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=self.g.dp)
+            diff_max = all_reduce_cpu(diff_max, op=dist.ReduceOp.MAX, group=self.g.dp)
         n_tok = max(float(summed[2]), 1.0)
         adv_mean = float(summed[0]) / n_tok
         lengths = [len(c.token_ids) for r in rollouts for c in r.sampled]
@@ -363,7 +360,6 @@ class Trainer:
         prompts = self._local_share(p.eval_prompts[: self.cfg.trainer.eval_prompts])
         if not prompts:
             return {}
-        p.engine.wake_up()
         self.weight_sync()
         with self.offload.offloaded():
             rollouts = self._generate([q.token_ids for q in prompts], 0)
@@ -401,8 +397,7 @@ class Trainer:
     def _stop_requested(self) -> bool:
         """True on every rank when any rank received SIGTERM/SIGUSR1 (all stop after the same step)."""
         flag = torch.tensor([int(self.preempt.requested)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return bool(all_reduce_cpu(flag, op=dist.ReduceOp.MAX).item())
 
     # ---- the loop ------------------------------------------------------------------------
     def fit(self) -> bool:

@@ -1,4 +1,5 @@
-"""Run a test body on several gloo processes (CPU), the way torchrun would.
+"""Run a test body on several gloo processes (CPU; NCCL, one GPU per rank, with CUDA), the way
+torchrun would.
 
 Usage inside a test:
 
@@ -39,7 +40,9 @@ def _worker(rank, world_size, port, fn, args, errors):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if torch.cuda.is_available():  # tests/gpu: one GPU per rank, NCCL as under torchrun
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     except BaseException:

@@ -4,11 +4,14 @@
 #
 #   bash tools/fetch_gpu_wheels.sh        # here, once: megatron-core for the GPU machine's Python
 #   OUT=/some/dir bash tools/gpu_check.sh # there (default OUT: ./gpu_check_out)
+# tools/wheels/ is git-ignored: a device run must carry it (this project's device tool:
+# run(command="bash tools/gpu_check.sh", carry=["tools/wheels"], timeout_s=540)).
 #
 # Steps (each under its own time limit; a failing step is recorded and the next one runs):
 #   env      torch / CUDA / GPU / library versions
 #   tests    pytest tests/gpu: compiled Triton kernels vs the fp64 oracle, actor TP=1 bf16/fp32 vs
-#            transformers, megatron DistributedOptimizer vs the CPU optimizer path on the same grads
+#            transformers, megatron DistributedOptimizer vs the CPU optimizer path on the same grads,
+#            train-state offload round trip with the DistributedOptimizer (GPU memory freed)
 #   kernels  tools/bench_kernels.py at the GPU shape (bf16, 16384 tokens, hidden 4096, vocab 151936)
 #   train    10 steps of the tiny default on the GPU (TP=1, native engine, megatron optimizer)
 # megatron-core is installed from wheels in tools/wheels/ or .whl/ when the Python there lacks it.

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from remax_megatron.models.gpt import check_sequence_length
 from remax_megatron.parallel import cpu_compat
+from remax_megatron.parallel.layout import comm_device
 
 
 @torch.no_grad()
@@ -28,7 +29,7 @@ def forward_only(model, micro_batches: list[dict], head: Callable[[object, torch
     batches = iter(micro_batches)
 
     def step(data_iterator, module):
-        batch = next(data_iterator)
+        batch = to_model_device(next(data_iterator), model)
 
         def collect(output):
             results.append(head(model, output, batch))
@@ -43,15 +44,21 @@ def forward_only(model, micro_batches: list[dict], head: Callable[[object, torch
     return results
 
 
+def to_model_device(batch: dict, model) -> dict:
+    """The micro-batch's tensors on the model's device (batches are assembled on the CPU)."""
+    device = next(model.parameters()).device
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 def broadcast_from_last_stage(tensor: torch.Tensor | None, shape, dtype, device="cpu") -> torch.Tensor:
-    """Give every pipeline stage the last stage's `tensor` (others pass None)."""
+    """Give every pipeline stage the last stage's `tensor` (others pass None and get it on `device`)."""
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return tensor
     group = ps.get_pipeline_model_parallel_group()
-    if tensor is None:
-        tensor = torch.empty(shape, dtype=dtype, device=device)
-    tensor = tensor.contiguous()
-    dist.broadcast(tensor, src=ps.get_pipeline_model_parallel_last_rank(), group=group)
-    return tensor
+    on_wire = comm_device(group)  # NCCL: through the GPU, whatever device the caller uses
+    buffer = torch.empty(shape, dtype=dtype, device=on_wire) if tensor is None else \
+        tensor.contiguous().to(on_wire)
+    dist.broadcast(buffer, src=ps.get_pipeline_model_parallel_last_rank(), group=group)
+    return tensor if tensor is not None else buffer.to(device)

@@ -33,17 +33,27 @@ def transformer_engine_usable() -> bool:
     return True
 
 
+def param_device(config) -> torch.device:
+    """Where megatron's layers put their parameters: the current GPU unless use_cpu_initialization.
+
+    The project's own modules (RMSNorm, ScalarHead) follow it; nothing moves a model afterwards.
+    """
+    return torch.device("cpu") if config.use_cpu_initialization else \
+        torch.device("cuda", torch.cuda.current_device())
+
+
 class RMSNorm(nn.RMSNorm):
     """torch RMSNorm with megatron's norm signature, for the local (non-TE) spec.
 
     megatron's own torch wrapper refuses sequence parallel (its weight would miss the TP
     all-reduce of its gradient) and builds fp32 weights whatever params_dtype is. This one
     marks the weight `sequence_parallel` so finalize_model_grads sums its gradient over TP,
-    and builds it in params_dtype (a bf16 model is bf16 throughout, like the TE spec).
+    and builds it in params_dtype on the parameters' device (a bf16 model is bf16 throughout,
+    on one device, like the TE spec).
     """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
-        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype, device=param_device(config))
         self.weight.sequence_parallel = config.sequence_parallel
 
 
@@ -121,9 +131,9 @@ class HiddenStatesOutputLayer(tensor_parallel.ColumnParallelLinear):
 class ScalarHead(nn.Module):
     """Reward head: [s, b, h] -> [s, b, 1], replicated on every TP rank (HF `score`)."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool, tp_group):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool, tp_group, device):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
         self.sequence_parallel, self.tp_group = sequence_parallel, tp_group
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
@@ -233,7 +243,7 @@ def build_reward_model(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch
     _mark_tensor_parallel(model)
     if model.post_process:
         model.output_layer = ScalarHead(arch.hidden_size, params_dtype, config.sequence_parallel,
-                                        model.tp_group)
+                                        model.tp_group, device=param_device(config))
     model.requires_grad_(False)
     model.eval()
     return model

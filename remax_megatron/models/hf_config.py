@@ -8,6 +8,7 @@ refused by name before a model is built.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -171,9 +172,10 @@ def transformer_config(
         recompute_num_layers=1 if recompute_granularity == "full" else None,
         use_cpu_initialization=not cuda,
         perform_initialization=init_weights,
-        # The fused CUDA kernels below need Apex/TE or a GPU.
+        # Fusions: the jit ones need a GPU; the masked softmax needs megatron's compiled extension
+        # (built with Megatron-LM / Apex): without it, bf16 attention would fail to import it.
         bias_activation_fusion=cuda,
-        masked_softmax_fusion=cuda,
+        masked_softmax_fusion=cuda and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,

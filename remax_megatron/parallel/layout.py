@@ -144,3 +144,20 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def comm_device(group=None) -> torch.device:
+    """Where a tensor must live for a collective on `group`: the current GPU under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_cpu(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """all_reduce of a small CPU tensor (metrics, flags) on any backend; returns a new CPU tensor.
+
+    NCCL only reduces GPU tensors, so the tensor travels through the current GPU there.
+    """
+    out = tensor.to(comm_device(group), copy=True)
+    dist.all_reduce(out, op=op, group=group)
+    return out.cpu()

@@ -19,6 +19,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from remax_megatron.parallel.layout import all_reduce_cpu
+
 logger = logging.getLogger(__name__)
 
 
@@ -45,11 +47,8 @@ def logprob_mismatch(actor_logprobs: torch.Tensor, engine_logprobs: torch.Tensor
     stats = torch.tensor([diff.max().item() if diff.numel() else 0.0], dtype=torch.float64)
     sums = torch.tensor([diff.double().sum().item(), float(diff.numel())], dtype=torch.float64)
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        device = _comm_device(group)
-        stats, sums = stats.to(device), sums.to(device)
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
-        dist.all_reduce(sums, group=group)
-        stats, sums = stats.cpu(), sums.cpu()
+        stats = all_reduce_cpu(stats, op=dist.ReduceOp.MAX, group=group)
+        sums = all_reduce_cpu(sums, group=group)
     tokens = int(sums[1].item())
     out = {"max": float(stats[0].item()), "mean": float(sums[0].item() / tokens) if tokens else 0.0,
            "tokens": tokens}
@@ -60,9 +59,3 @@ def logprob_mismatch(actor_logprobs: torch.Tensor, engine_logprobs: torch.Tensor
         warnings.warn(message, LogprobMismatchWarning, stacklevel=2)
     return out
 
-
-def _comm_device(group) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -27,6 +27,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from remax_megatron.parallel.layout import comm_device
 from remax_megatron.weights.load import mapping_for, uses_te_names
 from remax_megatron.weights.mapping import REPLICATED, ParamSpec, WeightMapping
 
@@ -60,10 +61,12 @@ class HFExporter:
                        if not k.endswith("_extra_state")}
         self.te_names = uses_te_names(self.params)
         first = next(iter(self.params.values()))
-        self.dtype, self.device = dtype or first.dtype, first.device
-        self.plan = _plan_buckets(mapping, int(bucket_mb * 2**20 / _itemsize(self.dtype)))
+        self.plan = _plan_buckets(mapping, int(bucket_mb * 2**20 / _itemsize(dtype or first.dtype)))
         self.me = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
         self.group = ps.get_model_parallel_group() if mapping.tp * mapping.pp > 1 else None
+        # The buffers live where the group's collectives run (the current GPU under NCCL).
+        self.dtype = dtype or first.dtype
+        self.device = comm_device(self.group) if self.group is not None else first.device
         self._source_of: dict[tuple[int, int], int] | None = None
         self._receive: list[torch.Tensor] | None = None  # per TP rank, flat
         self._merged: torch.Tensor | None = None         # flat, HF-shaped views per bucket
@@ -165,9 +168,7 @@ def _sent_numel(mapping: WeightMapping, specs: list[ParamSpec], tp_rank: int) ->
 
 def _source_ranks(group, pp_rank: int, tp_rank: int) -> dict[tuple[int, int], int]:
     """Global rank of every (pp_rank, tp_rank) of the model-parallel group (one tiny all-gather)."""
-    mine = torch.tensor([pp_rank, tp_rank, dist.get_rank()], dtype=torch.long)
-    if dist.get_backend(group) == "nccl":
-        mine = mine.cuda()
+    mine = torch.tensor([pp_rank, tp_rank, dist.get_rank()], dtype=torch.long, device=comm_device(group))
     table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(table, mine, group=group)
     return {(p, t): r for p, t, r in (row.tolist() for row in table)}

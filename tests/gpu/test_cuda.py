@@ -4,7 +4,9 @@
   plus a bf16 case at a realistic vocab);
 - the actor at TP=1 in bf16 (and fp32) vs transformers on the GPU;
 - the optimizer interface: megatron's DistributedOptimizer (GPU path) and CpuAdamW (CPU path, a
-  CUDA_VISIBLE_DEVICES= subprocess) give the same weights after a step on the same gradients.
+  CUDA_VISIBLE_DEVICES= subprocess) give the same weights after a step on the same gradients;
+- the train-state offload with the DistributedOptimizer: GPU memory freed, bitwise round trip;
+  the reward model's parameters all on the GPU.
 """
 
 import pytest
@@ -120,3 +122,51 @@ def test_gpu_and_cpu_optimizer_paths_agree(tmp_path, dtype):
             assert (g.double() - want[name]).abs().max() < 1e-6, name
         else:  # both round the same fp32 main weights: equal but for rare rounding-boundary ties
             assert (g != c).float().mean() < 1e-3, name
+
+
+def _offload_body(rank, world, model_dir):
+    import dataclasses
+    import zlib
+
+    from remax_megatron.config import load_config
+    from remax_megatron.memory import TrainStateOffload
+    from remax_megatron.models import build_policy, build_reward_model, read_hf_config
+    from remax_megatron.optimizer import build_optimizer, wrap_ddp
+    from remax_megatron.parallel import ParallelLayout
+    from remax_megatron.weights import load_hf_weights
+
+    ParallelLayout(tp=1, pp=1, world_size=world).initialize(seed=0)
+    cfg = load_config(None, ["reward.functions=[exact_match]", "optim.distributed_optimizer=true"])
+    arch = read_hf_config(model_dir)
+    rm = build_reward_model(dataclasses.replace(arch, task="reward"), tp=1, pp=1, params_dtype=torch.bfloat16)
+    assert all(p.is_cuda for p in rm.parameters()), "every reward-model parameter on the GPU (ScalarHead too)"
+    actor = build_policy(arch, tp=1, pp=1, params_dtype=torch.bfloat16, init_weights=False)
+    load_hf_weights(actor, model_dir)
+    ddp = wrap_ddp(actor, True)
+    opt = build_optimizer(ddp, cfg.optim, torch.bfloat16)
+    assert type(opt).__name__ == "MegatronOptimizer"
+    for name, p in ddp.module.named_parameters():
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        p.main_grad.copy_((torch.randn(p.shape, generator=g) * 1e-2).cuda())
+    assert opt.step()[0]  # Adam state and fp32 main shards exist from here on
+    state = list(actor.parameters()) + opt.state_tensors()
+    before = [t.detach().clone() for t in state]
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    offload = TrainStateOffload(ddp, opt)
+    offload.offload()
+    freed = allocated - torch.cuda.memory_allocated()
+    # bf16 params (2 B) + fp32 main weights, exp_avg, exp_avg_sq (12 B) + fp32 grads (4 B) per parameter
+    n = sum(p.numel() for p in actor.parameters())
+    assert freed >= 0.95 * 18 * n, (freed, 18 * n)
+    offload.reload()
+    assert all(torch.equal(a, b) for a, b in zip(state, before))
+    assert opt.step()[0]  # and training goes on
+
+
+def test_offload_round_trip_with_distributed_optimizer(tmp_path):
+    from tests._dist import run_distributed
+
+    model_dir = make_tiny_model(str(tmp_path / "m"), "qwen2", hidden=256, layers=4, heads=8, kv_heads=2,
+                                ffn=512, vocab=1000, seed=1)
+    run_distributed(_offload_body, world_size=1, args=(model_dir,))
