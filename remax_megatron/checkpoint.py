@@ -240,7 +240,7 @@ def rng_state() -> dict:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "tracker": get_cuda_rng_tracker().get_states()}
+             "tracker": get_cuda_rng_tracker().get_states(), "cuda_present": torch.cuda.is_available()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -251,6 +251,12 @@ def set_rng_state(state: dict) -> None:
 
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
+    if state.get("cuda_present", False) != torch.cuda.is_available():
+        # The tracker holds CUDA generator states on GPU and CPU ones on CPU (parallel/cpu_compat):
+        # a checkpoint from the other kind of machine keeps this run's freshly seeded tracker.
+        warnings.warn("checkpoint RNG states come from a machine with"
+                      f"{'' if state.get('cuda_present') else 'out'} CUDA: dropout streams restart")
+        return
     get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

@@ -2,6 +2,7 @@
 
     ddp_model = wrap_ddp(actor, use_distributed_optimizer)   # megatron DDP (grad buffers, DP reduce)
     opt = build_optimizer(ddp_model, cfg.optim, total_updates)
+    model.config.grad_scale_func = opt.scale_loss   # the schedule scales the loss (fp16 on GPU)
     ok, grad_norm = opt.step()      # skips (ok=False) when the grad norm is not finite
     opt.zero_grad()
 
@@ -104,6 +105,10 @@ class CpuAdamW:
         for p, main in zip(self.params, self.main_params):
             p.grad = main.grad = None
 
+    @staticmethod
+    def scale_loss(loss: torch.Tensor) -> torch.Tensor:
+        return loss  # no fp16 loss scaling on the CPU path
+
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the optimizer's own state (fp32 main weights of low-precision params,
         Adam moments): what an offload must keep."""
@@ -183,6 +188,11 @@ class MegatronOptimizer:
     def zero_grad(self) -> None:
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times megatron's loss scale (dynamic for fp16, 1 for bf16/fp32): the schedule's
+        grad_scale_func. Without it fp16 grads would be unscaled by a scale never applied."""
+        return self.optimizer.scale_loss(loss)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """fp32 main weights (shards under the DistributedOptimizer) and Adam moments of every

@@ -66,6 +66,7 @@ class Trainer:
         self.p, self.cfg, self.g, self.log = parts, parts.cfg, parts.groups, logger
         self.actor_module = parts.actor.module
         self.actor_module.config.finalize_model_grads_func = finalize_grads
+        self.actor_module.config.grad_scale_func = parts.optimizer.scale_loss  # fp16 loss scaling on GPU
         self.actor_module.config.no_sync_func = parts.actor.no_sync
         self.step = 0
         self.skipped_updates = 0

@@ -47,12 +47,16 @@ def compute_advantages(
     """
     _check(rewards, baseline, mask, logprobs, ref_logprobs, kl_coef, clip)
     choice = impl if impl is not None else os.environ.get("REMAX_KERNEL_IMPL") or None
-    if choice is None:
+    runs_triton = mask.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if choice is None or (impl is None and choice == "triton" and not runs_triton):
+        # The env preference applies where Triton can run: the trainer's advantages are CPU tensors.
         choice = "triton" if mask.is_cuda else "torch"
     if choice == "torch":
         return compute_advantages_reference(rewards, baseline, mask, logprobs, ref_logprobs,
                                             kl_coef=kl_coef, clip=clip)
     if choice == "triton":
+        if not runs_triton:
+            raise ValueError(f"impl: 'triton' needs CUDA tensors or TRITON_INTERPRET=1 (mask is on {mask.device})")
         from remax_megatron.kernels.advantages_triton import advantages_triton
 
         use_kl = kl_coef != 0 and ref_logprobs is not None

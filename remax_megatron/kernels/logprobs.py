@@ -245,8 +245,8 @@ class _GatherVocab(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
-        dist.all_gather(sizes, torch.tensor([x.shape[1]]), group=group)
+        sizes = [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([x.shape[1]], device=x.device), group=group)
         sizes = [int(v) for v in sizes]
         width = max(sizes)
         pad = torch.zeros(x.shape[0], width, dtype=x.dtype, device=x.device)

@@ -40,13 +40,14 @@ def _logit_tile(X, W, rows, cols, row_ok, col_ok, D, stride_x, stride_w,
                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
                 UPCAST: tl.constexpr, IEEE: tl.constexpr):
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)  # [rows, cols]
+    # 64-bit offsets: V_local * D passes 2^31 for large vocabularies at TP=1 (e.g. 256k x 16k).
+    x_rows = rows.to(tl.int64)[:, None] * stride_x
+    w_rows = cols.to(tl.int64)[:, None] * stride_w
     for d0 in range(0, D, BLOCK_D):
         dd = d0 + tl.arange(0, BLOCK_D)
         d_ok = dd < D
-        xt = tl.load(X + rows[:, None] * stride_x + dd[None, :],
-                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [rows, d]
-        wt = tl.load(W + cols[:, None] * stride_w + dd[None, :],
-                     mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # [cols, d]
+        xt = tl.load(X + x_rows + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [rows, d]
+        wt = tl.load(W + w_rows + dd[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # [cols, d]
         if UPCAST:
             xt = xt.to(tl.float32)
             wt = wt.to(tl.float32)

@@ -55,15 +55,17 @@ def build_requests(prompt_token_ids: list[list[int]], n: int, sampling: Sampling
 
     Entry 2p: prompt p, n sampled completions (vLLM seeds its children seed + j);
     entry 2p + 1: prompt p, one greedy completion (temperature 0 = argmax).
+    n = 0 (greedy-only eval): the greedy entry alone, one per prompt (vLLM refuses n=0).
     params_cls: vllm.SamplingParams (a stand-in with the same keywords in tests).
     """
     prompts, params = [], []
     for p, ids in enumerate(prompt_token_ids):
         common = dict(max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None, logprobs=0,
                       include_stop_str_in_output=True, skip_special_tokens=True)
-        prompts.append({"prompt_token_ids": list(ids)})
-        params.append(params_cls(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                 top_k=sampling.top_k, seed=(seed + p * n) & 0x7FFFFFFF, **common))
+        if n > 0:
+            prompts.append({"prompt_token_ids": list(ids)})
+            params.append(params_cls(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                     top_k=sampling.top_k, seed=(seed + p * n) & 0x7FFFFFFF, **common))
         prompts.append({"prompt_token_ids": list(ids)})
         params.append(params_cls(n=1, temperature=0.0, **common))
     return prompts, params
@@ -81,13 +83,14 @@ def _completion(output) -> Completion:
 
 
 def parse_outputs(outputs: list, n: int) -> list[PromptRollout]:
-    """vLLM RequestOutputs of `build_requests` (2 per prompt, in order) -> PromptRollouts."""
-    if len(outputs) % 2:
+    """vLLM RequestOutputs of `build_requests` (2 per prompt in order; 1 when n = 0) -> PromptRollouts."""
+    per_prompt = 2 if n > 0 else 1
+    if len(outputs) % per_prompt:
         raise RuntimeError(f"vLLM returned {len(outputs)} outputs for requests that come in pairs")
     rollouts = []
-    for p in range(len(outputs) // 2):
-        sampled = sorted(outputs[2 * p].outputs, key=lambda o: o.index)
-        greedy = outputs[2 * p + 1].outputs
+    for p in range(len(outputs) // per_prompt):
+        sampled = sorted(outputs[2 * p].outputs, key=lambda o: o.index) if n > 0 else []
+        greedy = outputs[per_prompt * p + per_prompt - 1].outputs
         if len(sampled) != n or len(greedy) != 1:
             raise RuntimeError(f"prompt {p}: vLLM returned {len(sampled)} sampled / {len(greedy)} greedy "
                                f"completions, expected {n} / 1")

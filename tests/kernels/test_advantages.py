@@ -82,3 +82,16 @@ def test_bad_input_names_the_argument(kw, arg):
     with pytest.raises(ValueError) as err:
         compute_advantages(**args)
     assert str(err.value).startswith(arg + ":") and "\n" not in str(err.value)
+
+
+def test_triton_preference_only_where_triton_runs(monkeypatch):
+    """REMAX_KERNEL_IMPL=triton covers CUDA tensors; the trainer's CPU advantages stay on torch, and an
+    explicit impl='triton' on CPU (no interpreter) is refused by name."""
+    g = torch.Generator().manual_seed(0)
+    r, rb = torch.randn(3, generator=g), torch.randn(3, generator=g)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("REMAX_KERNEL_IMPL", "triton")
+    torch.testing.assert_close(compute_advantages(r, rb, mask), compute_advantages_reference(r, rb, mask))
+    with pytest.raises(ValueError, match="impl: 'triton' needs CUDA tensors"):
+        compute_advantages(r, rb, mask, impl="triton")

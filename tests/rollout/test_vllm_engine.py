@@ -48,6 +48,17 @@ def test_build_requests_with_real_vllm_sampling_params():
     assert params[0].include_stop_str_in_output
 
 
+def test_greedy_only_requests_have_no_sampled_entry():
+    """Eval asks for n = 0: vLLM refuses SamplingParams(n=0), so only the greedy entries go out."""
+    prompts, params = build_requests([[1, 2], [3]], 0, SAMPLING, seed=100, params_cls=StubParams)
+    assert [p["prompt_token_ids"] for p in prompts] == [[1, 2], [3]]
+    assert all(q.n == 1 and q.temperature == 0.0 for q in params)
+    outputs = [SimpleNamespace(outputs=[_output([8, 9])]), SimpleNamespace(outputs=[_output([7])])]
+    rollouts = parse_outputs(outputs, 0)
+    assert [r.sampled for r in rollouts] == [[], []]
+    assert [r.greedy.token_ids for r in rollouts] == [[8, 9], [7]]
+
+
 def _output(token_ids, index=0, reason="length"):
     logprobs = [{t: SimpleNamespace(logprob=-0.1 * (i + 1))} for i, t in enumerate(token_ids)]
     return SimpleNamespace(index=index, token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
