@@ -246,21 +246,30 @@ def _train_actor(out: str, recipe: dict):
     right = [r["answer"] for r in train]
     wrong = [str(int(a) + recipe["wrong_offset"]) for a in right]
     p = recipe["p_correct"]
-    opt = _optimizer(model, recipe)
+
+    def loss():
+        lp = response_logprobs(model, tok, prompts + prompts, right + wrong)
+        n = len(prompts)
+        return -(p * lp[:n] + (1 - p) * lp[n:]).mean()  # exact expected NLL of the 0.35/0.65 mixture
+
+    _fit(model, recipe, loss)
+    return model, tok
+
+
+def _fit(model, recipe: dict, loss_fn) -> None:
+    """The warm-start loop of both built-in models: per-step LR, loss_fn(), clipped AdamW step."""
     import torch
 
+    opt = _optimizer(model, recipe)
     for step in range(recipe["steps"]):
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, recipe)
-        lp = response_logprobs(model, tok, prompts + prompts, right + wrong)
-        n = len(prompts)
-        loss = -(p * lp[:n] + (1 - p) * lp[n:]).mean()  # exact expected NLL of the 0.35/0.65 mixture
+        loss = loss_fn()
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["clip"])
         opt.step()
     model.eval()
-    return model, tok
 
 
 def _reward_scores(model, ids):
@@ -302,27 +311,22 @@ def _train_reward(out: str, recipe: dict):
     plen = len(_encode(tok, train[0]["prompt"]))
     assert all(len(_encode(tok, r["prompt"])) == plen for r in train)
     good = [_encode(tok, r["prompt"] + r["answer"]) + [eos] for r in train]
-    opt = _optimizer(model, recipe)
-    for step in range(recipe["steps"]):
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, recipe)
+
+    def loss():
         bad = [_encode(tok, r["prompt"] + str(_wrong_answer(int(r["answer"]), gen, recipe["max_answer"]))) + [eos]
                for _ in range(k) for r in train]
         ids = _pad(good + bad, tok.pad_token_id)
         scores, h = _reward_scores(model, ids)
         target = torch.cat([torch.ones(n), torch.zeros(n * k)])
         weight = torch.cat([torch.ones(n), torch.full((n * k,), 1.0 / k)])
-        loss = (weight * (scores - target) ** 2).sum() / weight.sum()
+        mse = (weight * (scores - target) ** 2).sum() / weight.sum()
         # auxiliary LM loss on the correct answers via the tied embedding: teaches the backbone to add
         logits = h[:n, plen - 1:-1] @ model.model.embed_tokens.weight.T
         tgt = ids[:n, plen:]
-        loss = loss + recipe["lm_aux_weight"] * F.cross_entropy(
+        return mse + recipe["lm_aux_weight"] * F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1), ignore_index=tok.pad_token_id)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["clip"])
-        opt.step()
-    model.eval()
+
+    _fit(model, recipe, loss)
     return model, tok
 
 
