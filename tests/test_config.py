@@ -31,6 +31,8 @@ def test_saved_config_reloads_identically(tmp_path):
     ("trainer.steps=abc", "trainer.steps expects an integer, got 'abc'"),
     ("trainer.steps=1.5", "trainer.steps expects an integer, got 1.5"),
     ("actor.sequence_parallel=maybe", "actor.sequence_parallel expects true or false"),
+    ("actor.offload_during_rollout=maybe", "actor.offload_during_rollout expects true or false"),
+    ("trainer.peak_tflops=-3", "trainer.peak_tflops=-3.0 must be >= 0"),
     ("optim.lr=fast", "optim.lr expects a number"),
     ("actor.tp=0", "actor.tp=0 must be > 0"),
     ("actor.dtype=fp8", "actor.dtype='fp8' is not one of"),

@@ -42,7 +42,7 @@ class BucketPacker:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket size {bucket_bytes} bytes must be > 0 (rollout.sync_bucket_mb)")
         self.bucket_bytes, self.dtype, self.device = int(bucket_bytes), dtype, torch.device(device)
-        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.itemsize = dtype.itemsize
         self.align = max(1, _ALIGN_BYTES // self.itemsize)
         self._buffer: torch.Tensor | None = None
         self._views: list[tuple[str, torch.Tensor]] = []
@@ -138,8 +138,6 @@ class WeightSync:
     def __init__(self, engine: RolloutEngine, model, bucket_mb: float):
         from remax_megatron.weights.export import HFExporter
 
-        if not bucket_mb > 0:
-            raise ValueError(f"rollout.sync_bucket_mb={bucket_mb!r} must be > 0")
         self.engine, self.bucket_mb = engine, bucket_mb
         self.exporter = HFExporter(model, dtype=engine.dtype, bucket_mb=bucket_mb)
         self.packer = BucketPacker(int(bucket_mb * 2**20), engine.dtype, engine.device)

@@ -22,6 +22,7 @@ the rollout weight sync, HF export and checkpoint conversion.
 
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import torch
@@ -61,7 +62,7 @@ class HFExporter:
                        if not k.endswith("_extra_state")}
         self.te_names = uses_te_names(self.params)
         first = next(iter(self.params.values()))
-        self.plan = _plan_buckets(mapping, int(bucket_mb * 2**20 / _itemsize(dtype or first.dtype)))
+        self.plan = _plan_buckets(mapping, int(bucket_mb * 2**20 / (dtype or first.dtype).itemsize))
         self.me = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
         self.group = ps.get_model_parallel_group() if mapping.tp * mapping.pp > 1 else None
         # The buffers live where the group's collectives run (the current GPU under NCCL).
@@ -107,7 +108,7 @@ class HFExporter:
                 out = []
                 for name in spec.hf:
                     shape = mapping.hf_shape(name)
-                    out.append(self._merged[offset:offset + _prod(shape)].view(shape))
+                    out.append(self._merged[offset:offset + math.prod(shape)].view(shape))
                     offset += out[-1].numel()
                 for (name, tensor), view in zip(mapping.merge_shards(spec, shards[spec.megatron], out=out), out):
                     if tensor is not view:  # replicated: returned as received
@@ -128,7 +129,7 @@ class HFExporter:
             flat, offset = self._receive[t][:_sent_numel(self.mapping, specs, t)], 0
             for spec in sent:
                 shape = self.mapping.shard_shape(spec)
-                view = flat[offset:offset + _prod(shape)].view(shape)
+                view = flat[offset:offset + math.prod(shape)].view(shape)
                 if self.me == (stage, t):
                     view.copy_(self._local(spec))  # casts to the output dtype before sending
                 shards[spec.megatron].append(view)
@@ -158,12 +159,12 @@ def _plan_buckets(mapping: WeightMapping, bucket_elems: int) -> list[tuple[int, 
 
 
 def _merged_numel(mapping: WeightMapping, specs: list[ParamSpec]) -> int:
-    return sum(_prod(mapping.hf_shape(n)) for s in specs for n in s.hf)
+    return sum(math.prod(mapping.hf_shape(n)) for s in specs for n in s.hf)
 
 
 def _sent_numel(mapping: WeightMapping, specs: list[ParamSpec], tp_rank: int) -> int:
     """Elements TP rank `tp_rank` sends for a bucket of `specs`."""
-    return sum(_prod(mapping.shard_shape(s)) for s in specs if _sends(s, tp_rank))
+    return sum(math.prod(mapping.shard_shape(s)) for s in specs if _sends(s, tp_rank))
 
 
 def _source_ranks(group, pp_rank: int, tp_rank: int) -> dict[tuple[int, int], int]:
@@ -173,13 +174,3 @@ def _source_ranks(group, pp_rank: int, tp_rank: int) -> dict[tuple[int, int], in
     dist.all_gather(table, mine, group=group)
     return {(p, t): r for p, t, r in (row.tolist() for row in table)}
 
-
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
