@@ -138,8 +138,11 @@ class RolloutConfig:
 @dataclass
 class AlgoConfig:
     kl_coef: float = 0.0            # KL penalty coefficient (0: no reference needed)
-    kl_mode: str = "reward"         # reward: per-token penalty in the reward | loss: a loss term
-    kl_estimator: str = "k1"        # k1 | k2 | k3 (for kl_mode=loss and the kl/mean metric)
+    kl_mode: str = "reward"         # reward: per-token k1 penalty in the reward | loss: a loss term (kl_estimator)
+    # Estimator of the kl_mode=loss term: k3 | k2. k1 is refused there: its gradient has zero expectation
+    # on-policy, so it does not regularise. The kl/mean metric is always k1: the mean over response tokens
+    # of (rollout-time actor - reference) log-probs, whatever this is.
+    kl_estimator: str = "k3"
     kl_target: float = 0.0          # > 0: adaptive KL coefficient towards this KL per sequence
     kl_horizon: int = 10000         # adaptive controller horizon (in sequences)
     loss_agg: str = "token-mean"    # token-mean | seq-mean-token-sum | seq-mean-token-mean
@@ -150,6 +153,9 @@ class AlgoConfig:
         _positive("algo.kl_coef", self.kl_coef, zero_ok=True)
         _one_of("algo.kl_mode", self.kl_mode, KL_MODES)
         _one_of("algo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        if self.kl_mode == "loss" and self.kl_estimator == "k1":
+            raise ValueError("algo.kl_mode=loss with algo.kl_estimator=k1 does not regularise (its gradient has zero "
+                             "expectation on-policy): set algo.kl_estimator=k3 (or k2)")
         _positive("algo.kl_target", self.kl_target, zero_ok=True)
         _positive("algo.kl_horizon", self.kl_horizon)
         _one_of("algo.loss_agg", self.loss_agg, LOSS_AGG)

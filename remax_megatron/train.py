@@ -37,6 +37,7 @@ def check_inputs(cfg, world_size: int) -> dict:
     from remax_megatron.data.prompts import load_prompts
     from remax_megatron.models import check_layout, read_hf_config
     from remax_megatron.reward import RewardFunctions
+    from remax_megatron.reward.rm_inputs import RewardModelInputs, load_rm_tokenizer
     from remax_megatron.rollout import check_rollout_layout
 
     cfg.check_world(world_size)
@@ -62,8 +63,13 @@ def check_inputs(cfg, world_size: int) -> dict:
         "limit": cfg.reward.length_limit}) if cfg.reward.functions else None
     tokenizer = AutoTokenizer.from_pretrained(actor_dir)
     train, evals, counts = load_prompts(cfg.data, tokenizer)
+    rm_inputs = None
+    if rm_dir:
+        rm_inputs = RewardModelInputs(tokenizer, load_rm_tokenizer(rm_dir), chat_template=cfg.data.chat_template)
+        rm_inputs.check_prompts([q.text for q in train + evals])
     return dict(actor_dir=actor_dir, arch=arch, ref_dir=ref_dir, rm_dir=rm_dir, rm_arch=rm_arch,
-                functions=functions, tokenizer=tokenizer, train=train, eval=evals, data_counts=counts)
+                rm_inputs=rm_inputs, functions=functions, tokenizer=tokenizer, train=train, eval=evals,
+                data_counts=counts)
 
 
 def build(cfg, checked: dict):
@@ -105,8 +111,7 @@ def build(cfg, checked: dict):
                           dtype=dtype, replica=groups.dp_rank)
     tok = checked["tokenizer"]
     scorer = RewardScorer(checked["functions"], reward_model, cfg.reward.model_weight,
-                          micro_batch_size=cfg.trainer.micro_batch_size,
-                          pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+                          micro_batch_size=cfg.trainer.micro_batch_size, rm_inputs=checked["rm_inputs"])
     return Components(cfg=cfg, groups=groups, actor=ddp, reference=reference, optimizer=optimizer,
                       scheduler=scheduler, engine=engine, scorer=scorer, tokenizer=tok,
                       sampler=PromptSampler(checked["train"], cfg.trainer.seed, cfg.data.shuffle),

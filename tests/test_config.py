@@ -80,3 +80,14 @@ def test_layout_message_names_every_factor():
     from remax_megatron.parallel import ParallelLayout
 
     assert str(ParallelLayout(tp=2, pp=2, world_size=8)) == "tp(2) * pp(2) * dp(2) = world(8)"
+
+
+def test_kl_loss_term_refuses_k1():
+    """k1 as a loss term has a zero-expectation gradient on-policy: refused, the default is k3."""
+    with pytest.raises(ValueError) as e:
+        load_config(None, [R, "algo.kl_mode=loss", "algo.kl_estimator=k1"])
+    assert "algo.kl_mode=loss with algo.kl_estimator=k1" in str(e.value) and "k3" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert load_config(None, [R, "algo.kl_mode=loss"]).algo.kl_estimator == "k3"
+    assert load_config(None, [R, "algo.kl_mode=loss", "algo.kl_estimator=k2"]).algo.kl_estimator == "k2"
+    assert load_config(None, [R, "algo.kl_estimator=k1"]).algo.kl_mode == "reward"  # unused there

@@ -5,7 +5,8 @@
   fused vocab-parallel kernel, so full [tokens, vocab] logits are never built in
   training. `full_logits` exists for parity checks and step-by-step decoding.
 - `RewardModel`: the same trunk with a scalar head (HF `score.weight`), read at
-  each sequence's last non-pad token, as HF's *ForSequenceClassification does.
+  each sequence's rightmost token that is not the RM's pad id, as HF's
+  *ForSequenceClassification does (`RewardModel.score_positions`).
 
 Layer spec: Transformer Engine when it imports and CUDA is present, megatron's
 local spec otherwise (CPU, or GPUs without TE).
@@ -195,11 +196,27 @@ class RewardModel(GPTModel):
     run = PolicyModel.run
 
     @staticmethod
-    def scores(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """values [b, s, 1], lengths [b] (prompt + response tokens) -> value at the last token [b]."""
+    def score_positions(input_ids: torch.Tensor, lengths: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
+        """input_ids [b, s] (right-padded), lengths [b] -> the position HF reads the score at [b].
+
+        transformers' *ForSequenceClassification takes the rightmost token that is not the RM
+        config's `pad_token_id` (argmax of position * non-pad, so 0 when every token is pad), and
+        the last token when the config has no pad id. Applied to each sequence alone (positions
+        >= its length are the batch's padding), so a trailing run of pad tokens inside the
+        sequence is skipped: an RM whose pad id is EOS scores the token before the final EOS run.
+        """
         if (lengths < 1).any():
             raise ValueError("reward model got an empty sequence (length 0)")
-        index = (lengths - 1).to(values.device).view(-1, 1, 1)
+        if pad_token_id is None:
+            return lengths - 1
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        real = (input_ids != pad_token_id) & (positions < lengths.to(input_ids.device).view(-1, 1))
+        return (positions * real).argmax(-1)
+
+    @staticmethod
+    def scores(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """values [b, s, 1], positions [b] (from `score_positions`) -> the values there [b]."""
+        index = positions.to(values.device).view(-1, 1, 1)
         return values.gather(1, index).view(-1).float()
 
 
@@ -230,7 +247,7 @@ def build_policy(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype
 def build_reward_model(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32,
                        sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 128,
                        init_weights: bool = True) -> RewardModel:
-    """Frozen reward model: GPT trunk + scalar head; `scores(values, lengths)` reads the last token."""
+    """Frozen reward model: GPT trunk + scalar head; `scores(values, score_positions(...))` reads HF's token."""
     if arch.task != "reward":
         raise ValueError(f"{arch.architecture} is not a reward model: use a *ForSequenceClassification "
                          "checkpoint with num_labels=1")

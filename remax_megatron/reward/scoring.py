@@ -7,20 +7,28 @@ sample equal to the greedy one) is scored once.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from remax_megatron.reward.functions import RewardFunctions
+from remax_megatron.reward.rm_inputs import RewardModelInputs
+
+if TYPE_CHECKING:
+    from remax_megatron.models.gpt import RewardModel
 
 
 class RewardScorer:
     """reward = sum_k w_k * f_k(response) + model_weight * RM(prompt + response)."""
 
-    def __init__(self, functions: RewardFunctions | None, reward_model=None, model_weight: float = 1.0,
-                 micro_batch_size: int = 8, pad_id: int = 0):
+    def __init__(self, functions: RewardFunctions | None, reward_model: RewardModel | None = None,
+                 model_weight: float = 1.0, micro_batch_size: int = 8, rm_inputs: RewardModelInputs | None = None):
+        """rm_inputs maps the actor's prompt + response to the RM's token ids; None: the actor's ids as they are
+        (the reward model shares the actor's tokenizer)."""
         if functions is None and reward_model is None:
             raise ValueError("no reward: configure reward.functions and/or reward.model")
-        self.functions, self.reward_model = functions, reward_model
-        self.model_weight, self.micro_batch_size, self.pad_id = model_weight, micro_batch_size, pad_id
+        self.functions, self.reward_model, self.rm_inputs = functions, reward_model, rm_inputs
+        self.model_weight, self.micro_batch_size = model_weight, micro_batch_size
 
     def score(self, prompt_ids: list[list[int]], prompt_texts: list[str], columns: list[dict],
               prompt_index: list[int], responses: list[list[tuple[list[int], str]]]) -> tuple[list[list[float]], dict]:
@@ -51,30 +59,36 @@ class RewardScorer:
             for name, vals in parts.items():
                 metrics[f"reward/{name.split(':')[-1]}_mean"] = sum(vals) / max(1, len(vals))
         if self.reward_model is not None:
-            scores = self._model_scores([prompt_ids[i] + list(ids) for i, ids, _ in items])
+            sequences = (self.rm_inputs.sequences(prompt_ids, prompt_texts, items) if self.rm_inputs is not None
+                         else [prompt_ids[i] + list(ids) for i, ids, _ in items])
+            scores = self._model_scores(sequences)
             total = [t + self.model_weight * s for t, s in zip(total, scores)]
             metrics["reward/model_mean"] = sum(scores) / max(1, len(scores))
         return [[total[j] for j in row] for row in where], metrics
 
     @torch.no_grad()
     def _model_scores(self, sequences: list[list[int]]) -> list[float]:
-        """Reward-model score at each sequence's last token (collective over the RM's TP x PP group)."""
+        """Reward-model score of each sequence at the token HF reads (collective over the RM's TP x PP group)."""
         from remax_megatron.models.forward import broadcast_from_last_stage, forward_only
         from remax_megatron.models.gpt import sequence_multiple
 
+        model = self.reward_model
+        pad = model.arch.pad_token_id
         mbs = self.micro_batch_size
         count = len(sequences)
         padded_count = -(-count // mbs) * mbs
-        multiple = sequence_multiple(self.reward_model)
+        multiple = sequence_multiple(model)
         width = -(-max(len(s) for s in sequences) // multiple) * multiple  # sequence parallel splits it
-        ids = torch.full((padded_count, width), self.pad_id, dtype=torch.long)
+        # Past each length: filler that no score reads (causal attention, positions < length).
+        ids = torch.full((padded_count, width), pad if pad is not None else 0, dtype=torch.long)
         lengths = torch.ones(padded_count, dtype=torch.long)
         for i, seq in enumerate(sequences):
             ids[i, : len(seq)] = torch.tensor(seq)
             lengths[i] = len(seq)
-        batches = [{"input_ids": ids[s : s + mbs], "lengths": lengths[s : s + mbs]}
+        positions = model.score_positions(ids, lengths, pad)
+        batches = [{"input_ids": ids[s : s + mbs], "positions": positions[s : s + mbs]}
                    for s in range(0, padded_count, mbs)]
-        out = forward_only(self.reward_model, batches, lambda m, values, b: m.scores(values, b["lengths"]))
+        out = forward_only(model, batches, lambda m, values, b: m.scores(values, b["positions"]))
         scores = torch.cat(out) if out else None
         scores = broadcast_from_last_stage(scores, (padded_count,), torch.float32)
         return scores[:count].tolist()

@@ -137,8 +137,9 @@ def _rm_body(rank, world, model_dir, tp, pp, expected, sp=False):
     ids, lengths = _rm_inputs(arch.vocab_size, arch.pad_token_id)
     if sp:
         ids, _ = _sp_pad(ids, None, fill=arch.pad_token_id)
-    out = forward_only(model, [{"input_ids": ids, "lengths": lengths}],
-                       lambda m, values, batch: m.scores(values, batch["lengths"]))
+    positions = model.score_positions(ids, lengths, arch.pad_token_id)
+    out = forward_only(model, [{"input_ids": ids, "positions": positions}],
+                       lambda m, values, batch: m.scores(values, batch["positions"]))
     scores = broadcast_from_last_stage(out[0] if out else None, (ids.shape[0],), torch.float32)
     err = (scores - expected).abs().max().item()
     assert err < 1e-5, f"tp={tp} pp={pp}: max |score - transformers| = {err}"

@@ -1,0 +1,62 @@
+"""When the reward model gets the actor's ids and when text re-tokenized with its own tokenizer."""
+
+import copy
+
+import pytest
+
+from remax_megatron.data.tiny_tokenizer import build_tokenizer
+from remax_megatron.reward.rm_inputs import RewardModelInputs, TemplateFrame, same_tokenizer
+from tests.reward.test_scoring import other_tokenizer
+
+
+def test_identical_tokenizers_keep_the_fast_path(tmp_path):
+    from transformers import AutoTokenizer
+
+    actor = build_tokenizer()
+    actor.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)  # another object, same tokenizer
+    assert same_tokenizer(actor, reloaded, chat_template=True)
+    inputs = RewardModelInputs(actor, reloaded, chat_template=True)
+    assert inputs.passthrough
+    assert inputs.sequences([[7, 8]], ["p"], [(0, [9, 2], "x")]) == [[7, 8, 9, 2]]
+
+
+def test_differences_leave_the_fast_path():
+    actor = build_tokenizer()
+    assert not same_tokenizer(actor, other_tokenizer(), chat_template=False)  # other ids
+    assert not same_tokenizer(actor, build_tokenizer(120), chat_template=False)  # more tokens
+    templ = copy.deepcopy(actor)
+    templ.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert not same_tokenizer(actor, templ, chat_template=True)
+    assert same_tokenizer(actor, templ, chat_template=False)  # templates unused: same ids
+    eos = copy.deepcopy(actor)
+    eos.pad_token = "</s>"
+    assert not same_tokenizer(actor, eos, chat_template=False)
+    rules = copy.deepcopy(actor)
+    from tokenizers import normalizers
+
+    rules.backend_tokenizer.normalizer = normalizers.Lowercase()  # same vocab, other ids for "A"
+    assert rules("A")["input_ids"] != actor("A")["input_ids"]
+    assert not same_tokenizer(actor, rules, chat_template=False)
+
+
+def test_template_frame_recovers_the_user_message():
+    actor = build_tokenizer()
+    frame = TemplateFrame(actor)
+    text = actor.apply_chat_template([{"role": "user", "content": "2+3= ?"}], tokenize=False,
+                                     add_generation_prompt=True)
+    assert frame.user_message(text) == "2+3= ?"
+    assert frame.user_message(text[3:]) == "2+3= ?"  # cut on the left (data.overlong=truncate)
+    with pytest.raises(ValueError, match="does not end like the actor's chat template"):
+        frame.user_message("2+3=")
+    inputs = RewardModelInputs(actor, other_tokenizer(), chat_template=True)
+    with pytest.raises(ValueError, match="cannot recover the user message"):
+        inputs.check_prompts([text, "raw prompt"])
+    assert inputs.text(text, "5") == ("<s>[user]2+3= ?[assistant]5</s>", False)
+
+
+def test_template_that_drops_the_message_is_refused():
+    actor = build_tokenizer()
+    actor.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    with pytest.raises(ValueError, match="data.chat_template=false"):
+        RewardModelInputs(actor, other_tokenizer(), chat_template=True)

@@ -1,0 +1,155 @@
+"""Reward-model scores through RewardScorer vs transformers' *ForSequenceClassification (fp32):
+HF's score position (rightmost token that is not the RM's pad id, pad == EOS included) and an RM
+with its own tokenizer and chat template (prompt + response re-tokenized)."""
+
+import json
+import os
+import string
+
+import pytest
+import torch
+
+from remax_megatron.data.tiny_tokenizer import build_tokenizer
+from remax_megatron.models.gpt import RewardModel
+from tests._dist import run_distributed
+from tools.make_tiny_model import make_tiny_model
+
+PROMPTS = ["2+3=", "what is 7*6?", "say hi"]
+# Responses as the actor's tokenizer decodes them; `eos` tokens appended to the ids (0, 1 or 2).
+RESPONSES = [[("5", 1), ("5", 2), ("4 ", 0)], [("42", 1), (" forty", 2), ("", 1)], [("hi", 0), ("hello", 1)]]
+
+
+def other_tokenizer():
+    """Same characters, other ids (reversed, specials last), another chat template ending with EOS."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"][::-1]
+    vocab = {t: i for i, t in enumerate(chars + ["<pad>", "<s>", "</s>", "<unk>"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = ("<s>{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}</s>")
+    return fast
+
+
+def _set_config(model_dir, **values):
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update(values)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rm")
+    kw = dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=96, reward=True)
+    actor_tok = build_tokenizer()
+    # Llama-3 style: the RM's pad id is its EOS id.
+    eos_rm = make_tiny_model(str(root / "eos_rm"), "llama", seed=4, **kw)
+    _set_config(eos_rm, pad_token_id=actor_tok.eos_token_id)
+    other_rm = make_tiny_model(str(root / "other_rm"), "llama", seed=5, **kw)
+    tok = other_tokenizer()
+    tok.save_pretrained(other_rm)
+    _set_config(other_rm, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id)
+    return {"eos_rm": eos_rm, "other_rm": other_rm}
+
+
+def _actor_batch(actor_tok, chat_template: bool):
+    """prompt_ids, prompt_texts and responses [(ids, text)] as the trainer hands them to the scorer."""
+    texts = [actor_tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) if chat_template else p for p in PROMPTS]
+    prompt_ids = [actor_tok(t, add_special_tokens=not chat_template)["input_ids"] for t in texts]
+    responses = []
+    for row in RESPONSES:
+        out = []
+        for text, eos in row:
+            ids = actor_tok(text, add_special_tokens=False)["input_ids"] + [actor_tok.eos_token_id] * eos
+            out.append((ids, actor_tok.decode(ids, skip_special_tokens=True)))
+        responses.append(out)
+    return prompt_ids, texts, responses
+
+
+def _hf_scores(model_dir, sequences):
+    """transformers on each sequence alone (batch 1, no padding): the score HF gives that text."""
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [hf(torch.tensor([s])).logits.item() for s in sequences]
+
+
+def _scorer_body(rank, world, model_dir, actor_tok, rm_tok, chat_template, batch, mbs, expected, passthrough):
+    from remax_megatron.models import build_reward_model, read_hf_config
+    from remax_megatron.parallel import ParallelLayout
+    from remax_megatron.reward import RewardScorer
+    from remax_megatron.reward.rm_inputs import RewardModelInputs
+    from remax_megatron.weights import load_hf_weights
+
+    ParallelLayout(tp=1, pp=1, world_size=world).initialize()
+    model = build_reward_model(read_hf_config(model_dir), tp=1, pp=1, init_weights=False)
+    load_hf_weights(model, model_dir)
+    inputs = RewardModelInputs(actor_tok, rm_tok, chat_template=chat_template)
+    assert inputs.passthrough == passthrough
+    scorer = RewardScorer(None, model, micro_batch_size=mbs, rm_inputs=inputs)
+    prompt_ids, texts, responses = batch
+    scores, _ = scorer.score(prompt_ids, texts, [{} for _ in texts], list(range(len(texts))), responses)
+    flat = [s for row in scores for s in row]
+    err = max(abs(a - b) for a, b in zip(flat, expected))
+    assert err < 1e-5, f"max |score - transformers| = {err}: {flat} vs {expected}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mbs", [2, 8])
+def test_pad_equal_eos_scores_match_transformers(dirs, mbs):
+    """pad id == EOS: HF reads the token before the trailing EOS run; ours must too."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(dirs["eos_rm"])
+    batch = _actor_batch(tok, chat_template=False)
+    prompt_ids, _, responses = batch
+    sequences = [prompt_ids[i] + ids for i, row in enumerate(responses) for ids, _ in row]
+    assert any(s[-1] == tok.eos_token_id for s in sequences)
+    expected = _hf_scores(dirs["eos_rm"], sequences)
+    run_distributed(_scorer_body, world_size=1,
+                    args=(dirs["eos_rm"], tok, tok, False, batch, mbs, expected, True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chat_template", [True, False])
+def test_rm_with_own_tokenizer_scores_match_transformers(dirs, chat_template):
+    """Different ids for the same text: the scorer re-tokenizes with the RM's tokenizer (and template)."""
+    from transformers import AutoTokenizer
+
+    actor_tok = build_tokenizer()
+    rm_tok = AutoTokenizer.from_pretrained(dirs["other_rm"])
+    assert actor_tok("2+3")["input_ids"] != rm_tok("2+3")["input_ids"]
+    batch = _actor_batch(actor_tok, chat_template)
+    _, _, responses = batch
+    sequences = []
+    for prompt, row in zip(PROMPTS, responses):
+        for _, text in row:
+            if chat_template:  # the RM's own template over the bare user message and the response
+                conv = [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}]
+                sequences.append(rm_tok.apply_chat_template(conv, tokenize=True, return_dict=True)["input_ids"])
+            else:
+                sequences.append(rm_tok(prompt + text)["input_ids"])
+    expected = _hf_scores(dirs["other_rm"], sequences)
+    run_distributed(_scorer_body, world_size=1,
+                    args=(dirs["other_rm"], actor_tok, rm_tok, chat_template, batch, 4, expected, False))
+
+
+def test_score_positions_follow_hf_rule():
+    """Rightmost non-pad token within each length; 0 when all are pad; the last token without a pad id."""
+    ids = torch.tensor([[5, 6, 2, 2], [5, 2, 6, 2], [2, 2, 9, 9], [7, 8, 9, 2]])
+    lengths = torch.tensor([4, 4, 2, 3])
+    assert RewardModel.score_positions(ids, lengths, 2).tolist() == [1, 2, 0, 2]
+    assert RewardModel.score_positions(ids, lengths, None).tolist() == [3, 3, 1, 2]
+    assert RewardModel.score_positions(ids, lengths, 0).tolist() == [3, 3, 1, 2]
+    with pytest.raises(ValueError, match="empty sequence"):
+        RewardModel.score_positions(ids, torch.tensor([4, 0, 1, 1]), 2)
