@@ -6,7 +6,9 @@
 The checkpoint is layout-free: any TP/PP loads it (tools/convert_megatron_to_hf.py,
 the trainer). Under torchrun each rank reads only its own slices of the HF
 tensors, which splits the work. Nothing is written unless the whole conversion
-succeeds; an existing checkpoint at --out is kept unless --overwrite.
+succeeds. An existing --out (a file or a non-empty directory) is refused; --overwrite
+replaces only a model checkpoint this tool wrote (model/, hf_config/, remax_checkpoint.json and
+nothing else) and says what it removes. Errors are one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -26,12 +28,11 @@ def convert(hf_dir: str, out: str, tp: int = 1, pp: int = 1, overwrite: bool = F
     from remax_megatron.models.hf_config import check_layout, read_hf_config
     from remax_megatron.parallel import ParallelLayout, init_distributed
     from remax_megatron.weights import HFCheckpointReader, load_hf_weights
-    from remax_megatron.weights.hf_io import holds_checkpoint, replace_dir
-    from remax_megatron.weights.megatron_ckpt import build_model_for, save_model
+    from remax_megatron.weights.hf_io import check_out_dir, replace_dir
+    from remax_megatron.weights.megatron_ckpt import build_model_for, model_checkpoint_entries, save_model
 
     out = os.path.abspath(out)
-    if holds_checkpoint(out) and not overwrite:
-        raise FileExistsError(f"{out} already holds a checkpoint: choose a new --out or pass --overwrite")
+    replacing = check_out_dir(out, overwrite, model_checkpoint_entries, "a model checkpoint")
     arch = read_hf_config(hf_dir)
     check_layout(arch, tp, pp, what="--")
     reader = HFCheckpointReader(hf_dir)          # opens and checks every file before any work
@@ -52,6 +53,8 @@ def convert(hf_dir: str, out: str, tp: int = 1, pp: int = 1, overwrite: bool = F
             shutil.rmtree(tmp[0], ignore_errors=True)
         raise
     if dist.get_rank() == 0:
+        if replacing:
+            print(replacing, flush=True)
         replace_dir(tmp[0], out)
     dist.barrier()
     return out
@@ -63,12 +66,15 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="checkpoint directory to create")
     p.add_argument("--tp", type=int, default=1, help="TP used to split the work (the result is layout-free)")
     p.add_argument("--pp", type=int, default=1, help="PP used to split the work")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a model checkpoint this tool wrote before at --out (nothing else)")
     a = p.parse_args(argv)
     try:
         out = convert(a.hf_dir, a.out, a.tp, a.pp, a.overwrite)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
-        sys.exit(f"error: {e}")
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"wrote {out}")
 

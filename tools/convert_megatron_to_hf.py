@@ -5,7 +5,9 @@ path the rollout weight sync uses (TP shards gathered, PP stages broadcast).
     torchrun --nproc_per_node=4 tools/convert_megatron_to_hf.py --ckpt CKPT --out HF --tp 2 --pp 2
 
 CKPT is a model checkpoint (tools/convert_hf_to_megatron.py) or a training
-checkpoint (its actor). The world size must equal tp * pp.
+checkpoint (its actor). The world size must equal tp * pp. An existing --out (a file or a
+non-empty directory) is refused; --overwrite replaces only an HF directory this tool wrote (its
+remax_written_by.json lists the files) and says what it removes. Errors are one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+TOOL = "convert_megatron_to_hf"  # recorded in the HF directory it writes (what --overwrite may replace)
+
 
 def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
             overwrite: bool = False) -> str:
@@ -24,12 +28,11 @@ def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = N
     from remax_megatron.models.hf_config import DTYPES, check_layout
     from remax_megatron.parallel import ParallelLayout, init_distributed
     from remax_megatron.weights import export_hf_weights
-    from remax_megatron.weights.hf_io import HFDirWriter, holds_checkpoint
+    from remax_megatron.weights.hf_io import HFDirWriter, check_out_dir, hf_dir_entries
     from remax_megatron.weights.megatron_ckpt import build_model_for, load_model, read_checkpoint_meta
 
     out = os.path.abspath(out)
-    if holds_checkpoint(out) and not overwrite:
-        raise FileExistsError(f"{out} already holds a checkpoint: choose a new --out or pass --overwrite")
+    replacing = check_out_dir(out, overwrite, lambda path: hf_dir_entries(path, TOOL), "a Hugging Face directory")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
     arch, params_dtype = read_checkpoint_meta(ckpt)
@@ -43,10 +46,12 @@ def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = N
     load_model(model, ckpt)
     tensors = export_hf_weights(model, dtype=DTYPES[dtype] if dtype else None)
     if dist.get_rank() == 0:
-        with HFDirWriter(out, overwrite=overwrite) as writer:
+        with HFDirWriter(out, overwrite=overwrite, tool=TOOL) as writer:
             for name, tensor in tensors:
                 writer.add(name, tensor)
             writer.copy_side_files(os.path.join(ckpt, "hf_config"))
+            if replacing:
+                print(replacing, flush=True)
     else:
         for _ in tensors:  # every rank takes part in the gathers and broadcasts
             pass
@@ -61,12 +66,15 @@ def main(argv=None):
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dtype", default=None, help="cast to float32 | bfloat16 | float16 (default: as saved)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing model at --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an HF directory this tool wrote before at --out (nothing else)")
     a = p.parse_args(argv)
     try:
         out = convert(a.ckpt, a.out, a.tp, a.pp, a.dtype, a.overwrite)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
-        sys.exit(f"error: {e}")
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"wrote {out}")
 

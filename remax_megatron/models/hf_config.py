@@ -56,8 +56,13 @@ def read_hf_config(model_dir: str) -> ModelArch:
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: point the model path at a Hugging Face model directory")
-    with open(path) as f:
-        raw = json.load(f)
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}): fix or re-download it") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object: fix or re-download it")
     archs = raw.get("architectures") or []
     if len(archs) != 1 or archs[0] not in SUPPORTED:
         raise ValueError(
@@ -66,7 +71,11 @@ def read_hf_config(model_dir: str) -> ModelArch:
         )
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(model_dir)
+    try:
+        cfg = AutoConfig.from_pretrained(model_dir)
+    except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(f"{path} could not be read by transformers ({type(e).__name__}: {reason})") from None
     family, task = SUPPORTED[archs[0]]
     if task == "reward" and getattr(cfg, "num_labels", 1) != 1:
         raise ValueError(f"reward model {path} has num_labels={cfg.num_labels}; a scalar reward needs 1")
@@ -112,15 +121,20 @@ def read_hf_config(model_dir: str) -> ModelArch:
 
 
 def check_layout(arch: ModelArch, tp: int, pp: int, what: str = "actor") -> None:
-    """One-line errors for a TP/PP layout the model cannot be split into."""
+    """One-line errors for a TP/PP layout the model cannot be split into.
+
+    `what` names the setting: a config section ("actor" -> actor.tp) or a command-line prefix
+    ("--" -> --tp).
+    """
+    tp_name, pp_name = (f"{what}tp", f"{what}pp") if what.endswith("-") else (f"{what}.tp", f"{what}.pp")
     if arch.num_heads % tp:
-        raise ValueError(f"{what}.tp={tp} does not divide num_attention_heads={arch.num_heads}: "
+        raise ValueError(f"{tp_name}={tp} does not divide num_attention_heads={arch.num_heads}: "
                          f"choose tp from the divisors of {arch.num_heads}")
     if arch.num_kv_heads % tp:
-        raise ValueError(f"{what}.tp={tp} does not divide num_key_value_heads={arch.num_kv_heads}: "
+        raise ValueError(f"{tp_name}={tp} does not divide num_key_value_heads={arch.num_kv_heads}: "
                          f"choose tp from the divisors of {arch.num_kv_heads}")
     if arch.num_layers % pp:
-        raise ValueError(f"{what}.pp={pp} does not divide num_hidden_layers={arch.num_layers}: "
+        raise ValueError(f"{pp_name}={pp} does not divide num_hidden_layers={arch.num_layers}: "
                          f"choose pp from the divisors of {arch.num_layers}")
 
 

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from safetensors import safe_open
@@ -24,6 +24,9 @@ SINGLE = "model.safetensors"
 # Files an HF model directory carries besides the weights.
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
+# Written last into every directory HFDirWriter makes: which tool wrote it and its files, so that
+# `--overwrite` can tell a directory the tool wrote from anything else.
+WRITTEN_BY = "remax_written_by.json"
 
 
 class HFCheckpointReader:
@@ -102,12 +105,12 @@ def _open_checked(path: str):
 
 
 def replace_dir(src: str, dst: str) -> None:
-    """Rename the finished directory `src` to `dst`; an existing `dst` is moved aside first and
-    deleted only once the new one is in place (a crash never leaves neither)."""
-    if os.path.exists(dst):
-        old = dst + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(dst, old)
+    """Rename the finished directory `src` to `dst`; an existing `dst` is moved aside (to a fresh
+    hidden sibling, never onto a name a user might own) and deleted only once the new one is in
+    place (a crash never leaves neither)."""
+    if os.path.lexists(dst):
+        old = tempfile.mkdtemp(prefix=".old-" + os.path.basename(dst) + "-", dir=os.path.dirname(dst))
+        os.rename(dst, old)          # a directory may be renamed onto an empty one
         os.rename(src, dst)
         shutil.rmtree(old)
     else:
@@ -122,6 +125,65 @@ def holds_checkpoint(path: str) -> bool:
     return any(os.path.exists(os.path.join(path, m)) for m in markers)
 
 
+def _describe(path: str, entries: list[str]) -> str:
+    """`model/ (3 files), config.json` for the entries of `path` (how much --overwrite removes)."""
+    parts = []
+    for name in entries:
+        full = os.path.join(path, name)
+        if os.path.isdir(full) and not os.path.islink(full):
+            count = sum(len(files) for _, _, files in os.walk(full))
+            parts.append(f"{name}/ ({count} file{'s' if count != 1 else ''})")
+        else:
+            parts.append(name)
+    return ", ".join(parts)
+
+
+def check_out_dir(out: str, overwrite: bool, written_by_tool: Callable[[str], list[str] | None],
+                  what: str) -> str | None:
+    """Check a tool's `--out` before any work; one-line errors, nothing touched.
+
+    Nothing there (or an empty directory) -> None. A file, or a non-empty directory, is refused
+    unless `overwrite` and `written_by_tool(out)` recognises it as `what` this tool wrote before
+    (it returns that directory's entries): then the returned line says exactly what replacing
+    it removes. A missing parent directory is reported as such.
+    """
+    out = os.path.abspath(out)
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"--out {out}: its parent directory {parent} does not exist: create it first")
+    if not os.path.lexists(out):
+        return None
+    if os.path.islink(out) or not os.path.isdir(out):
+        raise FileExistsError(f"--out {out} is an existing file, not a directory: choose a new --out "
+                              f"(--overwrite replaces only {what} this tool wrote)")
+    entries = sorted(os.listdir(out))
+    if not entries:
+        return None
+    ours = written_by_tool(out)
+    if ours is None:
+        shown = _describe(out, entries[:6]) + (f" and {len(entries) - 6} more" if len(entries) > 6 else "")
+        raise FileExistsError(f"--out {out} is not empty and is not {what} this tool wrote (it holds {shown}): "
+                              "choose a new --out; --overwrite does not replace it either")
+    if not overwrite:
+        raise FileExistsError(f"--out {out} already holds {what}: choose a new --out or pass --overwrite "
+                              "to replace it")
+    return f"--overwrite: replacing {what} at {out}, removing {_describe(out, ours)}"
+
+
+def hf_dir_entries(path: str, tool: str) -> list[str] | None:
+    """The entries of `path` when HFDirWriter(tool=tool) wrote it and nothing was added since, else None."""
+    try:
+        with open(os.path.join(path, WRITTEN_BY)) as f:
+            marker = json.load(f)
+        written = set(marker["files"]) | {WRITTEN_BY}
+        if marker["written_by"] != tool:
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    entries = sorted(os.listdir(path))
+    return entries if set(entries) <= written else None
+
+
 class HFDirWriter:
     """Stream (name, tensor) pairs into an HF directory, atomically.
 
@@ -130,8 +192,10 @@ class HFDirWriter:
             w.copy_side_files(src_dir)
     """
 
-    def __init__(self, out_dir: str, max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False):
+    def __init__(self, out_dir: str, max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False,
+                 tool: str = "remax-megatron"):
         out_dir = os.path.abspath(out_dir)
+        self.tool = tool  # recorded in WRITTEN_BY
         if holds_checkpoint(out_dir) and not overwrite:
             raise FileExistsError(f"{out_dir} already holds a checkpoint: choose a new --out or pass --overwrite")
         self.out_dir, self.max_shard_bytes = out_dir, int(max_shard_bytes)
@@ -176,6 +240,8 @@ class HFDirWriter:
                 weight_map.update({n: final for n in names})
             with open(os.path.join(self.tmp, INDEX), "w") as f:
                 json.dump({"metadata": {"total_size": size}, "weight_map": weight_map}, f, indent=2)
+        with open(os.path.join(self.tmp, WRITTEN_BY), "w") as f:
+            json.dump({"written_by": self.tool, "files": sorted(os.listdir(self.tmp))}, f, indent=2)
         replace_dir(self.tmp, self.out_dir)
 
     def __enter__(self):

@@ -64,17 +64,87 @@ def read_checkpoint_meta(ckpt_dir: str) -> tuple[ModelArch, torch.dtype]:
                  os.path.join(ckpt_dir, "model", "metadata.json")):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} is missing: {ckpt_dir} is not a complete remax-megatron checkpoint")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    return read_hf_config(os.path.join(ckpt_dir, "hf_config")), DTYPES[meta["dtype"]]
+    try:
+        with open(meta_path) as f:
+            dtype = DTYPES[json.load(f)["dtype"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{meta_path} is unreadable ({type(e).__name__}: {e}): re-convert the checkpoint") from None
+    return read_hf_config(os.path.join(ckpt_dir, "hf_config")), dtype
+
+
+def model_checkpoint_entries(path: str) -> list[str] | None:
+    """The entries of `path` when it is a model checkpoint exactly as save_model writes it (model/,
+    hf_config/, remax_checkpoint.json and nothing else), else None. A training checkpoint (it also
+    holds optimizer/ and trainer_state.json) or a directory with anything added is not one."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return None
+    entries = sorted(os.listdir(path))
+    if entries != sorted(["model", "hf_config", META]) or not os.path.isfile(os.path.join(path, META)):
+        return None
+    try:
+        with open(os.path.join(path, META)) as f:
+            if json.load(f).get("format_version") != FORMAT_VERSION:
+                return None
+    except (OSError, ValueError, AttributeError):
+        return None
+    side_files = set(os.listdir(os.path.join(path, "hf_config"))) if os.path.isdir(os.path.join(path, "hf_config")) \
+        else None
+    if side_files is None or not side_files <= set(SIDE_FILES):
+        return None
+    model_dir = os.path.join(path, "model")
+    shards = os.listdir(model_dir) if os.path.isdir(model_dir) else None
+    dist_files = (".metadata", "metadata.json", "common.pt")
+    if shards is None or any(not (n in dist_files or n.endswith(".distcp")) for n in shards):
+        return None
+    return entries
 
 
 def load_model(model, ckpt_dir: str) -> None:
     """Collective: fill `model` (any TP/PP layout) from ckpt_dir/model."""
     from megatron.core import dist_checkpointing
 
+    check_shapes(model, ckpt_dir)
     state = dist_checkpointing.load(model.sharded_state_dict(), os.path.join(ckpt_dir, "model"))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ValueError(f"checkpoint {ckpt_dir} does not fit the model: missing {missing}, unexpected {unexpected}")
+
+
+def check_shapes(model, ckpt_dir: str) -> None:
+    """ValueError (one line, both shapes) when ckpt_dir/model was saved from a model of other shapes.
+
+    Only the checkpoint's metadata is read. Vocab-padded tensors (megatron marks them
+    allow_shape_mismatch: the padding depends on TP) are compared without their vocab dim, and the
+    vocab sizes through the saved config.json.
+    """
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    saved = load_tensors_metadata(os.path.join(ckpt_dir, "model"))
+    ours = model.sharded_state_dict()
+    apply_factories(ours)
+    for tensor in nested_values(ours):
+        if not isinstance(tensor, ShardedTensor):
+            continue
+        shape = tuple(tensor.global_shape)
+        if tensor.key not in saved:
+            raise ValueError(f"checkpoint {ckpt_dir} holds a different model: it has no {tensor.key} "
+                             f"(shape {list(shape)} in this model)")
+        there = tuple(saved[tensor.key].global_shape)
+        padded = tensor.allow_shape_mismatch and len(shape) == len(there)
+        if (shape[1:] != there[1:]) if padded else (shape != there):
+            raise ValueError(f"checkpoint {ckpt_dir} holds a different model: {tensor.key} has shape "
+                             f"{list(there)} there and {list(shape)} in this model")
+    arch = getattr(model, "arch", None)
+    config = os.path.join(ckpt_dir, "hf_config", "config.json")
+    if arch is not None and os.path.isfile(config):
+        try:
+            with open(config) as f:
+                vocab = json.load(f).get("vocab_size")
+        except (OSError, ValueError, AttributeError):
+            vocab = None
+        if vocab is not None and vocab != arch.vocab_size:
+            raise ValueError(f"checkpoint {ckpt_dir} holds a different model: vocab_size {vocab} there "
+                             f"({config}) and {arch.vocab_size} in this model")

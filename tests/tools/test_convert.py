@@ -63,21 +63,127 @@ def test_sharded_hf_dir_round_trip(tmp_path):
         assert torch.equal(reader.read(name, 0, 1, 3), tensor[1:3])
 
 
-def test_converter_refuses_existing_output_and_writes_nothing(tmp_path):
+def _tree(top):
+    """{relative path: sha256 of its bytes} of every file under `top` (a file: {'': digest})."""
+    import hashlib
+
+    def digest(path):
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    if os.path.isfile(top):
+        return {"": digest(top)}
+    out = {}
+    for dirpath, dirnames, names in os.walk(top):
+        for name in dirnames:
+            out[os.path.relpath(os.path.join(dirpath, name), top) + "/"] = "dir"
+        for name in names:
+            out[os.path.relpath(os.path.join(dirpath, name), top)] = digest(os.path.join(dirpath, name))
+    return out
+
+
+def _one_error_line(r):
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A tiny HF model and the model checkpoint convert_hf_to_megatron.py wrote from it."""
+    top = tmp_path_factory.mktemp("converted")
+    hf = make_tiny_model(str(top / "hf"), "llama", hidden=32, layers=2, heads=2, kv_heads=1, ffn=64)
+    ckpt = str(top / "ckpt")
+    r = _run([PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf, "--out", ckpt])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return hf, ckpt
+
+
+def _run_dir(path):
+    """A training run's output directory: what a converter must never delete."""
+    os.makedirs(os.path.join(path, "checkpoints", "step_000002", "model"))
+    with open(os.path.join(path, "checkpoints", "step_000002", "model", "__0_0.distcp"), "wb") as f:
+        f.write(os.urandom(5000))
+    with open(os.path.join(path, "checkpoints", "latest"), "w") as f:
+        f.write("step_000002")
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.write('{"step": 1, "loss": 0.5}\n')
+    with open(os.path.join(path, "notes.txt"), "w") as f:
+        f.write("my notes\n")
+    return path
+
+
+@pytest.mark.parametrize("tool", ["hf_to_megatron", "megatron_to_hf"])
+@pytest.mark.parametrize("target,overwrite", [("run_dir", False), ("run_dir", True), ("file", True)])
+def test_converter_refuses_an_existing_out_and_leaves_it_byte_identical(converted, tmp_path, tool, target,
+                                                                         overwrite):
+    """A training run's directory or a file at --out: one line, exit 2, not a byte changed, nothing
+    added beside it; --overwrite does not change that (it replaces only what the tool wrote)."""
+    hf, ckpt = converted
+    out = _run_dir(str(tmp_path / "run")) if target == "run_dir" else os.path.join(hf, "config.json")
+    parent = os.path.dirname(out)
+    before, beside = _tree(out), sorted(os.listdir(parent))
+    src = ["--hf-dir", hf] if tool == "hf_to_megatron" else ["--ckpt", ckpt]
+    r = _run([PY, f"tools/convert_{tool}.py", *src, "--out", out] + (["--overwrite"] if overwrite else []))
+    line = _one_error_line(r)
+    assert out in line
+    assert ("is an existing file" if target == "file" else "is not empty and is not") in line, line
+    assert _tree(out) == before
+    assert sorted(os.listdir(parent)) == beside
+
+
+@pytest.mark.parametrize("tool", ["hf_to_megatron", "megatron_to_hf"])
+def test_overwrite_replaces_only_what_the_tool_wrote(converted, tmp_path, tool):
+    hf, ckpt = converted
+    out = str(tmp_path / "out")
+    cmd = [PY, f"tools/convert_{tool}.py", *(["--hf-dir", hf] if tool == "hf_to_megatron" else ["--ckpt", ckpt]),
+           "--out", out]
+    assert _run(cmd).returncode == 0
+    first = _tree(out)
+    line = _one_error_line(_run(cmd))                       # without --overwrite: refused, untouched
+    assert "already holds" in line and "--overwrite" in line
+    assert _tree(out) == first
+    r = _run(cmd + ["--overwrite"])                         # the tool's own output: replaced, and said so
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = [ln for ln in r.stdout.splitlines() if ln.startswith("--overwrite: ")]
+    assert len(said) == 1 and out in said[0], r.stdout
+    expected = "hf_config/ (5 files), model/ (5 files), remax_checkpoint.json" if tool == "hf_to_megatron" \
+        else "config.json, generation_config.json, model.safetensors, remax_written_by.json"
+    assert expected in said[0], said[0]
+    assert sorted(first) == sorted(_tree(out))
+    with open(os.path.join(out, "notes.txt"), "w") as f:   # a user's file added: no longer only the tool's
+        f.write("keep me\n")
+    before = _tree(out)
+    line = _one_error_line(_run(cmd + ["--overwrite"]))
+    assert "notes.txt" in line and "does not replace it either" in line, line
+    assert _tree(out) == before
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+def test_converter_names_a_missing_out_parent(converted, tmp_path):
+    hf, _ = converted
+    out = str(tmp_path / "no" / "such" / "ckpt")
+    line = _one_error_line(_run([PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf, "--out", out]))
+    assert f"parent directory {tmp_path / 'no' / 'such'} does not exist" in line and ".tmp" not in line, line
+    assert not os.path.exists(tmp_path / "no")
+
+
+def test_converter_names_a_bad_config_json(tmp_path):
     hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=32, layers=2, heads=2, kv_heads=1, ffn=64)
-    before = sorted(os.listdir(hf))
-    r = _run([PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf, "--out", hf])
-    assert r.returncode != 0
-    assert "already holds a checkpoint" in r.stderr and "--overwrite" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert sorted(os.listdir(hf)) == before
-    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]
+    with open(os.path.join(hf, "config.json"), "w") as f:
+        f.write('{"architectures": ["LlamaForCausalLM"], ')
+    line = _one_error_line(_run([PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf,
+                                 "--out", str(tmp_path / "c")]))
+    assert os.path.join(hf, "config.json") in line and "not valid JSON" in line, line
+    assert not os.path.exists(tmp_path / "c")
 
 
 def test_converter_refuses_tp_not_dividing_heads(tmp_path):
     hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=48, layers=2, heads=3, kv_heads=3, ffn=64)
     r = _run([PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf, "--out", str(tmp_path / "c"), "--tp", "2"])
-    assert r.returncode != 0 and "does not divide num_attention_heads=3" in r.stderr, r.stderr
+    line = _one_error_line(r)
+    assert "--tp=2 does not divide num_attention_heads=3" in line, line
     assert not os.path.exists(tmp_path / "c")
 
 
