@@ -8,7 +8,8 @@
         rng/rank_<r>.pt    every rank's RNG states
         trainer_state.json step, data-loader position, LR scheduler, KL controller, counters
         remax_checkpoint.json
-        manifest.json      every file and its size, written last: a checkpoint without it is incomplete
+        manifest.json      every file, its size and CRC-32, written last: a checkpoint without it is
+                           incomplete; resume verifies it (the ranks split the reading)
       latest               name of the newest complete checkpoint (updated after the rename)
 
 A save writes into `.tmp-step_…` and renames it into place only when every rank
@@ -26,6 +27,7 @@ import re
 import shutil
 import tempfile
 import warnings
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -49,9 +51,11 @@ def step_dir_name(step: int) -> str:
 
 
 def save_checkpoint(root: str, step: int, model, optimizer, trainer_state: dict, hf_dir: str, keep: int) -> str:
-    """Collective: write checkpoint `step` under `root`; returns its path. Raises CheckpointError on failure."""
-    from megatron.core import dist_checkpointing
+    """Collective: write checkpoint `step` under `root`; returns its path.
 
+    Any failure (disk full inside dist_checkpointing included) raises CheckpointError with one
+    line on every rank, after the `.tmp-step_*` directory is removed; earlier checkpoints stay.
+    """
     rank = dist.get_rank()
     final = os.path.join(root, step_dir_name(step))
     tmp, error = [None], None
@@ -63,49 +67,13 @@ def save_checkpoint(root: str, step: int, model, optimizer, trainer_state: dict,
             error = e
     dist.broadcast_object_list(tmp, src=0)
     _agree(error, f"cannot create a checkpoint directory in {root}")
-    # Every rank checks it can write and has room before any collective write starts: a rank that
-    # failed inside dist_checkpointing.save would leave the others waiting in its collectives.
     try:
-        _preflight(tmp[0], _local_bytes(model, optimizer))
-    except OSError as e:
-        error = e
-    try:
-        _agree(error, f"cannot save checkpoint {final}")
+        _write(tmp[0], final, root, step, model, optimizer, trainer_state, hf_dir)
     except CheckpointError:
-        if rank == 0:
-            shutil.rmtree(tmp[0], ignore_errors=True)
+        _discard(tmp[0], collective=True)      # every rank got here through _agree
         raise
-    try:
-        save_model(model, tmp[0], hf_dir)
-        optim_dir = os.path.join(tmp[0], "optimizer")
-        if rank == 0:
-            os.makedirs(optim_dir, exist_ok=True)
-        dist.barrier()
-        dist_checkpointing.save(optimizer.sharded_state_dict(model.sharded_state_dict()), optim_dir)
-        os.makedirs(os.path.join(tmp[0], "rng"), exist_ok=True)
-        torch.save(rng_state(), os.path.join(tmp[0], "rng", f"rank_{rank}.pt"))
-        if rank == 0:
-            _write_json(os.path.join(tmp[0], TRAINER_STATE), {**trainer_state, "step": step,
-                                                               "world_size": dist.get_world_size()})
-    except Exception as e:  # noqa: BLE001 - every rank must learn about any rank's failure
-        error = e
-    try:
-        _agree(error, f"saving checkpoint {final} failed")
-        dist.barrier()
-        error = None
-        if rank == 0:
-            try:
-                _write_json(os.path.join(tmp[0], MANIFEST), _list_files(tmp[0]))
-                if os.path.exists(final):  # a re-save of the same step (e.g. after a fallback)
-                    shutil.rmtree(final)
-                os.rename(tmp[0], final)
-                _write_text_atomic(os.path.join(root, LATEST), step_dir_name(step))
-            except OSError as e:
-                error = e
-        _agree(error, f"finishing checkpoint {final} failed")
-    except CheckpointError:
-        if rank == 0 and tmp[0]:
-            shutil.rmtree(tmp[0], ignore_errors=True)
+    except BaseException:
+        _discard(tmp[0], collective=False)     # a collective broke (peer died) or an interrupt
         raise
     if rank == 0:
         _prune(root, keep)
@@ -113,31 +81,151 @@ def save_checkpoint(root: str, step: int, model, optimizer, trainer_state: dict,
     return final
 
 
-def _local_bytes(model, optimizer) -> int:
-    """Bytes this rank writes: its weight shards and two Adam moments of the same size, plus slack."""
-    return 3 * sum(p.numel() * p.element_size() for p in model.parameters()) + (1 << 20)
+def _write(tmp: str, final: str, root: str, step: int, model, optimizer, trainer_state: dict, hf_dir: str) -> None:
+    """The collective body of save_checkpoint: preflight, shards, checksums, manifest, rename."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    rank, error = dist.get_rank(), None
+    # Every rank checks it can write and that the disk holds the whole checkpoint before any
+    # collective write starts: a rank that failed inside dist_checkpointing.save would leave the
+    # others waiting in its collectives.
+    weights, optim = _checkpoint_bytes(model)
+    try:
+        _preflight(tmp, weights, optim, _previous_size(root))
+    except OSError as e:
+        error = e
+    _agree(error, f"cannot save checkpoint {final}")
+    try:
+        save_model(model, tmp, hf_dir)
+        optim_dir = os.path.join(tmp, "optimizer")
+        if rank == 0:
+            os.makedirs(optim_dir, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(optimizer.sharded_state_dict(model.sharded_state_dict()), optim_dir)
+        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+        torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+        if rank == 0:
+            _write_json(os.path.join(tmp, TRAINER_STATE), {**trainer_state, "step": step,
+                                                            "world_size": dist.get_world_size()})
+    # torch's CheckpointException (a failed write inside dist_checkpointing) is a BaseException.
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn about any rank's failure
+        error = e
+    _agree(error, f"saving checkpoint {final} failed")
+    dist.barrier()
+    # Checksums: every rank reads its share of the files (just written, so from the page cache).
+    files = None
+    try:
+        files = _describe_files(tmp, _share(_walk(tmp)))
+    except OSError as e:
+        error = e
+    _agree(error, f"checksumming checkpoint {final} failed")
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, files)
+    if rank == 0:
+        try:
+            _write_json(os.path.join(tmp, MANIFEST), {"checksum": "crc32",
+                                                      "files": dict(sorted(kv for d in shares for kv in d.items()))})
+            if os.path.exists(final):  # a re-save of the same step (e.g. after a fallback)
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _write_text_atomic(os.path.join(root, LATEST), step_dir_name(step))
+        except OSError as e:
+            error = e
+    _agree(error, f"finishing checkpoint {final} failed")
 
 
-def _preflight(directory: str, need: int) -> None:
-    """Raise OSError when this rank cannot write `need` bytes into `directory`."""
+def _discard(tmp: str | None, collective: bool) -> None:
+    """Remove a failed save's temporary directory (rank 0; with `collective`, then every rank
+    that still sees it, e.g. on a node-local disk)."""
+    if tmp is None:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if collective:
+        dist.barrier()
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _checkpoint_bytes(model) -> tuple[int, int]:
+    """Collective: bytes of the whole checkpoint (weights, optimizer state), the same on every rank.
+
+    Each rank counts its own parameters: the weights, two fp32 Adam moments and an fp32 main copy
+    of a low-precision parameter. Data-parallel replicas write the same shards once, hence / dp.
+    """
+    params = list(model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    optim = sum(p.numel() * (8 + (4 if p.element_size() < 4 else 0)) for p in params if p.requires_grad)
+    cfg = model.config
+    dp = max(1, dist.get_world_size() // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size))
+    total = all_reduce_cpu(torch.tensor([weights, optim], dtype=torch.float64)) / dp
+    return int(total[0].item()), int(total[1].item())
+
+
+def _previous_size(root: str) -> int:
+    """Bytes of the newest checkpoint under root by its manifest (0 when there is none)."""
+    for name in reversed(list_checkpoints(root)):
+        try:
+            return sum(_entry(v)[0] for v in _read_manifest(os.path.join(root, name)).values())
+        except CheckpointError:
+            continue
+    return 0
+
+
+def _preflight(directory: str, weights: int, optim: int, previous: int) -> None:
+    """Raise OSError when this rank cannot write into `directory` or the disk cannot hold the whole
+    checkpoint (every rank writes to the same disk: the node needs the total, not one rank's share)."""
     probe = os.path.join(directory, f".probe-{dist.get_rank()}")
     with open(probe, "wb") as f:
         f.write(b"\0" * 4096)
         f.flush()
         os.fsync(f.fileno())
     os.remove(probe)
+    need = max(weights + optim, previous) + (1 << 20)  # side files, metadata, RNG states
     free = shutil.disk_usage(directory).free
     if free < need:
-        raise OSError(errno.ENOSPC, f"No space left on device: {need / 2**30:.2f} GiB needed, "
-                                    f"{free / 2**30:.2f} GiB free in {directory}")
+        raise OSError(errno.ENOSPC, f"No space left on device: the checkpoint needs about {_size(need)} "
+                                    f"({_size(weights)} weights + {_size(optim)} optimizer state"
+                                    f"{f', the previous one took {_size(previous)}' if previous else ''}), "
+                                    f"{_size(free)} free in {os.path.dirname(directory)}: free space, "
+                                    "lower checkpoint.keep or point checkpoint.dir at a bigger disk")
 
 
-def _agree(error: Exception | None, what: str) -> None:
-    """Raise on every rank when any rank failed (no rank is left waiting in a collective)."""
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def _one_line(error: BaseException) -> str:
+    """`Type: first line` of an error. torch's CheckpointException: `rank r: ...` of the first rank
+    it names as failed, or "" when it names none (that rank tells its own)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(error, CheckpointException):
+        failures = sorted(error.failures.items(), key=lambda kv: kv[0])
+        if not failures:
+            return ""
+        rank, failure = failures[0]
+        return f"rank {rank}: {_one_line(failure[0] if isinstance(failure, tuple) else failure)}"
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def _agree(error: BaseException | None, what: str) -> None:
+    """Raise on every rank when any rank failed (no rank is left waiting in a collective); every
+    rank's message names the first rank with a reason and that reason, in one line."""
     flag = all_reduce_cpu(torch.tensor([0 if error is None else 1], dtype=torch.int32))
     if flag.item():
-        reason = f"{type(error).__name__}: {error}" if error is not None else "failed on another rank"
-        raise CheckpointError(f"{what}: {reason}")
+        reason = _one_line(error) if error is not None else ""
+        if reason and not reason.startswith("rank "):
+            reason = f"rank {dist.get_rank()}: {reason}"
+        reasons = [None] * dist.get_world_size()
+        dist.all_gather_object(reasons, reason)
+        raise CheckpointError(f"{what}: " + next((r for r in reasons if r), "failed on another rank"))
 
 
 def _write_json(path: str, data) -> None:
@@ -153,13 +241,29 @@ def _write_text_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _list_files(top: str) -> dict:
-    files = {}
-    for dirpath, _, names in os.walk(top):
-        for name in names:
-            path = os.path.join(dirpath, name)
-            files[os.path.relpath(path, top)] = os.path.getsize(path)
-    return {"files": files}
+def _walk(top: str) -> list[str]:
+    """Every file under `top`, relative to it, sorted (the same list on every rank)."""
+    return sorted(os.path.relpath(os.path.join(d, n), top) for d, _, names in os.walk(top) for n in names)
+
+
+def _share(items: list) -> list:
+    """This rank's share of `items` (all of them outside torch.distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        return items[dist.get_rank()::dist.get_world_size()]
+    return items
+
+
+def _describe_files(top: str, rels: list[str]) -> dict:
+    return {rel: {"size": os.path.getsize(os.path.join(top, rel)), "crc32": _crc32(os.path.join(top, rel))}
+            for rel in rels}
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def _prune(root: str, keep: int) -> None:
@@ -177,23 +281,57 @@ def list_checkpoints(root: str) -> list[str]:
     return sorted((n for n in os.listdir(root) if STEP_DIR.match(n)), key=lambda n: int(STEP_DIR.match(n)[1]))
 
 
-def validate(path: str) -> None:
-    """Raise CheckpointError naming the first missing, truncated or unexpected file of `path`."""
+def _read_manifest(path: str) -> dict:
     manifest = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest):
         raise CheckpointError(f"{manifest} is missing: checkpoint {path} is incomplete")
     try:
         with open(manifest) as f:
             files = json.load(f)["files"]
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{manifest} is unreadable ({e})") from None
-    for rel, size in files.items():
-        full = os.path.join(path, rel)
+        for entry in files.values():
+            _entry(entry)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{manifest} is unreadable ({type(e).__name__}: {e})") from None
+    return files
+
+
+def _entry(entry) -> tuple[int, int | None]:
+    """(size, crc32 or None) of a manifest entry (older manifests hold the size only)."""
+    if isinstance(entry, int):
+        return entry, None
+    return int(entry["size"]), (None if entry.get("crc32") is None else int(entry["crc32"]))
+
+
+def validate(path: str) -> None:
+    """Raise CheckpointError naming the first missing, truncated or corrupted file of `path`.
+
+    Sizes are checked on every rank; the checksums are split between the ranks and the verdict
+    shared, so under torch.distributed every rank must call this (the trainer's resume does).
+    """
+    files = _read_manifest(path)
+    for rel, entry in files.items():
+        full, size = os.path.join(path, rel), _entry(entry)[0]
         if not os.path.isfile(full):
             raise CheckpointError(f"{full} is missing from checkpoint {path}")
         if os.path.getsize(full) != size:
             raise CheckpointError(f"{full} has {os.path.getsize(full)} bytes, the manifest says {size}: "
                                   "the checkpoint is truncated or corrupted")
+    problem = None
+    for rel in _share(sorted(files)):
+        expected = _entry(files[rel])[1]
+        if expected is None:
+            continue
+        got = _crc32(os.path.join(path, rel))
+        if got != expected:
+            problem = (f"{os.path.join(path, rel)} does not match its checksum in {MANIFEST} (crc32 {got:08x}, "
+                       f"expected {expected:08x}): the checkpoint is corrupted")
+            break
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, problem)
+        problem = next((v for v in verdicts if v is not None), None)
+    if problem:
+        raise CheckpointError(problem)
 
 
 def find_resume_checkpoint(root: str, resume: str) -> str | None:
@@ -209,7 +347,8 @@ def find_resume_checkpoint(root: str, resume: str) -> str | None:
             validate(path)
             return path
         except CheckpointError as e:
-            warnings.warn(f"skipping invalid checkpoint: {e}", stacklevel=2)
+            if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+                warnings.warn(f"skipping invalid checkpoint: {e}", stacklevel=2)
     return None
 
 
@@ -219,14 +358,18 @@ def find_resume_checkpoint(root: str, resume: str) -> str | None:
 def load_checkpoint(path: str, model, optimizer) -> dict:
     """Collective: load weights and optimizer state (any TP/PP layout); returns the trainer state."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    load_model(model, path)
+    try:
+        load_model(model, path)
+    except ValueError as e:   # a checkpoint of another model (shapes named)
+        raise CheckpointError(str(e)) from None
     try:
         state = dist_checkpointing.load(optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True),
                                         os.path.join(path, "optimizer"))
         optimizer.load_sharded_state_dict(state)
-    except Exception as e:  # noqa: BLE001 - the message says what was reset
-        raise CheckpointError(f"optimizer state in {path}/optimizer could not be loaded ({type(e).__name__}: {e}); "
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - the message says what was reset
+        raise CheckpointError(f"optimizer state in {path}/optimizer could not be loaded ({_one_line(e)}); "
                               "resume with checkpoint.resume=none to start fresh") from None
     with open(os.path.join(path, TRAINER_STATE)) as f:
         trainer_state = json.load(f)
