@@ -343,14 +343,38 @@ def _set(tree: dict, key: str, raw) -> None:
     tree.setdefault(section, {})[name] = _convert(key, raw, hints[name])
 
 
+def _yaml_error(e: yaml.YAMLError, where: str, offset: int = 0) -> str:
+    """One line for a YAML syntax error: `file:line:column: problem (context at line, column)`.
+
+    An override (`offset` > 0: the length of `key=` before its value) gets a column only.
+    """
+    def at(mark) -> str:
+        return f"column {mark.column + 1 + offset}" if offset else f"line {mark.line + 1}, column {mark.column + 1}"
+
+    problem = getattr(e, "problem", None) or getattr(e, "reason", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    if mark is None:  # a reader error (a forbidden character): a position only
+        position = getattr(e, "position", None)
+        return f"{where}: invalid YAML, {problem}" + (f" (character {position + 1})" if position is not None else "")
+    head = f"{where}, {at(mark)}" if offset else f"{where}:{mark.line + 1}:{mark.column + 1}"
+    context, context_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    tail = f" ({context} at {at(context_mark)})" if context and context_mark is not None else ""
+    return f"{head}: invalid YAML, {problem}{tail}"
+
+
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Config from a YAML file plus dotted overrides (`actor.tp=2`); raises ValueError on bad input."""
     tree: dict = {}
     if path:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"config file {path} not found")
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(_yaml_error(e, path)) from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path} must hold a mapping of sections (trainer:, actor:, ...)")
         for section, values in data.items():
@@ -363,7 +387,12 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"override {item!r} is not key=value (e.g. actor.tp=2)")
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError as e:
+            # Columns count from the start of the whole override, as the user typed it.
+            raise ValueError(_yaml_error(e, f"override {item!r}", offset=len(key) + 1) +
+                             f"; to pass it as text, quote it for YAML too: \"{key.strip()}='{value}'\"") from None
         _set(tree, key.strip(), value if isinstance(parsed, (dict,)) else parsed)
     sections = _sections()
     return Config(**{name: cls(**tree.get(name, {})) for name, cls in sections.items()})

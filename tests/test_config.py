@@ -91,3 +91,26 @@ def test_kl_loss_term_refuses_k1():
     assert load_config(None, [R, "algo.kl_mode=loss"]).algo.kl_estimator == "k3"
     assert load_config(None, [R, "algo.kl_mode=loss", "algo.kl_estimator=k2"]).algo.kl_estimator == "k2"
     assert load_config(None, [R, "algo.kl_estimator=k1"]).algo.kl_mode == "reward"  # unused there
+
+
+@pytest.mark.parametrize("text,where", [
+    ("actor:\n  tp: [1, 2\nrollout:\n  n: 2\n", ":3:8: invalid YAML, expected ',' or ']', but got"),
+    ("actor:\n tp: 1\n  pp: 2\n", ":3:5: invalid YAML, mapping values are not allowed here"),
+    ("reward:\n  format_pattern: '^\\d+\n", ":3:1: invalid YAML, found unexpected end of stream"),
+])
+def test_yaml_syntax_error_in_file_is_one_line_with_line_and_column(tmp_path, text, where):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as e:
+        load_config(str(path), [R])
+    assert str(e.value).startswith(str(path) + where), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_yaml_syntax_error_in_override_is_one_line_with_column():
+    with pytest.raises(ValueError) as e:
+        load_config(None, [R, "actor.model=["])
+    message = str(e.value)
+    assert message.startswith("override 'actor.model=[', column 14: invalid YAML"), message
+    assert "\n" not in message and "\"actor.model='['\"" in message
+    assert load_config(None, [R, "actor.model='['"]).actor.model == "["   # the suggested quoting works
