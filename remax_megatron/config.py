@@ -91,8 +91,8 @@ class RewardConfig:
     weights: list[float] = field(default_factory=list)  # one per function (default 1.0 each)
     model: str = ""                 # optional reward-model directory (*ForSequenceClassification)
     model_weight: float = 1.0       # weight of the reward-model score in the sum
-    tp: int = 1                     # reward-model tensor parallel (must equal actor.tp for now)
-    pp: int = 1                     # reward-model pipeline parallel (must equal actor.pp for now)
+    tp: int = 1                     # reward-model tensor parallel; reward.tp * reward.pp must divide
+    pp: int = 1                     # actor.tp * actor.pp (the RM runs inside each actor model-parallel group)
     format_pattern: str = r"^\s*-?\d+\s*$"  # regex of the built-in `format` reward
     numeric_tolerance: float = 1e-6  # relative tolerance of the built-in `numeric_match`
     length_limit: int = 256         # chars before the built-in `length_penalty` starts
@@ -269,10 +269,10 @@ class Config:
         if local % (t.mini_batches * t.micro_batch_size):
             raise ValueError(f"{local} sequences per DP rank (prompts_per_step/dp * rollout.n) are not divisible by "
                              f"trainer.mini_batches({t.mini_batches}) * trainer.micro_batch_size({t.micro_batch_size})")
-        if self.reward.model and (self.reward.tp, self.reward.pp) != (self.actor.tp, self.actor.pp):
-            raise ValueError(f"reward.tp={self.reward.tp}, reward.pp={self.reward.pp} differ from actor.tp="
-                             f"{self.actor.tp}, actor.pp={self.actor.pp}: the reward model shares the actor's "
-                             "layout for now; set them equal")
+        if self.reward.model:
+            from remax_megatron.parallel.nested import check_nested
+
+            check_nested(self.reward.tp, self.reward.pp, self.actor.tp, self.actor.pp)
 
 
 # ---- loading ---------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ check_layout, rollout.tp vs KV heads, the batch divisibility of
 remax_megatron/train.py check_inputs) for world = nodes * gpus_per_node, then
 prints a per-GPU memory estimate. When the total exceeds the GPU it warns and
 suggests the smallest change that fits: candidates (distributed optimizer,
-recompute, smaller micro-batch, larger TP, PP, rollout TP) are tried in a fixed
+recompute, smaller micro-batch, larger TP, PP, rollout TP, reward-model TP) are tried in a fixed
 order (fewest changed keys first, then that key order, then the smallest step),
 and if nothing fits on this many GPUs, the same search on 2x, 4x, ... GPUs.
 Exit status: 0 fits, 1 does not fit (warning and suggestion printed), 2 bad input.
@@ -48,6 +48,8 @@ stage's real parameter count.
     logits fused = 4 * min(tokens * V/tp, 2^23)         one fp32 vocab tile of the fused kernel
     reference    = P / (tp*pp) * bytes(dtype)           when reference.enabled
     reward model = P_rm / (reward.tp*reward.pp) * bytes(dtype)   when reward.model
+                   (its own layout: reward.tp*reward.pp divides actor.tp*actor.pp, and each actor
+                   model-parallel group holds actor.tp*actor.pp / (reward.tp*reward.pp) RM replicas)
     engines      = world / rollout.tp, prompts per engine = ceil(prompts_per_step / engines)
     engine weights = P_hf / rollout.tp * bytes(dtype)   (P_hf: unpadded vocab)
     KV cache     = 2 * L * KV/rollout.tp * hd * prompts_per_engine * (n + 1) * seq * bytes(dtype)
@@ -121,7 +123,7 @@ def validate(cfg, arch, world: int, max_tp: int | None = None) -> dict:
 def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
     """Per-GPU bytes of every row in the module docstring; `counted` rows sum to the total."""
     a, tp, pp = cfg.actor, cfg.actor.tp, cfg.actor.pp
-    from remax_megatron.models.hf_config import padded_vocab_size
+    from remax_megatron.models.hf_config import check_layout, padded_vocab_size
 
     vocab = padded_vocab_size(arch.vocab_size, tp, a.make_vocab_size_divisible_by)
     params = param_count(arch, vocab)
@@ -152,6 +154,7 @@ def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
 
     rm_bytes = 0
     if rm_arch is not None:
+        check_layout(rm_arch, cfg.reward.tp, cfg.reward.pp, "reward")
         rm_vocab = padded_vocab_size(rm_arch.vocab_size, cfg.reward.tp, a.make_vocab_size_divisible_by)
         rm_bytes = param_count(rm_arch, rm_vocab) / (cfg.reward.tp * cfg.reward.pp) * nbytes
     seqs = per_engine * (cfg.rollout.n + 1)
@@ -202,19 +205,17 @@ def _choices(cfg, arch, gpus_per_node: int) -> list[tuple[str, list]]:
         ("actor.tp", _doublings(cfg.actor.tp, gpus_per_node)),
         ("actor.pp", _doublings(cfg.actor.pp, arch.num_layers)),
         ("rollout.tp", _doublings(cfg.rollout.tp, min(gpus_per_node, arch.num_kv_heads))),
+        ("reward.tp", _doublings(cfg.reward.tp, gpus_per_node) if cfg.reward.model else []),
     ]
 
 
 def _apply(cfg, change: dict):
-    """A copy of cfg with dotted keys changed (reward.tp/pp follow actor's: they must be equal)."""
+    """A copy of cfg with dotted keys changed (the reward model keeps its own layout: it still nests in
+    an actor layout whose tp or pp doubled)."""
     sections = {}
     for key, value in change.items():
         section, name = key.split(".")
         sections.setdefault(section, {})[name] = value
-    if cfg.reward.model:
-        for name in ("tp", "pp"):
-            if f"actor.{name}" in change:
-                sections.setdefault("reward", {})[name] = change[f"actor.{name}"]
     return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **v) for s, v in sections.items()})
 
 
@@ -274,7 +275,10 @@ def render(cfg, arch, model_dir: str, nodes: int, gpn: int, gpu_bytes: int, size
         f"model: {arch.architecture} from {model_dir}: {est['params'] / 1e9:.2f} B params "
         f"(vocab {arch.vocab_size} padded to {est['padded_vocab']}), dtype {a.dtype}",
         f"layout: {nodes} node(s) x {gpn} GPUs = world {sizes['world']}; actor tp({a.tp}) * pp({a.pp}) * "
-        f"dp({sizes['dp']}); rollout tp {cfg.rollout.tp} -> {est['engines']} engines",
+        f"dp({sizes['dp']}); rollout tp {cfg.rollout.tp} -> {est['engines']} engines"
+        + (f"; reward model tp({cfg.reward.tp}) * pp({cfg.reward.pp}), "
+           f"{a.tp * a.pp // (cfg.reward.tp * cfg.reward.pp)} replica(s) per actor model-parallel group"
+           if cfg.reward.model else ""),
         f"batch: {t.prompts_per_step} prompts/step -> {sizes['seqs_per_rank']} sequences per dp rank, "
         f"{t.mini_batches} mini-batch(es) x {sizes['micro_batches']} micro-batches of {t.micro_batch_size}, "
         f"seq {est['seq_len']} tokens",

@@ -93,6 +93,17 @@ def test_kl_loss_term_refuses_k1():
     assert load_config(None, [R, "algo.kl_estimator=k1"]).algo.kl_mode == "reward"  # unused there
 
 
+def test_reward_layout_nests_in_the_actor_layout():
+    """reward.tp * reward.pp may differ from the actor's but must divide actor.tp * actor.pp."""
+    rm = [R, "reward.model=some/rm"]
+    load_config(None, [*rm, "actor.tp=2", "reward.tp=1"]).check_world(4)
+    load_config(None, [*rm, "actor.tp=2", "actor.pp=2", "reward.pp=2"]).check_world(4)
+    with pytest.raises(ValueError) as e:
+        load_config(None, [*rm, "actor.tp=1", "reward.tp=2"]).check_world(2)
+    assert "reward.tp(2) * reward.pp(1) = 2 does not divide actor.tp(1) * actor.pp(1) = 1" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("text,where", [
     ("actor:\n  tp: [1, 2\nrollout:\n  n: 2\n", ":3:8: invalid YAML, expected ',' or ']', but got"),
     ("actor:\n tp: 1\n  pp: 2\n", ":3:5: invalid YAML, mapping values are not allowed here"),

@@ -37,11 +37,19 @@ def forward_only(model, micro_batches: list[dict], head: Callable[[object, torch
 
         return module.run(batch["input_ids"]), collect
 
-    cpu_compat.forward_backward_func()(
+    cpu_compat.forward_backward_func(pp_size=model.pp_group.size())(
         forward_step_func=step, data_iterator=batches, model=[model], num_microbatches=len(micro_batches),
-        seq_length=s, micro_batch_size=b, forward_only=True,
+        seq_length=s, micro_batch_size=b, forward_only=True, **schedule_groups(model),
     )
     return results
+
+
+def schedule_groups(model) -> dict:
+    """The schedule's process groups: those the model was built on (megatron's global ones or its own layout)."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    return dict(p2p_communicator=P2PCommunicator(pp_group=model.pp_group, config=model.config),
+                pg_collection=model.pg_collection)
 
 
 def to_model_device(batch: dict, model) -> dict:

@@ -21,6 +21,7 @@ from megatron.core.models.gpt import GPTModel
 from torch import nn
 
 from remax_megatron.parallel import cpu_compat
+from remax_megatron.parallel.nested import NestedGroups, nested_groups
 from remax_megatron.models.hf_config import DTYPES, ModelArch, padded_vocab_size, transformer_config
 
 
@@ -58,10 +59,11 @@ class RMSNorm(nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def layer_spec(config):
+def layer_spec(config, pp_rank: int | None = None):
     """Transformer Engine spec when usable, else the local (pure megatron-core) spec with RMSNorm above.
 
-    Returns the block spec of this pipeline stage (its layers and the final norm).
+    Returns the block spec of pipeline stage `pp_rank` (default: megatron's global PP rank): its
+    layers and the final norm.
     """
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -71,18 +73,23 @@ def layer_spec(config):
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, pp_rank=pp_rank),
+                                      layer_norm=RMSNorm)
 
 
-def _gpt_kwargs(arch: ModelArch, config, tp: int, divisible_by: int) -> dict:
+def _gpt_kwargs(arch: ModelArch, config, tp: int, divisible_by: int, layout: NestedGroups | None = None) -> dict:
+    """GPTModel arguments; `layout` places the model on explicit groups (None: megatron's global ones)."""
     from megatron.core import parallel_state as ps
 
+    pp_rank, pp = (layout.pp_rank, layout.pp_size) if layout is not None else \
+        (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size())
     return dict(
-        transformer_layer_spec=layer_spec(config),
+        transformer_layer_spec=layer_spec(config, pp_rank),
         vocab_size=padded_vocab_size(arch.vocab_size, tp, divisible_by),
         max_sequence_length=arch.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
+        pg_collection=layout.collection if layout is not None else None,
         parallel_output=True,
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),
@@ -192,6 +199,7 @@ class RewardModel(GPTModel):
     """Frozen reward model: the GPT trunk whose last stage returns per-token values [b, s, 1]."""
 
     arch: ModelArch
+    layout: NestedGroups  # its TP x PP groups inside the actor's model-parallel group
 
     run = PolicyModel.run
 
@@ -247,16 +255,22 @@ def build_policy(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype
 def build_reward_model(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32,
                        sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 128,
                        init_weights: bool = True) -> RewardModel:
-    """Frozen reward model: GPT trunk + scalar head; `scores(values, score_positions(...))` reads HF's token."""
+    """Frozen reward model: GPT trunk + scalar head; `scores(values, score_positions(...))` reads HF's token.
+
+    (tp, pp) may differ from the actor's layout when tp * pp divides the actor's tp * pp: the model
+    is then built on its own groups inside each actor model-parallel group (collective: every rank
+    calls this).
+    """
     if arch.task != "reward":
         raise ValueError(f"{arch.architecture} is not a reward model: use a *ForSequenceClassification "
                          "checkpoint with num_labels=1")
+    layout = nested_groups(tp, pp)
     config = transformer_config(arch, tp=tp, pp=pp, params_dtype=params_dtype,
                                 sequence_parallel=sequence_parallel, init_weights=init_weights)
     with cpu_compat.redirect_cuda():
         model = RewardModel(config=config, share_embeddings_and_output_weights=False,
-                            **_gpt_kwargs(arch, config, tp, make_vocab_size_divisible_by))
-    model.arch = arch
+                            **_gpt_kwargs(arch, config, tp, make_vocab_size_divisible_by, layout))
+    model.arch, model.layout = arch, layout
     _mark_tensor_parallel(model)
     if model.post_process:
         model.output_layer = ScalarHead(arch.hidden_size, params_dtype, config.sequence_parallel,

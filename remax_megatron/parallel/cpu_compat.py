@@ -146,11 +146,11 @@ def redirect_cuda():
     return contextlib.nullcontext() if cuda_present() else _CudaFactoriesToCpu()
 
 
-def forward_backward_func():
-    """megatron's forward-backward schedule for the current PP layout, CPU-safe."""
+def forward_backward_func(pp_size: int | None = None):
+    """megatron's forward-backward schedule for `pp_size` stages (default: the global PP layout), CPU-safe."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    func = get_forward_backward_func()
+    func = get_forward_backward_func() if pp_size is None else get_forward_backward_func(pp_size, None)
     if cuda_present():
         return func
 

@@ -68,27 +68,39 @@ class RewardScorer:
 
     @torch.no_grad()
     def _model_scores(self, sequences: list[list[int]]) -> list[float]:
-        """Reward-model score of each sequence at the token HF reads (collective over the RM's TP x PP group)."""
-        from remax_megatron.models.forward import broadcast_from_last_stage, forward_only
+        """Reward-model score of each sequence at the token HF reads.
+
+        Collective over the actor's model-parallel group, whose ranks all pass the same sequences:
+        each replica of the reward model there (one when it shares the actor's layout) scores its
+        share, and a sum over the group (one contributor per item) hands every rank all scores.
+        """
+        from remax_megatron.models.forward import forward_only
         from remax_megatron.models.gpt import sequence_multiple
+        from remax_megatron.parallel import all_reduce_cpu
 
         model = self.reward_model
-        pad = model.arch.pad_token_id
-        mbs = self.micro_batch_size
-        count = len(sequences)
-        padded_count = -(-count // mbs) * mbs
-        multiple = sequence_multiple(model)
-        width = -(-max(len(s) for s in sequences) // multiple) * multiple  # sequence parallel splits it
-        # Past each length: filler that no score reads (causal attention, positions < length).
-        ids = torch.full((padded_count, width), pad if pad is not None else 0, dtype=torch.long)
-        lengths = torch.ones(padded_count, dtype=torch.long)
-        for i, seq in enumerate(sequences):
-            ids[i, : len(seq)] = torch.tensor(seq)
-            lengths[i] = len(seq)
-        positions = model.score_positions(ids, lengths, pad)
-        batches = [{"input_ids": ids[s : s + mbs], "positions": positions[s : s + mbs]}
-                   for s in range(0, padded_count, mbs)]
-        out = forward_only(model, batches, lambda m, values, b: m.scores(values, b["positions"]))
-        scores = torch.cat(out) if out else None
-        scores = broadcast_from_last_stage(scores, (padded_count,), torch.float32)
-        return scores[:count].tolist()
+        layout = model.layout
+        share = layout.share(len(sequences))
+        scores = torch.zeros(len(sequences), dtype=torch.float64)
+        if len(share):
+            pad = model.arch.pad_token_id
+            mine = [sequences[i] for i in share]
+            mbs = self.micro_batch_size
+            padded_count = -(-len(mine) // mbs) * mbs
+            multiple = sequence_multiple(model)
+            width = -(-max(len(s) for s in mine) // multiple) * multiple  # sequence parallel splits it
+            # Past each length: filler that no score reads (causal attention, positions < length).
+            ids = torch.full((padded_count, width), pad if pad is not None else 0, dtype=torch.long)
+            lengths = torch.ones(padded_count, dtype=torch.long)
+            for i, seq in enumerate(mine):
+                ids[i, : len(seq)] = torch.tensor(seq)
+                lengths[i] = len(seq)
+            positions = model.score_positions(ids, lengths, pad)
+            batches = [{"input_ids": ids[s : s + mbs], "positions": positions[s : s + mbs]}
+                       for s in range(0, padded_count, mbs)]
+            out = forward_only(model, batches, lambda m, values, b: m.scores(values, b["positions"]))
+            if layout.is_last_stage and layout.tp_rank == 0:  # one contributor per item: the sum is exact
+                scores[share.start : share.stop] = torch.cat(out)[: len(mine)].double().cpu()
+        if layout.outer.size() > 1:
+            scores = all_reduce_cpu(scores, group=layout.outer)
+        return scores.tolist()

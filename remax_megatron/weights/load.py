@@ -8,12 +8,14 @@ from remax_megatron.weights.hf_io import HFCheckpointReader
 from remax_megatron.weights.mapping import WeightMapping
 
 
+def _layout(model) -> tuple[int, int, int, int]:
+    """(tp, pp, tp_rank, pp_rank) of the groups the model was built on (megatron's global ones or its own)."""
+    return model.tp_group.size(), model.pp_group.size(), model.tp_group.rank(), model.pp_group.rank()
+
+
 def mapping_for(model) -> WeightMapping:
     """The WeightMapping of a model built by remax_megatron.models (its arch and layout)."""
-    from megatron.core import parallel_state as ps
-
-    tp = ps.get_tensor_model_parallel_world_size()
-    pp = ps.get_pipeline_model_parallel_world_size()
+    tp, pp, _, _ = _layout(model)
     vocab_rows = model.embedding.word_embeddings.weight.shape[0] if model.pre_process else None
     if vocab_rows is None:
         vocab_rows = _padded_rows_from_output(model)
@@ -24,10 +26,9 @@ def _padded_rows_from_output(model) -> int:
     if model.arch.task == "reward" or model.output_layer.weight is None:
         # Reward models / tied PP=1 have no vocab-parallel tensor on this stage; nothing uses the size.
         from remax_megatron.models.hf_config import padded_vocab_size
-        from megatron.core import parallel_state as ps
 
-        return padded_vocab_size(model.arch.vocab_size, ps.get_tensor_model_parallel_world_size()) \
-            // ps.get_tensor_model_parallel_world_size()
+        tp = model.tp_group.size()
+        return padded_vocab_size(model.arch.vocab_size, tp) // tp
     return model.output_layer.weight.shape[0]
 
 
@@ -41,11 +42,9 @@ def load_hf_weights(model, model_dir: str | HFCheckpointReader) -> None:
 
     Raises before copying anything when a tensor is missing or has the wrong shape.
     """
-    from megatron.core import parallel_state as ps
-
     reader = model_dir if isinstance(model_dir, HFCheckpointReader) else HFCheckpointReader(model_dir)
     mapping = mapping_for(model)
-    stage, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    _, _, tp_rank, stage = _layout(model)
     params = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
     te = uses_te_names(params)
     for spec in mapping.stage_specs(stage):

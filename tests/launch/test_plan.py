@@ -144,3 +144,39 @@ def test_unknown_key_in_yaml_is_one_line(tmp_path):
     r = _run_cli("--config", str(path))
     assert r.returncode == 2 and "unknown config key 'actor.modle'; did you mean actor.model?" in r.stderr
     assert r.stderr.count("\n") == 1
+
+
+@pytest.fixture
+def rm_config(config, tmp_path):
+    """The Llama-3-8B config above with a Llama-3-8B reward model (its own layout)."""
+    with open(os.path.join(LLAMA, "config.json")) as f:
+        raw = json.load(f)
+    raw.update(architectures=["LlamaForSequenceClassification"], num_labels=1)
+    rm_dir = tmp_path / "rm"
+    rm_dir.mkdir()
+    (rm_dir / "config.json").write_text(json.dumps(raw))
+    with open(config) as f:
+        text = f.read().replace("reward:\n", f"reward:\n  model: {rm_dir}\n")
+    with open(config, "w") as f:
+        f.write(text)
+    return config
+
+
+@pytest.mark.parametrize("rm_tp", [1, 2])
+def test_reward_model_layout_of_its_own(rm_config, capsys, rm_tp):
+    base = ["--config", rm_config, "--gpus-per-node", "8", f"reward.tp={rm_tp}"]
+    code, est = _plan_json(capsys, *base)
+    rows = {r["key"]: r for r in est["rows"]}
+    d, vocab = 4096, 128256
+    p_rm = _llama3_8b_params() - vocab * d + d      # [1, D] score head instead of the output layer
+    assert rows["reward_model"]["bytes"] == p_rm * 2 // rm_tp and rows["reward_model"]["counted"]
+    plan.main([*base])
+    assert f"reward model tp({rm_tp}) * pp(1), {2 // rm_tp} replica(s) per actor model-parallel group" \
+        in capsys.readouterr().out
+
+
+def test_reward_model_layout_must_nest_in_the_actor(rm_config):
+    r = _run_cli("--config", rm_config, "reward.tp=4")
+    assert r.returncode == 2, r.stderr
+    assert "reward.tp(4) * reward.pp(1) = 4 does not divide actor.tp(2) * actor.pp(1) = 2" in r.stderr
+    assert r.stderr.count("\n") == 1

@@ -153,3 +153,46 @@ def test_score_positions_follow_hf_rule():
     assert RewardModel.score_positions(ids, lengths, 0).tolist() == [3, 3, 1, 2]
     with pytest.raises(ValueError, match="empty sequence"):
         RewardModel.score_positions(ids, torch.tensor([4, 0, 1, 1]), 2)
+
+
+def _layout_body(rank, world, model_dir, actor_tp, actor_pp, rm_tp, rm_pp, sequences, expected):
+    from megatron.core import parallel_state as ps
+
+    from remax_megatron.models import build_reward_model, read_hf_config
+    from remax_megatron.parallel import ParallelLayout
+    from remax_megatron.reward import RewardScorer
+    from remax_megatron.weights import load_hf_weights
+
+    ParallelLayout(tp=actor_tp, pp=actor_pp, world_size=world).initialize()
+    model = build_reward_model(read_hf_config(model_dir), tp=rm_tp, pp=rm_pp, init_weights=False)
+    assert (model.tp_group.size(), model.pp_group.size()) == (rm_tp, rm_pp)
+    assert model.layout.replicas == actor_tp * actor_pp // (rm_tp * rm_pp)
+    load_hf_weights(model, model_dir)
+    scorer = RewardScorer(None, model, micro_batch_size=2)
+    # Each actor DP replica scores its own prompts (rows dp, dp + dp_size, ...); one prompt, many responses.
+    dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    mine = list(range(dp, len(sequences), dp_size))
+    scores, _ = scorer.score([[]], [""], [{}], [0], [[(sequences[i], "") for i in mine]])
+    err = max(abs(scores[0][j] - expected[i]) for j, i in enumerate(mine))
+    assert err < 1e-5, f"actor ({actor_tp}, {actor_pp}) rm ({rm_tp}, {rm_pp}): max |score - transformers| = {err}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("actor_tp,actor_pp,rm_tp,rm_pp,world", [
+    (2, 1, 1, 1, 2),   # actor TP=2, RM TP=1: two RM replicas split the items
+    (1, 2, 1, 1, 2),   # actor PP=2, RM PP=1
+    (2, 2, 1, 2, 4),   # RM pipeline (PP=2) on its own groups inside a TP=2 x PP=2 actor group
+    (2, 1, 1, 1, 4),   # DP=2: each actor replica scores its own items
+])
+def test_reward_model_layout_independent_of_actor(dirs, actor_tp, actor_pp, rm_tp, rm_pp, world):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(dirs["eos_rm"])
+    g = torch.Generator().manual_seed(1)
+    sequences = []
+    for n in [5, 9, 3, 12, 7, 4, 10]:  # 7 items: uneven split over replicas and micro-batches
+        ids = torch.randint(4, len(tok), (n,), generator=g).tolist()
+        sequences.append(ids + [tok.eos_token_id] * (n % 3))  # trailing EOS (= the RM's pad id) runs
+    expected = _hf_scores(dirs["eos_rm"], sequences)
+    run_distributed(_layout_body, world_size=world,
+                    args=(dirs["eos_rm"], actor_tp, actor_pp, rm_tp, rm_pp, sequences, expected))
