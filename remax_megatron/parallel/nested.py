@@ -20,13 +20,17 @@ megatron's global groups, as it always did.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 @dataclass(frozen=True)
 class NestedGroups:
-    collection: object | None   # megatron ProcessGroupCollection (tp, pp, mp, cp, embd, pos_embd, dp, dp_cp); None: global
+    collection: ProcessGroupCollection | None  # tp, pp, mp, cp, embd, pos_embd, dp, dp_cp; None: megatron's global
     outer: dist.ProcessGroup    # the actor's model-parallel group: every rank in it holds the same data
     replica: int                # this rank's replica of the nested model within `outer`
     replicas: int               # nested replicas per `outer` group

@@ -175,6 +175,17 @@ def _layout_body(rank, world, model_dir, actor_tp, actor_pp, rm_tp, rm_pp, seque
     scores, _ = scorer.score([[]], [""], [{}], [0], [[(sequences[i], "") for i in mine]])
     err = max(abs(scores[0][j] - expected[i]) for j, i in enumerate(mine))
     assert err < 1e-5, f"actor ({actor_tp}, {actor_pp}) rm ({rm_tp}, {rm_pp}): max |score - transformers| = {err}"
+    # One item: the other RM replicas have nothing to score and still join the sum.
+    single, _ = scorer.score([[]], [""], [{}], [0], [[(sequences[mine[-1]], "")]])
+    assert abs(single[0][0] - expected[mine[-1]]) < 1e-5
+
+
+def test_replicas_share_the_items():
+    from remax_megatron.parallel.nested import NestedGroups
+
+    shares = [NestedGroups(None, None, r, 3, 0, 0, 1, 1).share(7) for r in range(3)]
+    assert [list(s) for s in shares] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [len(NestedGroups(None, None, r, 2, 0, 0, 1, 1).share(1)) for r in range(2)] == [1, 0]
 
 
 @pytest.mark.slow
