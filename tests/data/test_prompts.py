@@ -85,3 +85,62 @@ def test_sampler_is_deterministic_per_epoch_and_resumable(tok):
     d.load_state_dict(state)
     assert c.next(9) == d.next(9)
     assert PromptSampler(prompts, seed=3, shuffle=False).next(4) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("line,kind", [("5", "number"), ('"what is 2+2?"', "string"), ("[1, 2]", "array")])
+def test_rows_that_are_not_objects_are_named_by_file_and_line(tmp_path, tok, line, kind):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "answer": "1"}) + "\n\n" + line + "\n")
+    with pytest.raises(ValueError) as e:
+        load_prompts(DataConfig(train=str(path), chat_template=False, eval_size=0), tok)
+    assert str(e.value).startswith(f"{path}:3 is a JSON {kind} ({line}), not an object"), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_rows_are_named_by_file_and_line_in_either_split(tmp_path, tok):
+    """Whether the held-out shuffle puts the bad row in train or eval, the message names its line."""
+    rows = [{"prompt": f"what is {i}?", "answer": str(i)} for i in range(40)]
+    for bad in range(0, 40, 3):
+        broken = [dict(r, prompt="  ") if i == bad else r for i, r in enumerate(rows)]
+        path = _jsonl(tmp_path / "d.jsonl", broken)
+        with pytest.raises(ValueError) as e:
+            load_prompts(DataConfig(train=path, chat_template=False, eval_size=8), tok)
+        assert str(e.value) == f"{path}:{bad + 1} has an empty prompt: remove it or fill it"
+
+
+def test_all_dropped_count_covers_train_and_eval(tmp_path, tok):
+    path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "long" * 30, "answer": "1"}] * 10)
+    with pytest.raises(ValueError, match=r"^all 10 prompts of .*d\.jsonl \(train and eval\) are longer than "
+                                         r"data\.max_prompt_tokens=5"):
+        load_prompts(DataConfig(train=path, chat_template=False, eval_size=2, max_prompt_tokens=5), tok)
+
+
+def needs_level(prompts, responses, level, **_):
+    """A user reward function that needs the `level` column."""
+    return [float(lv) for lv in level]
+
+
+def answer_optional(prompts, responses, answer=None, **_):
+    return [0.0] * len(responses)
+
+
+@pytest.mark.parametrize("functions,message", [
+    (["exact_match"], "d.jsonl:4 lacks the column 'answer' that reward function 'exact_match' needs"),
+    (["length_penalty", "numeric_match"], "lacks the column 'answer' that reward function 'numeric_match' needs"),
+    (None, "d.jsonl:4 lacks the column 'answer' that data.answer_key needs"),
+    (["tests.data.test_prompts:needs_level"],
+     "d.jsonl:2 lacks the column 'level' that reward function 'tests.data.test_prompts:needs_level' needs"),
+    (["length_penalty"], None),
+    (["tests.data.test_prompts:answer_optional"], None),
+])
+def test_row_without_a_column_a_reward_function_needs_is_refused(tmp_path, tok, functions, message):
+    rows = [{"prompt": "1+1=", "answer": "2", "level": 1}, {"prompt": "2+2=", "answer": "4"},
+            {"prompt": "3+3=", "answer": "6", "level": 2}, {"prompt": "4+4=", "level": 3}]
+    cfg = DataConfig(train=_jsonl(tmp_path / "d.jsonl", rows), chat_template=False, eval_size=1)
+    if message is None:
+        train, evals, _ = load_prompts(cfg, tok, functions)
+        assert len(train) + len(evals) == 4
+        return
+    with pytest.raises(ValueError) as e:
+        load_prompts(cfg, tok, functions)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
