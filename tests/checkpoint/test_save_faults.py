@@ -63,6 +63,7 @@ def _body(rank, world, model_dir, root):
             assert torch.equal(v, saved[k]), k
 
 
+@pytest.mark.slow
 def test_disk_full_on_one_rank_keeps_previous_checkpoint(tmp_path):
     model_dir = make_tiny_model(str(tmp_path / "m"), "llama", hidden=32, layers=2, heads=2, kv_heads=2, ffn=64)
     run_distributed(_body, world_size=2, args=(model_dir, str(tmp_path / "ckpt")))
@@ -216,3 +217,18 @@ def test_same_size_corruption_is_found_and_auto_falls_back(tmp_path):
     with pytest.raises(CheckpointError, match="does not match its checksum"):
         validate(os.path.join(root, "step_000002"))
     validate(os.path.join(root, "step_000001"))
+
+
+def test_manifest_of_sizes_only_still_validates(tmp_path):
+    """Checkpoints written before checksums (manifest: file -> size) are still accepted by size."""
+    import json
+
+    from remax_megatron.checkpoint import CheckpointError, validate
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "__0_0.distcp").write_bytes(b"x" * 100)
+    (tmp_path / "manifest.json").write_text(json.dumps({"files": {"model/__0_0.distcp": 100}}))
+    validate(str(tmp_path))
+    (tmp_path / "model" / "__0_0.distcp").write_bytes(b"x" * 99)
+    with pytest.raises(CheckpointError, match="has 99 bytes, the manifest says 100"):
+        validate(str(tmp_path))
