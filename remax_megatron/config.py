@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import yaml
 
 RECOMPUTE = ("none", "selective", "full")
-ENGINES = ("native", "vllm")
 KL_MODES = ("reward", "loss")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -109,7 +108,7 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "native"          # native (transformers, CPU/small GPU) | vllm (GPU clusters)
+    engine: str = "vllm"            # vllm (GPU, or vLLM's CPU build) | native (transformers; no vLLM needed)
     n: int = 2                      # sampled responses per prompt; the greedy one comes on top
     tp: int = 1                     # inference tensor parallel (may differ from actor.tp)
     temperature: float = 1.0        # sampling temperature of the n samples (greedy is argmax)
@@ -118,11 +117,13 @@ class RolloutConfig:
     max_new_tokens: int = 64
     stop: list[str] = field(default_factory=list)  # stop strings (EOS always stops)
     sync_bucket_mb: int = 256       # weight-sync bucket size
-    gpu_memory_utilization: float = 0.5  # vLLM's KV-cache budget
+    kv_cache_gib: float = 0.0       # vLLM KV cache per engine in GiB; 0: sized by gpu_memory_utilization
+    gpu_memory_utilization: float = 0.5  # vLLM's memory fraction when kv_cache_gib=0 (CPU: of HOST memory, per engine)
     logprob_warn_threshold: float = 0.05  # warn when engine vs actor log-probs differ more
 
     def __post_init__(self):
-        _one_of("rollout.engine", self.engine, ENGINES)
+        if not self.engine:
+            raise ValueError("rollout.engine is empty: use vllm or native")
         _positive("rollout.n", self.n)
         _positive("rollout.tp", self.tp)
         _positive("rollout.temperature", self.temperature)
@@ -131,6 +132,7 @@ class RolloutConfig:
         _positive("rollout.top_k", self.top_k, zero_ok=True)
         _positive("rollout.max_new_tokens", self.max_new_tokens)
         _positive("rollout.sync_bucket_mb", self.sync_bucket_mb)
+        _positive("rollout.kv_cache_gib", self.kv_cache_gib, zero_ok=True)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
 
@@ -258,9 +260,6 @@ class Config:
             ParallelLayout(tp=self.actor.tp, pp=self.actor.pp, world_size=world_size)
         except ValueError as e:
             raise ValueError(f"actor layout: {e}") from None
-        from remax_megatron.rollout.engine import check_rollout_layout
-
-        check_rollout_layout(self.rollout, None, world_size)
         dp = world_size // (self.actor.tp * self.actor.pp)
         t = self.trainer
         if t.prompts_per_step % dp:

@@ -105,11 +105,11 @@ def heaviest_stage_params(arch, vocab: int, tp: int, pp: int) -> int:
 def validate(cfg, arch, world: int, max_tp: int | None = None) -> dict:
     """The trainer's layout and batch checks for `world` processes; returns the derived sizes."""
     from remax_megatron.models.hf_config import check_layout
-    from remax_megatron.rollout.engine import check_rollout_layout
+    from remax_megatron.rollout.factory import check_rollout
 
     cfg.check_world(world)
     check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor")
-    check_rollout_layout(cfg.rollout, arch, world)
+    check_rollout(cfg.rollout, arch, world, this_machine=False)
     if max_tp is not None and cfg.actor.tp > max_tp:
         # only for suggestions: TP across nodes is legal but far too slow to propose
         raise ValueError(f"actor.tp={cfg.actor.tp} exceeds {max_tp} GPUs per node")
@@ -293,11 +293,17 @@ def render(cfg, arch, model_dir: str, nodes: int, gpn: int, gpu_bytes: int, size
         lines.append(f"note: rows use the uniform share P/(tp*pp) = {uniform / 1e6:.1f} M params; the heaviest "
                      f"pipeline stage holds {est['heaviest_stage_params'] / 1e6:.1f} M (embedding / output layer)")
     if cfg.rollout.engine == "vllm":
-        need = sum(r["bytes"] for r in est["rows"] if r["key"] in ("engine_weights", "kv_cache"))
-        budget = cfg.rollout.gpu_memory_utilization * gpu_bytes
-        if need > budget:
-            lines.append(f"warning: the rollout needs {need / GIB:.2f} GiB but rollout.gpu_memory_utilization="
-                         f"{cfg.rollout.gpu_memory_utilization} gives vLLM {budget / GIB:.2f} GiB: raise it")
+        rows = {r["key"]: r["bytes"] for r in est["rows"]}
+        if cfg.rollout.kv_cache_gib > 0:
+            if rows.get("kv_cache", 0) > cfg.rollout.kv_cache_gib * GIB:
+                lines.append(f"warning: the rollout's KV cache needs {rows['kv_cache'] / GIB:.2f} GiB but "
+                             f"rollout.kv_cache_gib={cfg.rollout.kv_cache_gib}: raise it")
+        else:
+            need = rows.get("engine_weights", 0) + rows.get("kv_cache", 0)
+            budget = cfg.rollout.gpu_memory_utilization * gpu_bytes
+            if need > budget:
+                lines.append(f"warning: the rollout needs {need / GIB:.2f} GiB but rollout.gpu_memory_utilization="
+                             f"{cfg.rollout.gpu_memory_utilization} gives vLLM {budget / GIB:.2f} GiB: raise it")
     if est["total_bytes"] > gpu_bytes:
         lines.append(f"warning: estimated {est['total_bytes'] / GIB:.2f} GiB per GPU exceeds the "
                      f"{gpu_bytes / GIB:.2f} GiB GPU")

@@ -38,13 +38,18 @@ def check_inputs(cfg, world_size: int) -> dict:
     from remax_megatron.models import check_layout, read_hf_config
     from remax_megatron.reward import RewardFunctions
     from remax_megatron.reward.rm_inputs import RewardModelInputs, load_rm_tokenizer
-    from remax_megatron.rollout import check_rollout_layout
+    from remax_megatron.rollout import check_rollout
 
     cfg.check_world(world_size)
     actor_dir = resolve_model(cfg.actor.model, "actor.model")
     arch = read_hf_config(actor_dir)
     check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor")
-    check_rollout_layout(cfg.rollout, arch, world_size)
+    check_rollout(cfg.rollout, arch, world_size)
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if longest > arch.max_position_embeddings:
+        raise ValueError(f"data.max_prompt_tokens({cfg.data.max_prompt_tokens}) + rollout.max_new_tokens("
+                         f"{cfg.rollout.max_new_tokens}) = {longest} exceeds the actor's max_position_embeddings="
+                         f"{arch.max_position_embeddings}: lower one of them")
     if arch.task != "causal_lm":
         raise ValueError(f"actor.model {actor_dir} is a {arch.architecture}: the actor must be a *ForCausalLM")
     ref_dir = resolve_model(cfg.reference.model or cfg.actor.model, "reference.model") \
@@ -108,7 +113,7 @@ def build(cfg, checked: dict):
     optimizer = build_optimizer(ddp, cfg.optim, dtype)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.steps * cfg.trainer.mini_batches)
     engine = build_engine(cfg.rollout, hf_dir=checked["actor_dir"], arch=checked["arch"], seed=cfg.trainer.seed,
-                          dtype=dtype, replica=groups.dp_rank)
+                          dtype=dtype, max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
     tok = checked["tokenizer"]
     scorer = RewardScorer(checked["functions"], reward_model, cfg.reward.model_weight,
                           micro_batch_size=cfg.trainer.micro_batch_size, rm_inputs=checked["rm_inputs"])
@@ -141,12 +146,15 @@ def main(argv=None) -> None:
     from remax_megatron.metrics import MetricsLogger, is_rank0, print0
     from remax_megatron.trainer import StageError, Trainer
 
+    dp = world // (cfg.actor.tp * cfg.actor.pp)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"remax-megatron: rollout engine {cfg.rollout.engine} (rollout.tp={cfg.rollout.tp}), actor "
+              f"{checked['arch'].architecture} from {checked['actor_dir']}, {cfg.actor.tp}x{cfg.actor.pp}x{dp} "
+              f"(tp x pp x dp), {len(checked['train'])} train / {len(checked['eval'])} eval prompts "
+              f"{checked['data_counts']}", flush=True)
     parts = build(cfg, checked)
     if is_rank0():
         save_config(cfg, cfg.trainer.output_dir)
-    print0(f"remax-megatron: actor {checked['arch'].architecture} from {checked['actor_dir']}, "
-           f"{parts.groups.tp_size}x{parts.groups.pp_size}x{parts.groups.dp_size} (tp x pp x dp), "
-           f"{len(checked['train'])} train / {len(checked['eval'])} eval prompts {checked['data_counts']}")
     logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.steps, tensorboard=cfg.logging.tensorboard,
                            wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar,
                            config=None)

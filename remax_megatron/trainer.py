@@ -36,7 +36,7 @@ from remax_megatron.models.forward import broadcast_from_last_stage, forward_onl
 from remax_megatron.models.gpt import check_sequence_length, sequence_multiple
 from remax_megatron.optimizer import finalize_grads
 from remax_megatron.parallel import ProcessGroups, all_reduce_cpu, cpu_compat
-from remax_megatron.rollout import SamplingParams, WeightSync, logprob_mismatch, pack_sequences
+from remax_megatron.rollout import SamplingParams, WeightSync, logprob_mismatch, pack_sequences, stream_seed
 
 # Statistics of the loss that are summed over micro-batches and DP ranks (each already normalised globally).
 LOSS_STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac")
@@ -70,6 +70,7 @@ class Trainer:
         self.actor_module.config.no_sync_func = parts.actor.no_sync
         self.step = 0
         self.skipped_updates = 0
+        self._decoded_tokens = 0  # tokens this rank's engine decoded in the step's rollout
         self.preempt = PreemptionFlag()
 
     @functools.cached_property
@@ -94,7 +95,7 @@ class Trainer:
 
         with self._stage("rollout", times), self.offload.offloaded():
             prompts = self._local_share(p.sampler.next(cfg.trainer.prompts_per_step))
-            rollouts = self._generate([q.token_ids for q in prompts], cfg.rollout.n)
+            rollouts = self._generate(prompts, cfg.rollout.n)
 
         with self._stage("reward", times):
             r_sampled, r_greedy, reward_metrics = self._rewards(prompts, rollouts)
@@ -118,10 +119,12 @@ class Trainer:
 
         record = self._step_record(batch, rollouts, r_sampled, r_greedy, old_logprobs, ref_logprobs,
                                    advantages, stats, reward_metrics)
-        p.kl.update(record["kl/mean"] * record["response/length_mean"], len(r_sampled))
+        # The adaptive KL controller's horizon counts the global batch's sequences (every DP rank's).
+        p.kl.update(record["kl/mean"] * record["response/length_mean"], int(self._global_sum(len(r_sampled))))
         step_time = time.perf_counter() - t_step
         tokens = self._global_sum(float(batch["lengths"].sum()))
         record.update(times)
+        record.update(self._rollout_work(rollouts))
         record.update(self._perf(prompts, rollouts, batch, step_time, times["time/train_s"]))
         record.update({
             "time/step_s": step_time, "throughput/tokens_per_s": tokens / step_time,
@@ -153,29 +156,28 @@ class Trainer:
         per_rank = len(prompts) // self.g.dp_size
         return prompts[self.g.dp_rank * per_rank:(self.g.dp_rank + 1) * per_rank]
 
-    def _sampling(self, step: int) -> SamplingParams:
-        r = self.cfg.rollout
-        # Same seed on every TP/PP rank of a replica (they must sample the same tokens), new per step and DP rank.
-        seed = self.cfg.trainer.seed * 1_000_003 + step * 1009 + self.g.dp_rank
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_new_tokens, stop=list(r.stop), seed=seed)
+    def _generate(self, prompts: list, n: int) -> list:
+        """n sampled + 1 greedy per prompt of this replica; the same list on every rank of its
+        model-parallel group.
 
-    def _generate(self, prompt_ids: list[list[int]], n: int) -> list:
-        """n sampled + 1 greedy per prompt; identical on every rank of this model-parallel group.
-
-        The TP/PP ranks of a replica train on one batch, so their rollouts must agree
-        token for token; engines on different ranks may still differ (GPU numerics,
-        separate vLLM instances), so the group's first rank's rollouts are broadcast.
+        Each rank of the group decodes a distinct contiguous share of the replica's prompts (no
+        rollout is computed twice), then the group gathers the shares in order. Prompt i of the
+        step's global batch samples from `stream_seed(trainer.seed, step, i)` whichever rank or
+        engine decodes it.
         """
-        rollouts = self.p.engine.generate(prompt_ids, n=n, sampling=self._sampling(self.step))
+        g = self.g
+        decoded_before = self.p.engine.decoded_tokens
+        lo, hi = _share(len(prompts), g.mp_size, g.mp_rank)
+        first = g.dp_rank * len(prompts)  # index of this replica's first prompt in the global batch
+        seeds = [stream_seed(self.cfg.trainer.seed, self.step, first + i) for i in range(lo, hi)]
+        rollouts = self.p.engine.generate([q.token_ids for q in prompts[lo:hi]], n=n,
+                                          sampling=SamplingParams.from_config(self.cfg.rollout), seeds=seeds)
         self.p.engine.sleep()
-        if self.g.tp_size * self.g.pp_size > 1:
-            from megatron.core import parallel_state as ps
-
-            box = [rollouts]
-            group = ps.get_model_parallel_group()
-            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-            rollouts = box[0]
+        self._decoded_tokens = self.p.engine.decoded_tokens - decoded_before
+        if g.mp_size > 1:
+            shares: list = [None] * g.mp_size
+            dist.all_gather_object(shares, rollouts, group=g.mp)
+            rollouts = [r for share in shares for r in share]
         return rollouts
 
     def _pad_id(self) -> int:
@@ -309,6 +311,14 @@ class Trainer:
             out["perf/mfu_train"] = out["perf/train_tflops_per_device"] / peak
         return out
 
+    def _rollout_work(self, rollouts) -> dict:
+        """Tokens the engines decoded this step over the tokens of the global batch's completions:
+        1.0 when no rank decodes a prompt that another rank (or engine) also decodes."""
+        tokens = self._global_sum(float(sum(len(c.token_ids) for r in rollouts for c in r.sampled + [r.greedy])))
+        # Every rank of a TP engine counts its engine's tokens: count each engine once.
+        decoded = all_reduce_cpu(torch.tensor(self._decoded_tokens / self.p.engine.group_size, dtype=torch.float64))
+        return {"rollout/tokens": tokens, "rollout/decoded_per_token": float(decoded) / max(tokens, 1.0)}
+
     def _global_sum(self, value: float) -> float:
         return float(self._dp_sum(torch.tensor(value, dtype=torch.float64)))
 
@@ -358,12 +368,13 @@ class Trainer:
     def evaluate(self) -> dict:
         """Greedy decoding on the held-out prompts; mean reward (eval/reward_mean)."""
         p = self.p
-        prompts = self._local_share(p.eval_prompts[: self.cfg.trainer.eval_prompts])
-        if not prompts:
+        selected = p.eval_prompts[: self.cfg.trainer.eval_prompts]
+        if len(selected) < self.g.dp_size:  # the same decision on every rank: no DP rank waits for another
             return {}
+        prompts = self._local_share(selected)
         self.weight_sync()
         with self.offload.offloaded():
-            rollouts = self._generate([q.token_ids for q in prompts], 0)
+            rollouts = self._generate(prompts, 0)
         responses = [[(r.greedy.token_ids, self._decode(r.greedy.token_ids))] for r in rollouts]
         scores, _ = p.scorer.score([q.token_ids for q in prompts], [q.text for q in prompts],
                                    [q.columns for q in prompts], [q.index for q in prompts], responses)
@@ -406,7 +417,9 @@ class Trainer:
         cfg = self.cfg
         self.resume()
         if cfg.trainer.eval_every and self.step == 0:
-            self.log.log(self.evaluate())
+            record = self.evaluate()
+            if record:  # no held-out prompts (data.eval_size=0): nothing to log
+                self.log.log(record)
         while self.step < cfg.trainer.steps:
             record = self.train_step()
             self.step += 1
@@ -439,6 +452,13 @@ class PreemptionFlag:
 
     def _handle(self, signum, frame):
         self.requested, self.signal_name = True, signal.Signals(signum).name
+
+
+def _share(count: int, parts: int, index: int) -> tuple[int, int]:
+    """[lo, hi) of part `index` when `count` items are split into `parts` contiguous, near-equal parts."""
+    base, extra = divmod(count, parts)
+    lo = index * base + min(index, extra)
+    return lo, lo + base + (index < extra)
 
 
 def _positions(input_ids: torch.Tensor) -> torch.Tensor:

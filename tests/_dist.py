@@ -55,7 +55,14 @@ def _worker(rank, world_size, port, fn, args, errors):
             parallel_state.destroy_model_parallel()
         except Exception:
             pass
-        dist.destroy_process_group()
+        import sys
+
+        if "vllm" in sys.modules:  # vLLM's groups (and, external launcher, the default group) go first
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_distributed(fn, world_size: int, args: tuple = ()) -> None:

@@ -36,7 +36,7 @@ def test_saved_config_reloads_identically(tmp_path):
     ("optim.lr=fast", "optim.lr expects a number"),
     ("actor.tp=0", "actor.tp=0 must be > 0"),
     ("actor.dtype=fp8", "actor.dtype='fp8' is not one of"),
-    ("rollout.engine=sglang", "rollout.engine='sglang' is not one of native, vllm"),
+    ("rollout.kv_cache_gib=-1", "rollout.kv_cache_gib=-1.0 must be >= 0"),
     ("rollout.n=0", "rollout.n=0 must be > 0"),
     ("rollout.max_new_tokens=0", "rollout.max_new_tokens=0 must be > 0"),
     ("rollout.sync_bucket_mb=0", "rollout.sync_bucket_mb=0 must be > 0"),

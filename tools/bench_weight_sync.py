@@ -1,18 +1,19 @@
-"""Benchmark the rollout weight sync: actor export -> buckets -> native engine, against the transport.
+"""Benchmark the rollout weight sync: actor export -> buckets -> rollout engine, against the transport.
 
     python tools/make_tiny_model.py --family llama --hidden 1024 --layers 8 --heads 16 --kv-heads 8 \
         --ffn 2816 --vocab 32000 --out /tmp/bench-model
     torchrun --nproc_per_node=4 tools/bench_weight_sync.py --hf-dir /tmp/bench-model --tp 2 --pp 2 \
-        --json sync.json
+        --json sync.json [--engine vllm|native]
 
-Every rank builds the actor shard (TP x PP from the flags, DP = the rest) and a
-native engine (a full replica), then times the trainer's `WeightSync(engine,
+Every rank builds the actor shard (TP x PP from the flags, DP = the rest) and an
+engine (--engine: vLLM, the default, its CPU build on CPU; or native), then times the trainer's `WeightSync(engine,
 actor)()` (export in the engine dtype -> buckets -> engine) between barriers. Measured in the same run:
 
 - transport_gbps: one plain `dist.broadcast` of the same number of bytes from
   rank 0 over all ranks and the same backend: what the transport allows;
 - memcpy_gbps: a single-process tensor copy of min(bytes, 256 MiB);
-- max_logprob_diff: engine vs actor log-probs on a fixed batch after the sync.
+- max_logprob_diff: after the sync, every rank's engine samples 2 prompts (n=1 +
+  greedy); the actor scores all ranks' rows; the largest |engine - actor| log-prob.
 
 JSON (rank 0 writes it): bytes, seconds (median of --repeats syncs after one
 warm-up), gbps, transport_gbps, memcpy_gbps, ratio (= gbps / transport_gbps),
@@ -63,16 +64,22 @@ def _memcpy_gbps(nbytes: int, repeats: int) -> float:
 
 def _max_logprob_diff(actor, engine, vocab: int) -> float:
     from remax_megatron.models.forward import broadcast_from_last_stage, forward_only
+    from remax_megatron.rollout import SamplingParams, flatten_rollouts, pack_sequences
 
-    ids = torch.randint(4, vocab, (4, 64), generator=torch.Generator().manual_seed(0))
-    labels = torch.roll(ids, -1, 1)
-    labels[:, -1] = -100
-    out = forward_only(actor, [{"input_ids": ids, "labels": labels}],
-                       lambda m, hidden, batch: m.token_logprobs(hidden, batch["labels"])[0])
-    actor_lp = broadcast_from_last_stage(out[0] if out else None, ids.shape, torch.float32)
-    diff = (engine.score(ids, labels).float().cpu() - actor_lp.float()).abs().max().view(1).double()
-    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-    return float(diff.item())
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    prompts = [torch.randint(4, vocab, (16,), generator=gen).tolist() for _ in range(2)]
+    rollouts = engine.generate(prompts, n=1, sampling=SamplingParams(max_new_tokens=16),
+                               seeds=[dist.get_rank() * 2, dist.get_rank() * 2 + 1])
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, (prompts, rollouts))
+    rows_p, rows_c = flatten_rollouts([p for ps, _ in shares for p in ps], [r for _, rs in shares for r in rs],
+                                      include_greedy=True)
+    batch = pack_sequences(rows_p, rows_c, pad_id=0)
+    out = forward_only(actor, [{"input_ids": batch["input_ids"], "labels": batch["labels"]}],
+                       lambda m, hidden, b: m.token_logprobs(hidden, b["labels"])[0])
+    actor_lp = broadcast_from_last_stage(out[0] if out else None, batch["input_ids"].shape, torch.float32)
+    mask = batch["response_mask"]
+    return float((batch["engine_logprobs"] - actor_lp.float())[mask].abs().max())
 
 
 def run(args) -> dict:
@@ -89,8 +96,9 @@ def run(args) -> dict:
     dtype = DTYPES[args.dtype]
     actor = build_policy(arch, tp=args.tp, pp=args.pp, params_dtype=dtype, trainable=False)
     load_hf_weights(actor, args.hf_dir)
-    engine = build_engine(RolloutConfig(sync_bucket_mb=args.bucket_mb), hf_dir=args.hf_dir, arch=arch,
-                          seed=0, dtype=dtype)
+    engine = build_engine(RolloutConfig(engine=args.engine, sync_bucket_mb=args.bucket_mb,
+                                        kv_cache_gib=args.kv_cache_gib), hf_dir=args.hf_dir, arch=arch,
+                          seed=0, dtype=dtype, max_model_len=64)
     weight_sync = WeightSync(engine, actor, bucket_mb=args.bucket_mb)
     stats = {}
 
@@ -115,7 +123,7 @@ def run(args) -> dict:
         "memcpy_gbps": _memcpy_gbps(nbytes, args.repeats),
         "buckets": stats["buckets"],
         "max_logprob_diff": _max_logprob_diff(actor, engine, arch.vocab_size),
-        "tp": args.tp, "pp": args.pp, "world": world, "backend": dist.get_backend(),
+        "engine": args.engine, "tp": args.tp, "pp": args.pp, "world": world, "backend": dist.get_backend(),
         "dtype": args.dtype, "bucket_mb": args.bucket_mb, "sync_times": sync_times,
         "broadcast_times": bcast_times,
     }
@@ -132,6 +140,8 @@ def main(argv=None):
     p.add_argument("--bucket-mb", type=float, default=256.0)
     p.add_argument("--repeats", type=int, default=3, help="timed syncs (>= 3; the median is reported)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--engine", default="vllm", choices=["vllm", "native"])
+    p.add_argument("--kv-cache-gib", type=float, default=0.1, help="vLLM KV cache per engine (rollout.kv_cache_gib)")
     args = p.parse_args(argv)
     if args.repeats < 3:
         sys.exit(f"error: --repeats {args.repeats}: the median needs at least 3")

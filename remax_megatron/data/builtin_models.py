@@ -3,10 +3,10 @@
 ``ensure_builtin_model(name)`` returns a Hugging Face directory, building it on
 first use (tens of seconds on 2 CPU cores) and reusing it afterwards:
 
-* ``tiny-arith``: a LlamaForCausalLM, 4 layers (so PP=2 splits it), hidden 96, character tokenizer.
+* ``tiny-arith``: a LlamaForCausalLM, 4 layers (so PP=2 splits it), hidden 128 (head_dim 32, a size vLLM's CPU attention runs), character tokenizer.
   Random init, then supervised on the *train* prompts with a deliberately
-  miscalibrated target: the correct sum with probability ``ACTOR_P_CORRECT``
-  (0.35) and the systematic mistake ``a+b+1`` otherwise, each followed by
+  miscalibrated target: the correct sum with probability ``p_correct``
+  (0.25) and the systematic mistake ``a+b+1`` otherwise, each followed by
   ``</s>``. The expected cross-entropy is minimised exactly (both responses in
   every batch, weighted), so the model learns those probabilities and carries
   them to the held-out eval prompts: greedy decoding answers ``a+b+1`` (eval
@@ -46,12 +46,12 @@ import sys
 import tempfile
 import time
 
-BUILTIN_VERSION = "1"
+BUILTIN_VERSION = "2"
 MARKER = "remax_builtin.json"  # written last inside the directory: its presence marks a complete build
 
-ARCH = dict(family="llama", hidden=96, layers=4, heads=4, kv_heads=2, ffn=256, tie=False)
+ARCH = dict(family="llama", hidden=128, layers=4, heads=4, kv_heads=2, ffn=256, tie=False)  # head_dim 32: vLLM CPU runs it
 RECIPES = {
-    "tiny-arith": dict(kind="actor", task="arith", arch=ARCH, seed=0, p_correct=0.35, wrong_offset=1,
+    "tiny-arith": dict(kind="actor", task="arith", arch=ARCH, seed=0, p_correct=0.25, wrong_offset=1,
                        steps=400, lr=3e-3, warmup_frac=0.1, betas=(0.9, 0.98), clip=1.0),
     "tiny-arith-rm": dict(kind="reward", task="arith", arch=ARCH, seed=0, negatives_per_prompt=1,
                           max_answer=19, steps=600, lr=3e-3, warmup_frac=0.1, betas=(0.9, 0.98), clip=1.0,
@@ -250,7 +250,7 @@ def _train_actor(out: str, recipe: dict):
     def loss():
         lp = response_logprobs(model, tok, prompts + prompts, right + wrong)
         n = len(prompts)
-        return -(p * lp[:n] + (1 - p) * lp[n:]).mean()  # exact expected NLL of the 0.35/0.65 mixture
+        return -(p * lp[:n] + (1 - p) * lp[n:]).mean()  # exact expected NLL of the p_correct mixture
 
     _fit(model, recipe, loss)
     return model, tok

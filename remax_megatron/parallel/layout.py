@@ -73,13 +73,19 @@ class ProcessGroups:
     tp: dist.ProcessGroup
     pp: dist.ProcessGroup
     dp: dist.ProcessGroup
+    mp: dist.ProcessGroup           # model-parallel: the tp x pp ranks of one replica
     embedding: dist.ProcessGroup | None
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    mp_rank: int
     tp_size: int
     pp_size: int
     dp_size: int
+
+    @property
+    def mp_size(self) -> int:
+        return self.tp_size * self.pp_size
 
     @property
     def is_first_stage(self) -> bool:
@@ -101,10 +107,12 @@ class ProcessGroups:
             tp=ps.get_tensor_model_parallel_group(),
             pp=ps.get_pipeline_model_parallel_group(),
             dp=ps.get_data_parallel_group(),
+            mp=ps.get_model_parallel_group(),
             embedding=ps.get_embedding_group(check_initialized=False),
             tp_rank=ps.get_tensor_model_parallel_rank(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(),
+            mp_rank=dist.get_rank(group=ps.get_model_parallel_group()),
             tp_size=ps.get_tensor_model_parallel_world_size(),
             pp_size=ps.get_pipeline_model_parallel_world_size(),
             dp_size=ps.get_data_parallel_world_size(),

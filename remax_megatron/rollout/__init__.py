@@ -6,9 +6,9 @@ from remax_megatron.rollout.engine import (
     PromptRollout,
     RolloutEngine,
     SamplingParams,
-    build_engine,
-    check_rollout_layout,
+    stream_seed,
 )
+from remax_megatron.rollout.factory import ENGINES, build_engine, check_rollout, register_engine
 from remax_megatron.rollout.monitor import LogprobMismatchWarning, logprob_mismatch
 from remax_megatron.rollout.sequences import (
     PreparedPrompts,
@@ -28,8 +28,11 @@ __all__ = [
     "RolloutEngine",
     "SamplingParams",
     "WeightSync",
+    "ENGINES",
     "build_engine",
-    "check_rollout_layout",
+    "check_rollout",
+    "register_engine",
+    "stream_seed",
     "flatten_rollouts",
     "left_pad",
     "logprob_mismatch",

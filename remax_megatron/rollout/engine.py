@@ -1,13 +1,23 @@
 """The rollout-engine protocol: what the trainer calls, whichever engine is behind it.
 
-    engine = build_engine(cfg.rollout, hf_dir=cfg.actor.model, arch=arch, seed=cfg.trainer.seed)
+    engine = build_engine(cfg.rollout, hf_dir=..., arch=arch, seed=cfg.trainer.seed)   # rollout/factory.py
     stats = sync_weights(engine, export_hf_weights(actor), bucket_mb=cfg.rollout.sync_bucket_mb)
-    results = engine.generate(prompt_token_ids, n=cfg.rollout.n, sampling=SamplingParams(...))
+    results = engine.generate(prompt_token_ids, n=cfg.rollout.n, sampling=SamplingParams(...),
+                              seeds=[stream_seed(cfg.trainer.seed, step, i) for i in prompt_indices])
     engine.sleep()      # free engine memory for training; generate/sync wake it again
 
-`generate` takes THIS rank's prompts and returns one `PromptRollout` per prompt,
-in order: `n` sampled completions and one greedy completion, all decoded in ONE
-engine request (`engine.num_requests` counts them).
+This module is the protocol only: it imports no engine. `generate` takes THIS
+rank's prompts and returns one `PromptRollout` per prompt, in order: `n`
+sampled completions and one greedy completion, all decoded in ONE engine
+request (`engine.num_requests` counts them; `engine.decoded_tokens` counts the
+tokens the engine decoded for them).
+
+Seeds: `seeds[p]` fixes prompt p's sampling stream; its sample j draws from
+stream `seeds[p] + j` (vLLM's convention for the children of an n > 1
+request). The trainer derives `seeds[p]` from (trainer.seed, step, the
+prompt's index in the step's global batch) with `stream_seed`, so every prompt,
+sample and step has its own stream whichever rank or engine decodes it: the
+samples do not depend on the layout.
 
 Log-prob convention (`Completion.logprobs`, one float per generated token):
     sampled rows: log softmax(logits / temperature)[token], before top-k/top-p
@@ -25,11 +35,22 @@ when max_new_tokens ran out.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 
-ENGINE_NAMES = ("native", "vllm")
+
+def stream_seed(*keys: int) -> int:
+    """A 31-bit seed for the stream named by `keys` (e.g. trainer seed, step, prompt index).
+
+    Hashed, so nearby keys give unrelated streams, and `stream_seed(...) + j` for the
+    j-th sample of a prompt does not collide with another prompt's stream in practice.
+    The one seed derivation of the trainer and the engines.
+    """
+    digest = hashlib.sha256("/".join(str(int(k)) for k in keys).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x3FFFFFFF  # leaves room for + j below 2**31
 
 
 @dataclass
@@ -41,7 +62,7 @@ class SamplingParams:
     top_k: int = 0                  # keep the k most likely tokens; 0: off
     max_new_tokens: int = 64        # per completion, >= 1
     stop: list[str] = field(default_factory=list)  # stop strings (EOS always stops)
-    seed: int | None = None         # None: the engine's running stream; int: reproducible call
+    seed: int | None = None         # without per-prompt seeds: base of this call's streams (None: the engine's)
 
     def __post_init__(self):
         if not self.temperature > 0:
@@ -84,45 +105,60 @@ class PromptRollout:
 class RolloutEngine:
     """Base of the engines: the protocol plus the shared input checks.
 
-    Subclasses implement `_generate`, `load_weights`, `sleep`, `wake_up` and may
-    override `begin_weight_update` / `finish_weight_update` (weight_sync.py calls
-    them around the buckets).
+    Subclasses implement `_generate`, `update_weights`, `sleep` and `wake_up`.
+    An engine class may define `check_config(cfg, arch, world_size)` (a staticmethod
+    raising one-line ValueErrors) that the factory runs before any work.
     """
 
     name = "base"
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
+    group_size = 1                  # ranks that run one engine together (vLLM: rollout.tp)
 
-    def __init__(self):
+    def __init__(self, seed: int = 0):
+        self.seed = int(seed)       # trainer.seed: the base of streams when generate gets no seeds
+        self.rank = world_size_and_rank()[1]
         self.num_requests = 0       # engine requests issued (one per generate call)
+        self.decoded_tokens = 0     # completion tokens this engine decoded (all ranks of a TP engine count them)
         self.asleep = False
 
     # ---- generation ----------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], n: int,
-                 sampling: SamplingParams) -> list[PromptRollout]:
-        """n sampled + 1 greedy completion per prompt of this rank, in one engine request."""
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
+                 seeds: list[int] | None = None) -> list[PromptRollout]:
+        """n sampled + 1 greedy completion per prompt of this rank, in one engine request.
+
+        seeds: one per prompt (module docstring); None: derived from `sampling.seed` (or the
+        engine's own seed and call count), this rank and the prompt's position.
+        """
         check_generate_args(prompt_token_ids, n, sampling)
+        if seeds is None:
+            base = (self.seed, self.num_requests) if sampling.seed is None else (sampling.seed,)
+            seeds = [stream_seed(*base, self.rank, p) for p in range(len(prompt_token_ids))]
+        elif len(seeds) != len(prompt_token_ids):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompt_token_ids)} prompts: give one seed per prompt")
         self._check_weights()
         if self.asleep:
             self.wake_up()
-        return self._generate([list(map(int, p)) for p in prompt_token_ids], n, sampling)
+        rollouts = self._generate([list(map(int, p)) for p in prompt_token_ids], n, sampling,
+                                  [int(s) for s in seeds])
+        self.num_requests += 1
+        return rollouts
 
-    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[PromptRollout]:
+    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
+                  seeds: list[int]) -> list[PromptRollout]:
         raise NotImplementedError
 
     def _check_weights(self) -> None:
         """Raise RuntimeError when the engine holds no synced weights (checked before waking up)."""
 
     # ---- weights -------------------------------------------------------------------------
-    def begin_weight_update(self) -> None:
-        """Called once before the first bucket of a sync."""
+    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+        """One weight update: every full HF-named tensor (engine dtype/device), bucket by bucket.
 
-    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy one bucket of full HF-named tensors (engine dtype/device) into the engine."""
+        The stream is consumed in this one call (it may be produced lazily by collectives
+        while the engine loads); a bucket's tensors may be reused once the next is requested.
+        """
         raise NotImplementedError
-
-    def finish_weight_update(self) -> None:
-        """Called once after the last bucket of a sync."""
 
     # ---- memory --------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -144,54 +180,9 @@ def check_generate_args(prompt_token_ids, n: int, sampling) -> None:
             raise ValueError(f"prompt {i} has no tokens: drop empty prompts before generate")
 
 
-def check_rollout_layout(cfg, arch, world_size: int) -> None:
-    """rollout.engine / rollout.tp against the world and the model (one-line errors)."""
-    if cfg.engine not in ENGINE_NAMES:
-        raise ValueError(f"rollout.engine={cfg.engine!r} is not one of {', '.join(ENGINE_NAMES)}")
-    if cfg.tp < 1:
-        raise ValueError(f"rollout.tp={cfg.tp!r} must be >= 1")
-    if cfg.engine == "native" and cfg.tp != 1:
-        raise ValueError(f"rollout.tp={cfg.tp} needs rollout.engine=vllm: the native engine keeps one "
-                         "full replica per rank; set rollout.tp=1")
-    if world_size % cfg.tp:
-        raise ValueError(f"rollout.tp={cfg.tp} does not divide the world size {world_size}: choose "
-                         f"rollout.tp from the divisors of {world_size}")
-    if arch is not None:
-        for what, heads in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads)):
-            if heads % cfg.tp:
-                raise ValueError(f"rollout.tp={cfg.tp} does not divide {what}={heads}: choose rollout.tp "
-                                 f"from the divisors of {heads}")
-
-
 def world_size_and_rank() -> tuple[int, int]:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0
-
-
-def build_engine(cfg, *, hf_dir: str, arch=None, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device | None = None, replica: int | None = None) -> RolloutEngine:
-    """The engine named by `cfg.engine` (a RolloutConfig), its weights still to be synced.
-
-    hf_dir: the HF model directory (config.json and tokenizer; weights are not read).
-    arch:   the ModelArch of hf_dir (read from it when None) for the layout checks.
-    seed:   trainer.seed; every replica derives its own sampling stream from it.
-    replica: the data-parallel replica this rank serves (native engine: ranks of one replica
-            sample identically); default the global rank.
-    dtype:  the engine's weight dtype (weight sync casts to it).
-    """
-    world, _ = world_size_and_rank()
-    if arch is None and cfg.engine in ENGINE_NAMES:
-        from remax_megatron.models import read_hf_config
-
-        arch = read_hf_config(hf_dir)
-    check_rollout_layout(cfg, arch, world)
-    if cfg.engine == "native":
-        from remax_megatron.rollout.native import NativeEngine
-
-        return NativeEngine(hf_dir, seed=seed, dtype=dtype, device=device, replica=replica)
-    from remax_megatron.rollout.vllm_engine import VllmEngine
-
-    return VllmEngine(cfg, hf_dir=hf_dir, seed=seed, dtype=dtype)

@@ -11,9 +11,10 @@ the batch.
 
 Sampling (same semantics as vLLM): logits / temperature -> keep the top_k
 largest -> keep the smallest set of most likely tokens whose mass reaches
-top_p (of the top-k renormalised distribution) -> sample with this rank's
-torch.Generator. Greedy rows take argmax of the raw logits. Log-probs follow
-the convention in rollout/engine.py.
+top_p (of the top-k renormalised distribution) -> sample. Greedy rows take argmax of the raw logits. Log-probs follow
+the convention in rollout/engine.py. Sample j of prompt p draws from its own
+generator seeded `seeds[p] + j` (the seed convention of rollout/engine.py), so a
+prompt's samples do not depend on which other prompts share the batch.
 
 sleep()/wake_up(): the KV cache lives only inside a generate call, so between
 calls the engine holds just its weights; on CUDA sleep() moves them to the CPU
@@ -25,12 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from remax_megatron.rollout.engine import Completion, PromptRollout, RolloutEngine, SamplingParams, \
-    world_size_and_rank
+from remax_megatron.rollout.engine import Completion, PromptRollout, RolloutEngine, SamplingParams
 from remax_megatron.rollout.sequences import left_pad
-
-_SEED_MIX = 1_000_003
-
 
 def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """scaled logits [B, V] -> the same with tokens outside top-k / top-p set to -inf.
@@ -56,10 +53,11 @@ def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def sample_next(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, top_k: int,
-                top_p: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                top_p: float, generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step.
 
-    logits [B, V] float32, temperature [B] (1.0 on greedy rows), greedy [B] bool
+    logits [B, V] float32, temperature [B] (1.0 on greedy rows), greedy [B] bool,
+    generators [B] (each sampled row draws from its own stream; None on greedy rows)
     -> (tokens [B] long, logprobs [B] float32 of log softmax(logits / temperature)[token]).
     """
     scaled = logits / temperature.unsqueeze(-1)
@@ -67,8 +65,9 @@ def sample_next(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.T
     tokens = logits.argmax(-1)
     sampled_rows = (~greedy).nonzero().squeeze(-1)
     if sampled_rows.numel():
-        probs = filter_logits(scaled[sampled_rows], top_k, top_p).softmax(-1)
-        draws = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        probs = filter_logits(scaled[sampled_rows], top_k, top_p).softmax(-1)   # [B_sampled, V]
+        draws = torch.cat([torch.multinomial(probs[i], 1, generator=generators[row])
+                           for i, row in enumerate(sampled_rows.tolist())])
         tokens = tokens.index_copy(0, sampled_rows, draws)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
@@ -96,9 +95,9 @@ class NativeEngine(RolloutEngine):
 
     name = "native"
 
-    def __init__(self, hf_dir: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device | None = None, replica: int | None = None):
-        super().__init__()
+    def __init__(self, cfg=None, *, hf_dir: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 max_model_len: int | None = None, device: str | torch.device | None = None):
+        super().__init__(seed)
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.initialization import no_init_weights
 
@@ -113,20 +112,15 @@ class NativeEngine(RolloutEngine):
         self.eos_token_ids = _eos_ids(hf_dir, config)
         pad = getattr(config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else min(self.eos_token_ids, default=0)
-        # The sampling stream is per data-parallel replica: ranks that hold the same prompts
-        # (the TP/PP ranks of one replica) must sample the same tokens. Default: the global rank.
-        self.rank = world_size_and_rank()[1] if replica is None else int(replica)
-        self.seed = int(seed)
-        self.generator = self._make_generator(self.seed)
         self._tokenizer = None
         self._params = dict(self.model.named_parameters())
-        self._loaded: set[str] | None = None
         self.synced = False
 
-    def _make_generator(self, seed: int) -> torch.Generator:
-        g = torch.Generator(device=self.device)
-        g.manual_seed((seed * _SEED_MIX + self.rank) % (2**63 - 1))
-        return g
+    @staticmethod
+    def check_config(cfg, arch, world_size: int) -> None:
+        if cfg.tp != 1:
+            raise ValueError(f"rollout.tp={cfg.tp} needs rollout.engine=vllm: the native engine keeps one "
+                             "full replica per rank; set rollout.tp=1")
 
     @property
     def tokenizer(self):
@@ -137,28 +131,24 @@ class NativeEngine(RolloutEngine):
         return self._tokenizer
 
     # ---- weights -------------------------------------------------------------------------
-    def begin_weight_update(self) -> None:
+    @torch.no_grad()
+    def update_weights(self, buckets) -> None:
         if self.asleep:
             self.wake_up()
-        self._loaded = set()
-
-    @torch.no_grad()
-    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in named_tensors:
-            param = self._params.get(name)
-            if param is None:
-                raise ValueError(f"weight {name!r} has no parameter in the native engine's "
-                                 f"{type(self.model).__name__}: is the actor the same architecture as {self.hf_dir}?")
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} but the engine has "
-                                 f"{tuple(param.shape)}: does {self.hf_dir}/config.json match the actor?")
-            param.copy_(tensor)
-            if self._loaded is not None:
-                self._loaded.add(name)
-
-    def finish_weight_update(self) -> None:
-        missing = sorted(set(self._params) - (self._loaded or set()))
-        self._loaded = None
+        loaded = set()
+        for bucket in buckets:
+            for name, tensor in bucket:
+                param = self._params.get(name)
+                if param is None:
+                    raise ValueError(f"weight {name!r} has no parameter in the native engine's "
+                                     f"{type(self.model).__name__}: is the actor the same architecture as "
+                                     f"{self.hf_dir}?")
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} but the engine has "
+                                     f"{tuple(param.shape)}: does {self.hf_dir}/config.json match the actor?")
+                param.copy_(tensor)
+                loaded.add(name)
+        missing = sorted(set(self._params) - loaded)
         if missing:
             raise ValueError(f"weight sync left {len(missing)} engine parameters unset (e.g. {missing[:3]}): "
                              "the exported stream does not cover the model")
@@ -182,7 +172,8 @@ class NativeEngine(RolloutEngine):
             raise RuntimeError("native engine: generate before any sync_weights; its weights are "
                                "uninitialised (call sync_weights(engine, export_hf_weights(actor), ...) first)")
 
-    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[PromptRollout]:
+    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
+                  seeds: list[int]) -> list[PromptRollout]:
         if not prompts:
             return []
         limit = getattr(self.model.config, "max_position_embeddings", None)
@@ -191,18 +182,20 @@ class NativeEngine(RolloutEngine):
             raise ValueError(f"prompt ({longest - sampling.max_new_tokens} tokens) + max_new_tokens "
                              f"({sampling.max_new_tokens}) exceeds the model's max_position_embeddings={limit}: "
                              "lower data.max_prompt_tokens or rollout.max_new_tokens")
-        generator = self.generator if sampling.seed is None else self._make_generator(sampling.seed)
-        rows = self._decode_batch(prompts, n, sampling, generator)
-        self.num_requests += 1
+        rows = self._decode_batch(prompts, n, sampling, seeds)
+        self.decoded_tokens += sum(len(c.token_ids) for c in rows)
         per = n + 1
         return [PromptRollout(sampled=rows[p * per:p * per + n], greedy=rows[p * per + n])
                 for p in range(len(prompts))]
 
     @torch.no_grad()
     def _decode_batch(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
-                      generator: torch.Generator) -> list[Completion]:
+                      seeds: list[int]) -> list[Completion]:
         """The one engine request: P prompts -> P * (n + 1) completions (n sampled then 1 greedy each)."""
         per, dev = n + 1, self.device
+        generators = []                                                            # per output row
+        for seed in seeds:
+            generators += [torch.Generator(device=dev).manual_seed(seed + j) for j in range(n)] + [None]
         ids, mask, pos = left_pad(prompts, self.pad_token_id, dev)                 # [P, L] each
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                          logits_to_keep=1)
@@ -220,7 +213,8 @@ class NativeEngine(RolloutEngine):
         finish: list[str | None] = [None] * total
         eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=dev)
         for step in range(sampling.max_new_tokens):
-            tok, lp = sample_next(logits, temperature, greedy, sampling.top_k, sampling.top_p, generator)
+            tok, lp = sample_next(logits, temperature, greedy, sampling.top_k, sampling.top_p,
+                                  [generators[row] for row in active.tolist()])
             done = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(greedy)
             tok_list, lp_list, done_list = tok.tolist(), lp.tolist(), done.tolist()
             for i, row in enumerate(active.tolist()):

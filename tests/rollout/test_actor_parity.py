@@ -64,7 +64,7 @@ def _body(rank, world, model_dir, tp, pp):
     arch = read_hf_config(model_dir)
     actor = build_policy(arch, tp=tp, pp=pp, trainable=False)
     load_hf_weights(actor, model_dir)
-    engine = build_engine(RolloutConfig(), hf_dir=model_dir, arch=arch, seed=0, dtype=torch.float32)
+    engine = build_engine(RolloutConfig(engine="native"), hf_dir=model_dir, arch=arch, seed=0, dtype=torch.float32)
     stats = sync_weights(engine, export_hf_weights(actor, bucket_mb=0.05), bucket_mb=0.05)
     assert stats["buckets"] > 1, stats
 

@@ -1,62 +1,45 @@
-"""The vLLM engine's pure parts on CPU: request building, output parsing, and the engine's calls
-into a stand-in `LLM` (one generate per call, weight buckets through collective_rpc, prefix-cache
-reset, sleep levels). With vLLM importable, request building also runs on the real SamplingParams."""
+"""The vLLM engine for real (vLLM's CPU build, gloo, fp32): after a sync from a megatron actor, its
+sampled and greedy rows' log-probs equal the actor's, greedy is the actor's argmax decoding, each
+rank decodes only its own prompts, and after weight updates it follows the actor.
+
+Layouts (actor.tp, actor.pp, rollout.tp): (1,1,1), (2,1,1), (2,1,2), (1,2,1) and (1,1,2) on two
+processes, where one vLLM engine spans two data-parallel ranks. The engine is built with
+load_format="dummy", so any agreement comes from the sync.
+"""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from remax_megatron.config import RolloutConfig
-from remax_megatron.rollout import SamplingParams, sync_weights
-from remax_megatron.rollout.vllm_engine import VllmEngine, build_requests, null_config_context, parse_outputs
-from tests.rollout.helpers import hf_stream
+from remax_megatron.rollout import SamplingParams
+from remax_megatron.rollout.vllm_engine import build_requests, parse_outputs
+from tests._dist import run_distributed
+from tests.rollout.test_actor_parity import _actor_greedy, _actor_logprobs
 
-
-class StubParams:
-    """Records the keywords a vllm.SamplingParams would get."""
-
-    def __init__(self, **kwargs):
-        self.__dict__.update(kwargs)
-
-
+TEMPERATURE = 0.7
+MAX_NEW = 8
+EOS, PAD = 2, 0  # the character tokenizer of tools/make_tiny_model.py
+# Every rank's own prompts (rank r takes PROMPTS[r::world]): distinct shares, as the trainer gives them.
+PROMPTS = [[5, 17, 40, 41, 42], [9, 10], [60, 61, 62, 63, 64, 65, 66, 67], [30, 31, 32], [7, 8, 9, 10, 11, 12]]
 SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16, stop=["\n\n"], seed=None)
 
 
-def _check_requests(prompts, params, n):
-    assert len(prompts) == len(params) == 4
+def test_requests_pair_sampled_and_greedy_with_real_sampling_params():
+    vllm = pytest.importorskip("vllm")  # part of the test install (tools/install.sh test)
+    prompts, params = build_requests([[1, 2], [3]], 3, SAMPLING, seeds=[100, 555], params_cls=vllm.SamplingParams)
     assert [p["prompt_token_ids"] for p in prompts] == [[1, 2], [1, 2], [3], [3]]
     sampled, greedy = params[0], params[1]
-    assert (sampled.n, sampled.temperature, sampled.top_p, sampled.top_k) == (n, 0.7, 0.9, 20)
+    assert (sampled.n, sampled.temperature, sampled.top_p, sampled.top_k) == (3, 0.7, 0.9, 20)
     assert sampled.max_tokens == 16 and list(sampled.stop) == ["\n\n"] and sampled.logprobs == 0
-    assert greedy.n == 1 and greedy.temperature == 0.0 and greedy.max_tokens == 16 and greedy.logprobs == 0
-    assert params[0].seed == 100 and params[2].seed == 100 + n
-
-
-def test_build_requests_pairs_sampled_and_greedy():
-    prompts, params = build_requests([[1, 2], [3]], 3, SAMPLING, seed=100, params_cls=StubParams)
-    _check_requests(prompts, params, 3)
-
-
-def test_build_requests_with_real_vllm_sampling_params():
-    vllm = pytest.importorskip("vllm", reason="vLLM is not installed (GPU extra); its request types are "
-                                              "checked where it imports")
-    prompts, params = build_requests([[1, 2], [3]], 3, SAMPLING, seed=100, params_cls=vllm.SamplingParams)
-    _check_requests(prompts, params, 3)
+    assert (params[0].seed, params[2].seed) == (100, 555)
     # vLLM's own greedy normalisation: temperature 0 turns top-k / top-p off.
-    assert params[1].top_k == 0 and params[1].top_p == 1.0
-    assert params[0].include_stop_str_in_output
-
-
-def test_greedy_only_requests_have_no_sampled_entry():
-    """Eval asks for n = 0: vLLM refuses SamplingParams(n=0), so only the greedy entries go out."""
-    prompts, params = build_requests([[1, 2], [3]], 0, SAMPLING, seed=100, params_cls=StubParams)
+    assert greedy.n == 1 and greedy.temperature == 0.0 and greedy.top_k == 0 and greedy.top_p == 1.0
+    assert sampled.include_stop_str_in_output
+    # n = 0 (greedy-only eval): vLLM refuses SamplingParams(n=0), so only the greedy entries go out.
+    prompts, params = build_requests([[1, 2], [3]], 0, SAMPLING, seeds=[1, 2], params_cls=vllm.SamplingParams)
     assert [p["prompt_token_ids"] for p in prompts] == [[1, 2], [3]]
     assert all(q.n == 1 and q.temperature == 0.0 for q in params)
-    outputs = [SimpleNamespace(outputs=[_output([8, 9])]), SimpleNamespace(outputs=[_output([7])])]
-    rollouts = parse_outputs(outputs, 0)
-    assert [r.sampled for r in rollouts] == [[], []]
-    assert [r.greedy.token_ids for r in rollouts] == [[8, 9], [7]]
 
 
 def _output(token_ids, index=0, reason="length"):
@@ -64,7 +47,7 @@ def _output(token_ids, index=0, reason="length"):
     return SimpleNamespace(index=index, token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
 
 
-def test_parse_outputs():
+def test_parse_outputs_orders_samples_and_refuses_surprises():
     outputs = [SimpleNamespace(outputs=[_output([5, 6], 1), _output([7], 0, "stop")]),
                SimpleNamespace(outputs=[_output([8, 9, 10])])]
     (ro,) = parse_outputs(outputs, 2)
@@ -77,70 +60,90 @@ def test_parse_outputs():
         parse_outputs(outputs, 2)
 
 
-class FakeLLM:
-    """Stands in for vllm.LLM: records calls; its 'worker' records the weight names it loads."""
+def _check_against_actor(actor, rollouts, prompts, eos_id, pad):
+    """Sampled rows at the sampling temperature, greedy rows at T=1: engine log-probs == actor's;
+    greedy tokens == the actor's own argmax decoding."""
+    from remax_megatron.rollout import flatten_rollouts, logprob_mismatch, pack_sequences
 
-    def __init__(self, **kwargs):
-        self.kwargs, self.calls, self.loaded = kwargs, [], []
-        model = SimpleNamespace(load_weights=lambda weights: self.loaded.append([n for n, _ in weights]))
-        self.worker = SimpleNamespace(vllm_config=None, get_model=lambda: model)
-
-    def generate(self, prompts, params, use_tqdm=False):
-        self.calls.append(("generate", len(prompts)))
-        outs = []
-        for i, p in enumerate(params):
-            outs.append(SimpleNamespace(outputs=[_output([4 + i, 2], j, "stop") for j in range(p.n)]))
-        return outs
-
-    def collective_rpc(self, method, args=()):
-        self.calls.append(("rpc",))
-        return [method(self.worker, *args)]
-
-    def reset_prefix_cache(self):
-        self.calls.append(("reset_prefix_cache",))
-
-    def sleep(self, level):
-        self.calls.append(("sleep", level))
-
-    def wake_up(self, tags=None):
-        self.calls.append(("wake_up", tags))
+    rows_p, rows_c = flatten_rollouts(prompts, rollouts)
+    batch = pack_sequences(rows_p, rows_c, pad_id=pad)
+    sampled = logprob_mismatch(_actor_logprobs(actor, batch, TEMPERATURE), batch["engine_logprobs"],
+                               batch["response_mask"], threshold=1e-5)
+    assert sampled["max"] < 1e-5 and sampled["tokens"] > 0, f"sampled rows: {sampled}"
+    greedy = pack_sequences(prompts, [ro.greedy for ro in rollouts], pad_id=pad)
+    mismatch = logprob_mismatch(_actor_logprobs(actor, greedy, 1.0), greedy["engine_logprobs"],
+                                greedy["response_mask"], threshold=1e-5)
+    assert mismatch["max"] < 1e-5, f"greedy rows at T=1: {mismatch}"
+    expected = _actor_greedy(actor, prompts, eos_ids={eos_id}, pad_id=pad)
+    got = [ro.greedy.token_ids for ro in rollouts]
+    assert got == expected, f"engine greedy {got} != actor argmax {expected}"
+    return max(sampled["max"], mismatch["max"])
 
 
-def _engine(tiny_llama):
-    return VllmEngine(RolloutConfig(engine="vllm", gpu_memory_utilization=0.3), hf_dir=tiny_llama, seed=1,
-                      dtype=torch.bfloat16, llm_factory=FakeLLM,
-                      vllm_classes=lambda: (StubParams, null_config_context))
+def _body(rank, world, model_dir, tp, pp, rollout_tp):
+    import torch.distributed as dist
+
+    from remax_megatron.config import RolloutConfig
+    from remax_megatron.models import build_policy, read_hf_config
+    from remax_megatron.parallel import ParallelLayout
+    from remax_megatron.rollout import WeightSync, build_engine
+
+    groups = ParallelLayout(tp=tp, pp=pp, world_size=world).initialize(seed=0)
+    arch = read_hf_config(model_dir)
+    actor = build_policy(arch, tp=tp, pp=pp, trainable=False)
+    from remax_megatron.weights import load_hf_weights
+
+    load_hf_weights(actor, model_dir)
+    engine = build_engine(RolloutConfig(engine="vllm", tp=rollout_tp, kv_cache_gib=0.05), hf_dir=model_dir,
+                          arch=arch, seed=0, dtype=torch.float32, max_model_len=64)
+    generate_calls = []
+    real_generate = engine.llm.generate
+    engine.llm.generate = lambda *a, **k: generate_calls.append(len(a[0])) or real_generate(*a, **k)
+    sync = WeightSync(engine, actor, bucket_mb=0.05)
+    assert sync()["buckets"] > 1
+
+    mine = PROMPTS[rank::world]
+    seeds = [1000 + PROMPTS.index(p) for p in mine]
+    sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=MAX_NEW)
+
+    def everyones(rollouts):
+        shares = [None] * world
+        dist.all_gather_object(shares, (mine, rollouts))
+        return [p for s, _ in shares for p in s], [r for _, rs in shares for r in rs]
+
+    rollouts = engine.generate(mine, n=2, sampling=sampling, seeds=seeds)
+    # One LLM.generate call carries every prompt of the engine (n sampled + greedy each), and an
+    # engine decodes only its own ranks' prompts: ranks [k * rollout_tp, (k + 1) * rollout_tp).
+    engine_ranks = range(rank // rollout_tp * rollout_tp, (rank // rollout_tp + 1) * rollout_tp)
+    engine_prompts = [p for r in engine_ranks for p in PROMPTS[r::world]]
+    assert generate_calls == [2 * len(engine_prompts)], generate_calls
+    prompts, everything = everyones(rollouts)
+    decoded = sum(len(c.token_ids) for p, ro in zip(prompts, everything) if p in engine_prompts
+                  for c in ro.sampled + [ro.greedy])
+    assert engine.decoded_tokens == decoded, (engine.decoded_tokens, decoded)
+    assert [len(ro.sampled) for ro in rollouts] == [2] * len(mine)
+    _check_against_actor(actor, everything, prompts, EOS, PAD)
+    greedy_before = [ro.greedy.logprobs for ro in everything]
+
+    # Three weight updates, each followed by the sync. The same noise on every rank keeps the weights
+    # that TP ranks replicate equal; the (tied) embedding stays as it is on both pipeline ends.
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        with torch.no_grad():
+            for name, param in actor.named_parameters():
+                if "embedding" not in name and "output_layer" not in name:
+                    param.add_(0.05 * torch.randn(param.shape, generator=gen))
+        sync()
+    prompts, everything = everyones(engine.generate(mine, n=2, sampling=sampling, seeds=seeds))
+    _check_against_actor(actor, everything, prompts, EOS, PAD)
+    changed = max(abs(a - b) for before, ro in zip(greedy_before, everything)
+                  for a, b in zip(before, ro.greedy.logprobs))
+    assert changed > 1e-3, f"engine log-probs did not change after the updates ({changed})"
+    del groups
 
 
-def test_llm_is_created_for_the_external_launcher(tiny_llama):
-    llm = _engine(tiny_llama).llm
-    assert llm.kwargs["distributed_executor_backend"] == "external_launcher"
-    assert llm.kwargs["load_format"] == "dummy" and llm.kwargs["enable_sleep_mode"] is True
-    assert llm.kwargs["tensor_parallel_size"] == 1 and llm.kwargs["dtype"] == "bfloat16"
-    assert llm.kwargs["gpu_memory_utilization"] == 0.3 and llm.kwargs["model"] == tiny_llama
-
-
-def test_weight_stream_generate_and_sleep(tiny_llama):
-    engine = _engine(tiny_llama)
-    with pytest.raises(RuntimeError, match="without valid weights"):
-        engine.generate([[1, 2]], n=2, sampling=SAMPLING)
-    stats = sync_weights(engine, hf_stream(tiny_llama), bucket_mb=0.05)
-    llm = engine.llm
-    # HF names reach the model's load_weights unchanged, in export order, one call per bucket.
-    names = [n for bucket in llm.loaded for n in bucket]
-    assert names == [n for n, _ in hf_stream(tiny_llama)]
-    assert len(llm.loaded) == stats["buckets"] > 1
-    assert llm.calls[-1] == ("reset_prefix_cache",)
-    llm.calls.clear()
-    out = engine.generate([[1, 2], [3]], n=2, sampling=SAMPLING)
-    assert llm.calls == [("generate", 4)] and engine.num_requests == 1
-    assert len(out) == 2 and all(len(ro.sampled) == 2 for ro in out)
-    engine.sleep()
-    assert llm.calls[-1] == ("sleep", 2)
-    with pytest.raises(RuntimeError, match="without valid weights"):
-        engine.generate([[1]], n=1, sampling=SAMPLING)
-    llm.calls.clear()
-    sync_weights(engine, hf_stream(tiny_llama), bucket_mb=1)
-    engine.generate([[1]], n=1, sampling=SAMPLING)
-    wakes = [c for c in llm.calls if c[0] == "wake_up"]
-    assert wakes == [("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp,rollout_tp,world", [
+    (1, 1, 1, 1), (2, 1, 1, 2), (2, 1, 2, 2), (1, 2, 1, 2), (1, 1, 2, 2)])
+def test_vllm_matches_the_actor(tp, pp, rollout_tp, world, tiny_llama):
+    run_distributed(_body, world_size=world, args=(tiny_llama, tp, pp, rollout_tp))

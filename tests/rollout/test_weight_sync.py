@@ -16,14 +16,11 @@ class RecordingEngine(RolloutEngine):
         self.dtype, self.device = dtype, torch.device("cpu")
         self.buckets, self.events = [], []
 
-    def begin_weight_update(self):
+    def update_weights(self, buckets):
         self.events.append("begin")
-
-    def load_weights(self, named_tensors):
-        self.events.append("load")
-        self.buckets.append([(name, t.clone(), t.untyped_storage().data_ptr()) for name, t in named_tensors])
-
-    def finish_weight_update(self):
+        for named_tensors in buckets:
+            self.events.append("load")
+            self.buckets.append([(name, t.clone(), t.untyped_storage().data_ptr()) for name, t in named_tensors])
         self.events.append("finish")
 
 
@@ -88,7 +85,7 @@ def test_native_engine_after_sync_equals_transformers(tiny_llama):
 
     from remax_megatron.rollout.native import NativeEngine
 
-    engine = NativeEngine(tiny_llama, device="cpu")
+    engine = NativeEngine(hf_dir=tiny_llama, device="cpu")
     stats = sync_weights(engine, hf_stream(tiny_llama), bucket_mb=0.05)
     assert stats["buckets"] > 1 and stats["seconds"] > 0
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
@@ -100,7 +97,7 @@ def test_native_engine_after_sync_equals_transformers(tiny_llama):
 def test_incomplete_or_foreign_stream_is_refused(tiny_llama):
     from remax_megatron.rollout.native import NativeEngine
 
-    engine = NativeEngine(tiny_llama, device="cpu")
+    engine = NativeEngine(hf_dir=tiny_llama, device="cpu")
     partial = [(n, t) for n, t in hf_stream(tiny_llama) if n != "model.norm.weight"]
     with pytest.raises(ValueError, match="left 1 engine parameters unset"):
         sync_weights(engine, iter(partial), bucket_mb=1)
