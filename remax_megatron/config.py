@@ -91,7 +91,7 @@ class RewardConfig:
     model: str = ""                 # optional reward-model directory (*ForSequenceClassification)
     model_weight: float = 1.0       # weight of the reward-model score in the sum
     tp: int = 1                     # reward-model tensor parallel; reward.tp * reward.pp must divide
-    pp: int = 1                     # actor.tp * actor.pp (the RM runs inside each actor model-parallel group)
+    pp: int = 1                     # actor.tp * actor.pp, or be a multiple of it that divides actor.tp*pp*dp
     format_pattern: str = r"^\s*-?\d+\s*$"  # regex of the built-in `format` reward
     numeric_tolerance: float = 1e-6  # relative tolerance of the built-in `numeric_match`
     length_limit: int = 256         # chars before the built-in `length_penalty` starts
@@ -271,7 +271,7 @@ class Config:
         if self.reward.model:
             from remax_megatron.parallel.nested import check_nested
 
-            check_nested(self.reward.tp, self.reward.pp, self.actor.tp, self.actor.pp)
+            check_nested(self.reward.tp, self.reward.pp, self.actor.tp, self.actor.pp, dp)
 
 
 # ---- loading ---------------------------------------------------------------------------------

@@ -48,8 +48,9 @@ stage's real parameter count.
     logits fused = 4 * min(tokens * V/tp, 2^23)         one fp32 vocab tile of the fused kernel
     reference    = P / (tp*pp) * bytes(dtype)           when reference.enabled
     reward model = P_rm / (reward.tp*reward.pp) * bytes(dtype)   when reward.model
-                   (its own layout: reward.tp*reward.pp divides actor.tp*actor.pp, and each actor
-                   model-parallel group holds actor.tp*actor.pp / (reward.tp*reward.pp) RM replicas)
+                   (its own layout: reward.tp*reward.pp divides actor.tp*actor.pp, each actor
+                   model-parallel group holding replicas of it, or is a multiple of it spanning that
+                   many actor model-parallel groups)
     engines      = world / rollout.tp, prompts per engine = ceil(prompts_per_step / engines)
     engine weights = P_hf / rollout.tp * bytes(dtype)   (P_hf: unpadded vocab)
     KV cache     = 2 * L * KV/rollout.tp * hd * prompts_per_engine * (n + 1) * seq * bytes(dtype)
@@ -268,6 +269,14 @@ def _gib(b: float) -> str:
     return f"{b / GIB:8.2f}"
 
 
+def _rm_placement(cfg) -> str:
+    """Where the reward model runs relative to the actor's model-parallel groups (parallel/nested.py)."""
+    actor, rm = cfg.actor.tp * cfg.actor.pp, cfg.reward.tp * cfg.reward.pp
+    if actor % rm == 0:
+        return f"{actor // rm} replica(s) per actor model-parallel group"
+    return f"one replica over {rm // actor} actor model-parallel groups"
+
+
 def render(cfg, arch, model_dir: str, nodes: int, gpn: int, gpu_bytes: int, sizes: dict, est: dict,
            hint: dict | None) -> str:
     a, t = cfg.actor, cfg.trainer
@@ -276,8 +285,7 @@ def render(cfg, arch, model_dir: str, nodes: int, gpn: int, gpu_bytes: int, size
         f"(vocab {arch.vocab_size} padded to {est['padded_vocab']}), dtype {a.dtype}",
         f"layout: {nodes} node(s) x {gpn} GPUs = world {sizes['world']}; actor tp({a.tp}) * pp({a.pp}) * "
         f"dp({sizes['dp']}); rollout tp {cfg.rollout.tp} -> {est['engines']} engines"
-        + (f"; reward model tp({cfg.reward.tp}) * pp({cfg.reward.pp}), "
-           f"{a.tp * a.pp // (cfg.reward.tp * cfg.reward.pp)} replica(s) per actor model-parallel group"
+        + (f"; reward model tp({cfg.reward.tp}) * pp({cfg.reward.pp}), {_rm_placement(cfg)}"
            if cfg.reward.model else ""),
         f"batch: {t.prompts_per_step} prompts/step -> {sizes['seqs_per_rank']} sequences per dp rank, "
         f"{t.mini_batches} mini-batch(es) x {sizes['micro_batches']} micro-batches of {t.micro_batch_size}, "

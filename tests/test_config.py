@@ -94,14 +94,16 @@ def test_kl_loss_term_refuses_k1():
 
 
 def test_reward_layout_nests_in_the_actor_layout():
-    """reward.tp * reward.pp may differ from the actor's but must divide actor.tp * actor.pp."""
+    """reward.tp * reward.pp divides actor.tp * actor.pp, or is a multiple of it dividing actor.tp * actor.pp * dp."""
     rm = [R, "reward.model=some/rm"]
     load_config(None, [*rm, "actor.tp=2", "reward.tp=1"]).check_world(4)
     load_config(None, [*rm, "actor.tp=2", "actor.pp=2", "reward.pp=2"]).check_world(4)
-    with pytest.raises(ValueError) as e:
-        load_config(None, [*rm, "actor.tp=1", "reward.tp=2"]).check_world(2)
-    assert "reward.tp(2) * reward.pp(1) = 2 does not divide actor.tp(1) * actor.pp(1) = 1" in str(e.value)
-    assert "\n" not in str(e.value)
+    load_config(None, [*rm, "actor.tp=1", "reward.tp=2"]).check_world(2)  # one RM over two actor replicas
+    for override, world in (["reward.tp=4", 2], ["reward.tp=3", 4]):
+        with pytest.raises(ValueError) as e:
+            load_config(None, [*rm, "actor.tp=2", override]).check_world(world)
+        assert f"reward.tp({override[-1]}) * reward.pp(1)" in str(e.value) and "\n" not in str(e.value)
+        assert "neither divides actor.tp(2) * actor.pp(1) = 2" in str(e.value)
 
 
 @pytest.mark.parametrize("text,where", [

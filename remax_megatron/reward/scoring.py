@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from remax_megatron.reward.functions import RewardFunctions
 from remax_megatron.reward.rm_inputs import RewardModelInputs
@@ -70,8 +71,9 @@ class RewardScorer:
     def _model_scores(self, sequences: list[list[int]]) -> list[float]:
         """Reward-model score of each sequence at the token HF reads.
 
-        Collective over the actor's model-parallel group, whose ranks all pass the same sequences:
-        each replica of the reward model there (one when it shares the actor's layout) scores its
+        Collective over the reward model's `layout.outer` group: one or more whole actor
+        model-parallel groups (the ranks of one pass the same sequences). When it joins several,
+        their sequences are gathered first. Each replica of the reward model there scores its
         share, and a sum over the group (one contributor per item) hands every rank all scores.
         """
         from remax_megatron.models.forward import forward_only
@@ -80,6 +82,13 @@ class RewardScorer:
 
         model = self.reward_model
         layout = model.layout
+        first, count = 0, len(sequences)  # this rank's items within the scored list
+        if layout.actor_replicas > 1:  # a reward model larger than the actor's model-parallel group
+            every: list = [None] * layout.outer.size()
+            dist.all_gather_object(every, (layout.actor_replica, sequences), group=layout.outer)
+            per_replica = dict(every)  # the ranks of one actor replica sent the same list
+            first = sum(len(per_replica[r]) for r in range(layout.actor_replica))
+            sequences = [s for r in range(layout.actor_replicas) for s in per_replica[r]]
         share = layout.share(len(sequences))
         scores = torch.zeros(len(sequences), dtype=torch.float64)
         if len(share):
@@ -103,4 +112,4 @@ class RewardScorer:
                 scores[share.start : share.stop] = torch.cat(out)[: len(mine)].double().cpu()
         if layout.outer.size() > 1:
             scores = all_reduce_cpu(scores, group=layout.outer)
-        return scores.tolist()
+        return scores[first : first + count].tolist()

@@ -176,7 +176,17 @@ def test_reward_model_layout_of_its_own(rm_config, capsys, rm_tp):
 
 
 def test_reward_model_layout_must_nest_in_the_actor(rm_config):
-    r = _run_cli("--config", rm_config, "reward.tp=4")
+    r = _run_cli("--config", rm_config, "reward.tp=3")
     assert r.returncode == 2, r.stderr
-    assert "reward.tp(4) * reward.pp(1) = 4 does not divide actor.tp(2) * actor.pp(1) = 2" in r.stderr
+    assert "reward.tp(3) * reward.pp(1) = 3 neither divides actor.tp(2) * actor.pp(1) = 2" in r.stderr
     assert r.stderr.count("\n") == 1
+
+
+def test_reward_model_larger_than_the_actor_group(rm_config, capsys):
+    """actor TP=2 x dp 4 on 8 GPUs with the RM at TP=4: one RM replica spans two actor groups."""
+    code, est = _plan_json(capsys, "--config", rm_config, "--gpus-per-node", "8", "reward.tp=4")
+    d, vocab, padded = 4096, 128256, 128512            # the RM's vocab padded to a multiple of 128 * 4
+    assert {r["key"]: r for r in est["rows"]}["reward_model"]["bytes"] == \
+        (_llama3_8b_params() - 2 * vocab * d + padded * d + d) * 2 // 4
+    plan.main(["--config", rm_config, "--gpus-per-node", "8", "reward.tp=4"])
+    assert "reward model tp(4) * pp(1), one replica over 2 actor model-parallel groups" in capsys.readouterr().out

@@ -166,7 +166,8 @@ def _layout_body(rank, world, model_dir, actor_tp, actor_pp, rm_tp, rm_pp, seque
     ParallelLayout(tp=actor_tp, pp=actor_pp, world_size=world).initialize()
     model = build_reward_model(read_hf_config(model_dir), tp=rm_tp, pp=rm_pp, init_weights=False)
     assert (model.tp_group.size(), model.pp_group.size()) == (rm_tp, rm_pp)
-    assert model.layout.replicas == actor_tp * actor_pp // (rm_tp * rm_pp)
+    assert model.layout.replicas * model.layout.actor_replicas == actor_tp * actor_pp // (rm_tp * rm_pp) or \
+        model.layout.actor_replicas == rm_tp * rm_pp // (actor_tp * actor_pp)
     load_hf_weights(model, model_dir)
     scorer = RewardScorer(None, model, micro_batch_size=2)
     # Each actor DP replica scores its own prompts (rows dp, dp + dp_size, ...); one prompt, many responses.
@@ -194,6 +195,8 @@ def test_replicas_share_the_items():
     (1, 2, 1, 1, 2),   # actor PP=2, RM PP=1
     (2, 2, 1, 2, 4),   # RM pipeline (PP=2) on its own groups inside a TP=2 x PP=2 actor group
     (2, 1, 1, 1, 4),   # DP=2: each actor replica scores its own items
+    (1, 1, 2, 1, 2),   # RM TP=2 over two actor DP replicas (TP=1): their items are gathered
+    (1, 1, 1, 2, 2),   # RM PP=2 over two actor DP replicas
 ])
 def test_reward_model_layout_independent_of_actor(dirs, actor_tp, actor_pp, rm_tp, rm_pp, world):
     from transformers import AutoTokenizer
