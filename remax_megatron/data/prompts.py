@@ -92,7 +92,8 @@ def required_columns(reward_functions: Sequence[str]) -> dict[str, list[str]]:
     return needed
 
 
-def load_prompts(cfg, tokenizer, reward_functions: Sequence[str] | None = None) -> tuple[list[Prompt], list[Prompt], dict]:
+def load_prompts(cfg, tokenizer, reward_functions: Sequence[str] | None = None
+                 ) -> tuple[list[Prompt], list[Prompt], dict]:
     """Tokenized train and eval prompts plus counts (dropped / truncated as too long).
 
     `reward_functions` (reward.functions) decides which columns every row must have: those the
@@ -118,7 +119,7 @@ def load_prompts(cfg, tokenizer, reward_functions: Sequence[str] | None = None) 
         dropped_eval = counts["data/eval_dropped_too_long"]
         if dropped_eval == len(eval_rows):
             files = f"{name} and {cfg.eval}" if cfg.eval else name
-            what = f"all {len(train_rows) + len(eval_rows)} prompts of {files} (train and eval)"
+            what = f"all {len(train_rows) + len(eval_rows)} prompts of {files}" + (" (train and eval)" if eval_rows else "")
         else:
             what = (f"all {len(train_rows)} train prompts of {name} ({dropped_eval} of the {len(eval_rows)} "
                     "eval prompts too)")
