@@ -154,7 +154,8 @@ def check_out_dir(out: str, overwrite: bool, written_by_tool: Callable[[str], li
     if not os.path.lexists(out):
         return None
     if os.path.islink(out) or not os.path.isdir(out):
-        raise FileExistsError(f"--out {out} is an existing file, not a directory: choose a new --out "
+        kind = "a symbolic link" if os.path.islink(out) else "an existing file, not a directory"
+        raise FileExistsError(f"--out {out} is {kind}: choose a new --out "
                               f"(--overwrite replaces only {what} this tool wrote)")
     entries = sorted(os.listdir(out))
     if not entries:
