@@ -17,14 +17,18 @@ import sys
 import torch
 
 
-def resolve_model(spec: str, what: str) -> str:
-    """A model directory, or `builtin:<name>` (built offline and cached on first use)."""
+def resolve_model(spec: str, what: str, build: bool = True) -> str:
+    """A model directory, or `builtin:<name>` (built offline and cached on first use).
+
+    build=False: for a built-in model, a directory with its config and tokenizer only (the input
+    checks read those; nothing is trained before every check has passed)."""
     if not spec:
         raise ValueError(f"{what} is empty: give a Hugging Face model directory or builtin:tiny-arith")
     if spec.startswith("builtin:"):
-        from remax_megatron.data.builtin_models import ensure_builtin_model
+        from remax_megatron.data.builtin_models import builtin_model_spec, ensure_builtin_model
 
-        return ensure_builtin_model(spec.split(":", 1)[1])
+        name = spec.split(":", 1)[1]
+        return ensure_builtin_model(name) if build else builtin_model_spec(name)
     if not os.path.isdir(spec):
         raise FileNotFoundError(f"{what}={spec}: no such directory")
     return spec
@@ -41,7 +45,7 @@ def check_inputs(cfg, world_size: int) -> dict:
     from remax_megatron.rollout import check_rollout
 
     cfg.check_world(world_size)
-    actor_dir = resolve_model(cfg.actor.model, "actor.model")
+    actor_dir = resolve_model(cfg.actor.model, "actor.model", build=False)
     arch = read_hf_config(actor_dir)
     check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor")
     check_rollout(cfg.rollout, arch, world_size)
@@ -52,13 +56,13 @@ def check_inputs(cfg, world_size: int) -> dict:
                          f"{arch.max_position_embeddings}: lower one of them")
     if arch.task != "causal_lm":
         raise ValueError(f"actor.model {actor_dir} is a {arch.architecture}: the actor must be a *ForCausalLM")
-    ref_dir = resolve_model(cfg.reference.model or cfg.actor.model, "reference.model") \
+    ref_dir = resolve_model(cfg.reference.model or cfg.actor.model, "reference.model", build=False) \
         if cfg.reference.enabled else None
     if ref_dir and read_hf_config(ref_dir) != arch:
         raise ValueError(f"reference.model {ref_dir} has a different architecture than actor.model {actor_dir}")
     rm_dir = rm_arch = None
     if cfg.reward.model:
-        rm_dir = resolve_model(cfg.reward.model, "reward.model")
+        rm_dir = resolve_model(cfg.reward.model, "reward.model", build=False)
         rm_arch = read_hf_config(rm_dir)
         if rm_arch.task != "reward":
             raise ValueError(f"reward.model {rm_dir} is a {rm_arch.architecture}: use a *ForSequenceClassification")
@@ -72,6 +76,10 @@ def check_inputs(cfg, world_size: int) -> dict:
     if rm_dir:
         rm_inputs = RewardModelInputs(tokenizer, load_rm_tokenizer(rm_dir), chat_template=cfg.data.chat_template)
         rm_inputs.check_prompts([q.text for q in train + evals])
+    # Every check passed: now build the built-in models (a no-op for model directories).
+    actor_dir = resolve_model(cfg.actor.model, "actor.model")
+    ref_dir = ref_dir and resolve_model(cfg.reference.model or cfg.actor.model, "reference.model")
+    rm_dir = rm_dir and resolve_model(cfg.reward.model, "reward.model")
     return dict(actor_dir=actor_dir, arch=arch, ref_dir=ref_dir, rm_dir=rm_dir, rm_arch=rm_arch,
                 rm_inputs=rm_inputs, functions=functions, tokenizer=tokenizer, train=train, eval=evals,
                 data_counts=counts)

@@ -155,10 +155,9 @@ def build_model(name: str, out: str) -> dict:
     return info
 
 
-def _make_random(out: str, recipe: dict) -> None:
-    """A random-init Llama with the character tokenizer: the same model as tools/make_tiny_model.py
-    builds for these arguments (inlined so an installed package, which lacks tools/, can build it)."""
-    import torch
+def _config_and_tokenizer(recipe: dict):
+    """(HF config, character tokenizer, model class) of a recipe: the same as tools/make_tiny_model.py
+    makes for these arguments (inlined so an installed package, which lacks tools/, can build it)."""
     import transformers
 
     from remax_megatron.data.tiny_tokenizer import build_tokenizer
@@ -172,10 +171,20 @@ def _make_random(out: str, recipe: dict) -> None:
         num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"], max_position_embeddings=512,
         rms_norm_eps=1e-6, tie_word_embeddings=a["tie"] and not reward,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attention_bias=False,
-        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        dtype="float32")
     if reward:
         config.num_labels = 1
     cls = transformers.LlamaForSequenceClassification if reward else transformers.LlamaForCausalLM
+    config.architectures = [cls.__name__]
+    return config, tok, cls
+
+
+def _make_random(out: str, recipe: dict) -> None:
+    """A random-init model of the recipe with its tokenizer, saved into `out`."""
+    import torch
+
+    config, tok, cls = _config_and_tokenizer(recipe)
     torch.manual_seed(recipe["seed"])
     model = cls(config).to(torch.float32)
     with torch.no_grad():  # as make_tiny_model: perturb the norms (HF inits them to 1)
@@ -184,6 +193,27 @@ def _make_random(out: str, recipe: dict) -> None:
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(out)
     tok.save_pretrained(out)
+
+
+def builtin_model_spec(name: str, cache_dir: str | None = None) -> str:
+    """A directory with the config.json and tokenizer of built-in model ``name`` (no weights):
+    what the trainer's input checks read, written in a second, before the build's minute of
+    training. The built model's directory when it is already built."""
+    final = builtin_model_path(name, cache_dir)
+    if is_built(final):
+        return final
+    spec = final + ".spec"
+    if not os.path.isfile(os.path.join(spec, "config.json")):
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(final), prefix=f".{os.path.basename(spec)}.tmp-")
+        config, tok, _ = _config_and_tokenizer(RECIPES[name])
+        config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, spec)
+        except OSError:  # another rank put it in place first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return spec
 
 
 def _load(out: str, cls_name: str):

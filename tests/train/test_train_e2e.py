@@ -160,9 +160,30 @@ def test_bad_input_is_refused_before_any_work(env, tmp_path):
     nocol.write_text('{"question": "1+1=", "answer": "2"}\n' * 3)
     assert "has no rows" in _refused(env, tmp_path, f"data.train={empty}")
     assert "data.prompt_key='prompt' is not a column" in _refused(env, tmp_path, f"data.train={nocol}")
-    assert "all 80 prompts" in _refused(env, tmp_path, "data.max_prompt_tokens=2")
+    assert "are longer than data.max_prompt_tokens=2" in _refused(env, tmp_path, "data.max_prompt_tokens=2")
     assert "cannot import no_such_pkg" in _refused(env, tmp_path, "reward.functions=[no_such_pkg.mod:fn]")
     assert "did you mean actor.tp" in _refused(env, tmp_path, "actor.tpp=2")
     assert "tp(2) * pp(1) = 2 does not divide world(1)" in _refused(env, tmp_path, "actor.tp=2")
     assert "actor.tp=3 does not divide num_attention_heads=4" in _refused(env, tmp_path, "actor.tp=3", world=3)
     assert "no such directory" in _refused(env, tmp_path, "actor.model=/no/such/model")
+    # vLLM (the default engine) on this machine: a KV cache that does not fit, a head size its CPU
+    # attention refuses, and prompt + completion beyond the model's positions.
+    assert "rollout.kv_cache_gib=1000.0" in _refused(env, tmp_path, "rollout.kv_cache_gib=1000")
+    from tools.make_tiny_model import make_tiny_model
+
+    head16 = make_tiny_model(str(tmp_path / "head16"), "llama", hidden=64, heads=4, kv_heads=2)
+    assert "head_dim=16" in _refused(env, tmp_path, f"actor.model={head16}")
+    assert "exceeds the actor's max_position_embeddings=512" in _refused(
+        env, tmp_path, "data.max_prompt_tokens=500", "rollout.max_new_tokens=64")
+
+
+def test_bad_input_is_refused_before_a_builtin_model_is_built(env, tmp_path):
+    """The built-in model's config and tokenizer are enough for every check: nothing is trained for a
+    run that is refused (a fresh cache stays without a built model)."""
+    cache = tmp_path / "cache"
+    line = _refused(dict(env, REMAX_CACHE=str(cache)), tmp_path, "actor.tpp=2")
+    assert "did you mean actor.tp" in line
+    line = _refused(dict(env, REMAX_CACHE=str(cache)), tmp_path, "data.max_prompt_tokens=2")
+    assert "are longer than data.max_prompt_tokens=2" in line
+    built = [p for p in os.listdir(cache) if os.path.isfile(os.path.join(cache, p, "remax_builtin.json"))]
+    assert built == [], built
