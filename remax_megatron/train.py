@@ -115,7 +115,8 @@ def build(cfg, checked: dict):
     reward_model = None
     if checked["rm_dir"]:
         reward_model = build_reward_model(checked["rm_arch"], tp=cfg.reward.tp, pp=cfg.reward.pp, params_dtype=dtype,
-                                          sequence_parallel=cfg.actor.sequence_parallel, init_weights=False)
+                                          sequence_parallel=cfg.actor.sequence_parallel, init_weights=False,
+                                          make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by)
         load_hf_weights(reward_model, checked["rm_dir"])
     ddp = wrap_ddp(actor, cfg.optim.distributed_optimizer)
     optimizer = build_optimizer(ddp, cfg.optim, dtype)
