@@ -71,7 +71,7 @@ def check_inputs(cfg, world_size: int) -> dict:
         "pattern": cfg.reward.format_pattern, "tolerance": cfg.reward.numeric_tolerance,
         "limit": cfg.reward.length_limit}) if cfg.reward.functions else None
     tokenizer = AutoTokenizer.from_pretrained(actor_dir)
-    train, evals, counts = load_prompts(cfg.data, tokenizer)
+    train, evals, counts = load_prompts(cfg.data, tokenizer, cfg.reward.functions)
     rm_inputs = None
     if rm_dir:
         rm_inputs = RewardModelInputs(tokenizer, load_rm_tokenizer(rm_dir), chat_template=cfg.data.chat_template)
@@ -169,7 +169,11 @@ def main(argv=None) -> None:
                            config=None)
     try:
         finished = Trainer(parts, logger).fit()
-    except (CheckpointError, StageError) as e:
+    except CheckpointError as e:  # every rank raises the same one line: print it once
+        if is_rank0():
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except StageError as e:  # names the rank that saw the failure
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:

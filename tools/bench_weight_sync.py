@@ -158,7 +158,12 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
     dist.barrier()
-    dist.destroy_process_group()
+    if "vllm" in sys.modules:  # vLLM's external launcher tears down its groups and the default one
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
