@@ -361,8 +361,18 @@ class Trainer:
             "logprob/engine_vs_actor_max_diff": float(diff_max),
             "logprob/engine_vs_actor_mean_diff": float(summed[4]) / n_tok,
         }
-        record.update({k: self._dp_mean([v]) for k, v in reward_metrics.items()})
+        record.update(self._global_reward_metrics(reward_metrics))
         return record
+
+    def _global_reward_metrics(self, local: dict) -> dict:
+        """The scorer's per-rank metrics over the whole batch: `*_mean` weighted by the rank's count of
+        scored responses (`reward/unique_scored`, which is summed), anything else summed."""
+        count = local.get("reward/unique_scored", 1.0)
+        keys = sorted(local)
+        summed = self._dp_sum(torch.tensor([local[k] * count if k.endswith("_mean") else local[k] for k in keys]
+                                           + [count], dtype=torch.float64))
+        total = max(float(summed[-1]), 1.0)
+        return {k: float(summed[i]) / total if k.endswith("_mean") else float(summed[i]) for i, k in enumerate(keys)}
 
     # ---- eval ----------------------------------------------------------------------------
     def evaluate(self) -> dict:
