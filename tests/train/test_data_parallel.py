@@ -4,7 +4,7 @@
   batch (per-prompt sampling streams make the rollouts independent of the layout), which also
   shows each DP rank trains on its own prompts (duplicated prompts would change the means);
 - a checkpoint saved at dp2 resumes at dp1 and at dp4, and the next 3 steps equal the straight
-  dp2 run's;
+  dp2 run's (every metric, and the weights after them within 1e-6);
 - the tiny default learns at tp1 x dp2.
 """
 
@@ -56,9 +56,24 @@ def test_metrics_at_dp2_equal_dp1_and_resume_across_dp(tmp_path):
 
     ckpt = tmp_path / "dp2" / "checkpoints" / "step_000003"
     assert ckpt.is_dir()
+    final = _hf_weights(tmp_path / "dp2" / "checkpoints" / "step_000006", tmp_path / "hf-dp2")
     for nproc in (1, 4):
         resumed = _train(tmp_path / f"resume{nproc}", "trainer.steps=6", f"checkpoint.resume={ckpt}", nproc=nproc)
         _assert_same(resumed, straight[3:], f"saved at dp2, resumed at dp{nproc}")
+        weights = _hf_weights(tmp_path / f"resume{nproc}" / "checkpoints" / "step_000006", tmp_path / f"hf{nproc}")
+        worst = max((weights[k] - final[k]).abs().max().item() for k in final)
+        assert worst < 1e-6, f"weights after 3 resumed steps at dp{nproc} differ by {worst}"
+
+
+def _hf_weights(ckpt, out):
+    """The actor of a training checkpoint as HF tensors (tools/convert_megatron_to_hf.py, one process)."""
+    from safetensors.torch import load_file
+
+    r = subprocess.run([sys.executable, "tools/convert_megatron_to_hf.py", "--ckpt", str(ckpt), "--out", str(out),
+                        "--tp", "1", "--pp", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return load_file(os.path.join(out, "model.safetensors"))
 
 
 @pytest.mark.slow
