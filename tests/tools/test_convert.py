@@ -133,6 +133,7 @@ def test_converter_refuses_an_existing_out_and_leaves_it_byte_identical(converte
     assert sorted(os.listdir(parent)) == beside
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tool", ["hf_to_megatron", "megatron_to_hf"])
 def test_overwrite_replaces_only_what_the_tool_wrote(converted, tmp_path, tool):
     hf, ckpt = converted

@@ -166,8 +166,12 @@ def test_bad_input_is_refused_before_any_work(env, tmp_path):
     assert "tp(2) * pp(1) = 2 does not divide world(1)" in _refused(env, tmp_path, "actor.tp=2")
     assert "actor.tp=3 does not divide num_attention_heads=4" in _refused(env, tmp_path, "actor.tp=3", world=3)
     assert "no such directory" in _refused(env, tmp_path, "actor.model=/no/such/model")
-    # vLLM (the default engine) on this machine: a KV cache that does not fit, a head size its CPU
-    # attention refuses, and prompt + completion beyond the model's positions.
+
+
+@pytest.mark.slow
+def test_vllm_bad_input_is_refused_before_any_work(env, tmp_path):
+    """vLLM (the default engine) on this machine: a KV cache that does not fit, a head size its CPU
+    attention refuses, and prompt + completion beyond the model's positions."""
     assert "rollout.kv_cache_gib=1000.0" in _refused(env, tmp_path, "rollout.kv_cache_gib=1000")
     from tools.make_tiny_model import make_tiny_model
 
