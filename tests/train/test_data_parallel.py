@@ -5,7 +5,7 @@
   shows each DP rank trains on its own prompts (duplicated prompts would change the means);
 - a checkpoint saved at dp2 resumes at dp1 and at dp4, and the next 3 steps equal the straight
   dp2 run's (every metric, and the weights after them within 1e-6);
-- the tiny default learns at tp1 x dp2.
+- the tiny default learns at tp1 x dp2 and tp2 x dp2.
 """
 
 import json
@@ -77,8 +77,10 @@ def _hf_weights(ckpt, out):
 
 
 @pytest.mark.slow
-def test_tiny_default_learns_at_dp2(tmp_path):
-    records = _train(tmp_path / "learn", "trainer.eval_every=30", "checkpoint.save_every=0", nproc=2)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tiny_default_learns_at_dp2(tmp_path, tp):
+    records = _train(tmp_path / "learn", "trainer.eval_every=30", "checkpoint.save_every=0", f"actor.tp={tp}",
+                     nproc=2 * tp)
     evals = [r for r in records if "eval/reward_mean" in r]
     assert [r["step"] for r in evals] == [0, 30]
     assert evals[0]["eval/reward_mean"] <= 0.3 and evals[-1]["eval/reward_mean"] >= 0.9, evals
