@@ -31,22 +31,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 
-def _hf_stream(hf_dir: str):
-    from remax_megatron.weights import HFCheckpointReader
-
-    reader = HFCheckpointReader(hf_dir)
-    for name in reader.names():
-        yield name, reader.read(name)
-
-
 def bench_engine(name: str, args, arch) -> dict:
     from remax_megatron.config import RolloutConfig
     from remax_megatron.rollout import SamplingParams, build_engine, sync_weights
+    from remax_megatron.weights import HFCheckpointReader
 
     engine = build_engine(RolloutConfig(engine=name, kv_cache_gib=args.kv_cache_gib), hf_dir=args.hf_dir,
                           arch=arch, seed=0, dtype=torch.float32,
                           max_model_len=args.prompt_len + args.max_new_tokens)
-    sync_weights(engine, _hf_stream(args.hf_dir), bucket_mb=64)
+    sync_weights(engine, HFCheckpointReader(args.hf_dir).tensors(), bucket_mb=64)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, arch.vocab_size, (args.prompt_len,), generator=gen).tolist()
                for _ in range(args.prompts)]

@@ -64,6 +64,11 @@ class HFCheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
+    def tensors(self):
+        """(name, tensor) for every tensor, read one at a time (e.g. a weight-sync stream)."""
+        for name in self.weight_map:
+            yield name, self.read(name)
+
     def read(self, name: str, dim: int | None = None, start: int | None = None,
              stop: int | None = None) -> torch.Tensor:
         """The tensor `name`, or its slice [start:stop] along `dim`."""

@@ -9,9 +9,7 @@ def hf_stream(model_dir, scale_final_norm: float = 1.0):
     """(name, tensor) for every tensor of an HF dir; scale_final_norm sharpens the logits."""
     from remax_megatron.weights import HFCheckpointReader
 
-    reader = HFCheckpointReader(model_dir)
-    for name in reader.names():
-        tensor = reader.read(name)
+    for name, tensor in HFCheckpointReader(model_dir).tensors():
         if name == "model.norm.weight":
             tensor = tensor * scale_final_norm
         yield name, tensor
