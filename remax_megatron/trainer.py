@@ -5,10 +5,15 @@ One step, on every rank (SPMD under torchrun):
     sync      actor TP/PP shards -> full HF tensors -> rollout engine (buckets)
     rollout   per prompt: n sampled responses + 1 greedy response, one engine request
     reward    score samples and greedy responses with the same reward
-    logprobs  actor (and reference) log-probs of the samples through the fused kernel
-    advantage A = r(sample) - r(greedy), optional per-token KL in the reward
-    train     micro-batches through megatron's schedule, loss / global token count, optimizer step
-    metrics   rank 0 writes metrics.jsonl, TensorBoard and the progress bar
+    pack      samples -> one padded batch with rewards and greedy baselines
+    logprobs  reference log-probs (when KL is on); the actor's own only for several mini-batches,
+              on-policy the training forward gives them
+    update    micro-batches through megatron's schedule: fused log-probs, advantage
+              A = r(sample) - r(greedy) (+ per-token KL in the reward), loss / global token count,
+              optimizer step
+    metrics   global statistics of the step; rank 0 writes metrics.jsonl, TensorBoard, progress
+
+Each stage is timed as time/<stage>_s; time/train_s = pack + logprobs + update.
 
 ReMax (Li et al., 2024): the greedy response's reward is the baseline, so no
 value model is trained and no normalisation is needed.
@@ -100,31 +105,28 @@ class Trainer:
         with self._stage("reward", times):
             r_sampled, r_greedy, reward_metrics = self._rewards(prompts, rollouts)
 
-        with self._stage("train", times):
-            n = cfg.rollout.n
-            batch = pack_sequences([q.token_ids for q in prompts for _ in range(n)],
-                                   [c for r in rollouts for c in r.sampled], pad_id=self._pad_id(),
-                                   pad_to_multiple=sequence_multiple(self.actor_module))
-            batch["rewards"] = torch.tensor(r_sampled, dtype=torch.float32)                      # [B]
-            batch["baseline"] = torch.tensor(r_greedy, dtype=torch.float32).repeat_interleave(n)  # [B]
-            old_logprobs = self._logprobs(self.actor_module, batch)          # [B, S] on the last stage
-            ref_logprobs = self._logprobs(p.reference, batch) if p.reference is not None else None
-            kl_in_reward = cfg.algo.kl_mode == "reward" and ref_logprobs is not None
-            advantages = None
-            if self.g.is_last_stage:
-                advantages = compute_advantages(
-                    batch["rewards"], batch["baseline"], batch["response_mask"], old_logprobs, ref_logprobs,
-                    kl_coef=p.kl.coef if kl_in_reward else 0.0, clip=cfg.algo.advantage_clip or None)
-            stats = self._train_on(batch, old_logprobs, ref_logprobs, advantages)
+        with self._stage("pack", times):
+            batch = self._pack(prompts, rollouts, r_sampled, r_greedy)
 
-        record = self._step_record(batch, rollouts, r_sampled, r_greedy, old_logprobs, ref_logprobs,
-                                   advantages, stats, reward_metrics)
+        with self._stage("logprobs", times):
+            # On-policy (one update per rollout) the training forward itself gives the rollout policy's
+            # log-probs (same weights, no dropout): a separate pass only for several mini-batches.
+            old_logprobs = self._logprobs(self.actor_module, batch) if cfg.trainer.mini_batches > 1 else None
+            ref_logprobs = self._logprobs(p.reference, batch) if p.reference is not None else None
+
+        with self._stage("update", times):
+            update = self._train_on(batch, old_logprobs, ref_logprobs)
+
+        with self._stage("metrics", times):
+            record = self._step_record(batch, rollouts, r_sampled, r_greedy, update, ref_logprobs, reward_metrics)
+            record.update(self._rollout_work(rollouts))
+            tokens = self._global_sum(float(batch["lengths"].sum()))
+            num_sequences = int(self._global_sum(len(r_sampled)))
         # The adaptive KL controller's horizon counts the global batch's sequences (every DP rank's).
-        p.kl.update(record["kl/mean"] * record["response/length_mean"], int(self._global_sum(len(r_sampled))))
+        p.kl.update(record["kl/mean"] * record["response/length_mean"], num_sequences)
         step_time = time.perf_counter() - t_step
-        tokens = self._global_sum(float(batch["lengths"].sum()))
+        times["time/train_s"] = times["time/pack_s"] + times["time/logprobs_s"] + times["time/update_s"]
         record.update(times)
-        record.update(self._rollout_work(rollouts))
         record.update(self._perf(prompts, rollouts, batch, step_time, times["time/train_s"]))
         record.update({
             "time/step_s": step_time, "throughput/tokens_per_s": tokens / step_time,
@@ -196,6 +198,17 @@ class Trainer:
         n = self.cfg.rollout.n
         return [s for row in scores for s in row[:n]], [row[n] for row in scores], metrics
 
+    def _pack(self, prompts, rollouts, r_sampled, r_greedy) -> dict:
+        """The samples as one right-padded batch (rollout.sequences.pack_sequences) with their rewards
+        [B] and their prompt's greedy reward [B] (the baseline)."""
+        n = self.cfg.rollout.n
+        batch = pack_sequences([q.token_ids for q in prompts for _ in range(n)],
+                               [c for r in rollouts for c in r.sampled], pad_id=self._pad_id(),
+                               pad_to_multiple=sequence_multiple(self.actor_module))
+        batch["rewards"] = torch.tensor(r_sampled, dtype=torch.float32)                      # [B]
+        batch["baseline"] = torch.tensor(r_greedy, dtype=torch.float32).repeat_interleave(n)  # [B]
+        return batch
+
     def _micro_batches(self, batch: dict, rows: slice | range, extra: dict | None = None) -> list[dict]:
         mbs = self.cfg.trainer.micro_batch_size
         idx = list(rows)
@@ -217,23 +230,26 @@ class Trainer:
                            lambda m, hidden, mb: m.token_logprobs(hidden, mb["labels"], temperature=temperature)[0])
         return torch.cat(out).cpu() if out else None  # the step's bookkeeping stays on the CPU
 
-    def _train_on(self, batch, old_logprobs, ref_logprobs, advantages) -> dict:
-        """One or several optimizer updates over the rollout batch; summed loss statistics."""
+    def _train_on(self, batch, old_logprobs, ref_logprobs) -> "Update":
+        """One or several optimizer updates over the rollout batch.
+
+        The advantages are computed per micro-batch inside the loss (remax_megatron.kernels.
+        compute_advantages: per row, so equal to a whole-batch call) from the rollout policy's
+        log-probs: `old_logprobs` when given (several mini-batches), else the training forward's own,
+        detached (on-policy: the weights that produced the rollout, before this update).
+        """
         cfg, p = self.cfg, self.p
         total = batch["input_ids"].shape[0]
         per_update = total // cfg.trainer.mini_batches
         summed = {k: 0.0 for k in LOSS_STATS}
-        grad_norms = []
+        grad_norms, behaviour, advantages = [], [], []
         for u in range(cfg.trainer.mini_batches):
             rows = range(u * per_update, (u + 1) * per_update)
             mask = batch["response_mask"][rows.start:rows.stop]
             num_tokens = self._dp_sum(mask.sum().double()).item()
             num_seqs = self._dp_sum(torch.tensor(float(len(rows)), dtype=torch.float64)).item()
-            micro = self._micro_batches(batch, rows, {
-                "old_logprobs": old_logprobs if cfg.trainer.mini_batches > 1 else None,
-                "ref_logprobs": ref_logprobs if cfg.algo.kl_mode == "loss" else None,
-                "advantages": advantages})
-            stats = self._forward_backward(micro, num_tokens, num_seqs)
+            micro = self._micro_batches(batch, rows, {"old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs})
+            stats = self._forward_backward(micro, num_tokens, num_seqs, behaviour, advantages)
             ok, norm = p.optimizer.step()
             if ok:
                 p.scheduler.step(increment=1)
@@ -245,10 +261,17 @@ class Trainer:
             for k in LOSS_STATS:
                 summed[k] += stats.get(k, 0.0) / cfg.trainer.mini_batches
         summed["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        return summed
+        last = self.g.is_last_stage
+        return Update(stats=summed, logprobs=torch.cat(behaviour) if last else None,
+                      advantages=torch.cat(advantages) if last else None)
 
-    def _forward_backward(self, micro: list[dict], num_tokens: float, num_seqs: float) -> dict:
+    def _forward_backward(self, micro: list[dict], num_tokens: float, num_seqs: float,
+                          behaviour: list, advantages: list) -> dict:
+        """Megatron's schedule over the micro-batches (gradients accumulate); appends each micro-batch's
+        rollout-policy log-probs and advantages [b, S] to `behaviour` / `advantages` (last stage)."""
         cfg, model = self.cfg, self.actor_module
+        off_policy = cfg.trainer.mini_batches > 1
+        kl_in_loss = cfg.algo.kl_mode == "loss"
         batches = iter(micro)
 
         def step_fn(data_iterator, ddp_model):
@@ -258,12 +281,20 @@ class Trainer:
             def loss_fn(output):
                 logprobs, entropy = model.token_logprobs(output, mb["labels"], temperature=cfg.rollout.temperature,
                                                          with_entropy=True)
+                old, ref = mb.get("old_logprobs"), mb.get("ref_logprobs")
+                rollout_policy = old if old is not None else logprobs.detach()  # [b, S]
+                kl_in_reward = ref is not None and not kl_in_loss
+                adv = compute_advantages(mb["rewards"], mb["baseline"], mb["response_mask"], rollout_policy, ref,
+                                         kl_coef=self.p.kl.coef if kl_in_reward else 0.0,
+                                         clip=cfg.algo.advantage_clip or None)  # [b, S]
+                behaviour.append(rollout_policy.cpu())
+                advantages.append(adv.cpu())
                 loss, stats = remax_loss(
-                    logprobs, mb["advantages"], mb["response_mask"], loss_agg_mode=cfg.algo.loss_agg,
+                    logprobs, adv, mb["response_mask"], loss_agg_mode=cfg.algo.loss_agg,
                     global_num_tokens=num_tokens, global_num_seqs=num_seqs,
-                    old_logprobs=mb.get("old_logprobs"), clip_eps=cfg.algo.clip_ratio,
-                    ref_logprobs=mb.get("ref_logprobs"), kl_coef=self.p.kl.coef, kl_estimator=cfg.algo.kl_estimator,
-                    entropy=entropy)
+                    old_logprobs=old if off_policy else None, clip_eps=cfg.algo.clip_ratio,
+                    ref_logprobs=ref if kl_in_loss else None, kl_coef=self.p.kl.coef,
+                    kl_estimator=cfg.algo.kl_estimator, entropy=entropy)
                 # A non-finite loss gives non-finite grads: the optimizer skips that update.
                 local_tokens = mb["response_mask"].sum().to(torch.int)
                 return loss, local_tokens, {k: v.detach().float() for k, v in stats.items()}
@@ -297,7 +328,8 @@ class Trainer:
         rollout = forward_flops(arch, rows)
         rm = self.p.scorer.reward_model
         reward = forward_flops(rm.arch, rows) if rm is not None else 0.0
-        passes = 3 + 1 + (self.p.reference is not None)  # forward + backward, old log-probs, reference
+        # forward + backward (3 forwards' worth), old log-probs (several mini-batches only), reference
+        passes = 3 + (self.cfg.trainer.mini_batches > 1) + (self.p.reference is not None)
         train = passes * forward_flops(arch, batch["lengths"].tolist())
         # Prompts are split over DP only: the ranks of one model-parallel group share one replica's work.
         step_flops, train_flops = (float(x) for x in self._dp_sum(torch.tensor(
@@ -326,7 +358,8 @@ class Trainer:
         t = self._dp_sum(torch.tensor([sum(values), len(values)], dtype=torch.float64))
         return float(t[0] / max(t[1], 1))
 
-    def _step_record(self, batch, rollouts, r_sampled, r_greedy, old_lp, ref_lp, adv, stats, reward_metrics):
+    def _step_record(self, batch, rollouts, r_sampled, r_greedy, update: "Update", ref_lp, reward_metrics):
+        stats, old_lp, adv = update.stats, update.logprobs, update.advantages
         mask = batch["response_mask"].bool()
         # Token statistics live on the last stage: reduce there, then broadcast to every stage.
         keys = ("adv_sum", "adv_sq", "adv_n", "kl_sum", "diff_max", "diff_sum")
@@ -446,6 +479,16 @@ class Trainer:
             if (every and self.step % every == 0) or self.step == cfg.trainer.steps:
                 self.save()
         return True
+
+
+@dataclass
+class Update:
+    """What `_train_on` hands to the metrics: summed loss statistics (every rank) and, on the last
+    stage, the rollout policy's log-probs and the advantages [B, S] (None on other stages)."""
+
+    stats: dict
+    logprobs: torch.Tensor | None
+    advantages: torch.Tensor | None
 
 
 class StageError(RuntimeError):

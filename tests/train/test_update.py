@@ -28,8 +28,8 @@ def _batch():
     for i in range(8):
         mask[i, 4:4 + 1 + i % 7] = 1          # responses of different lengths
     labels[mask == 0] = -100
-    adv = torch.randn(8, generator=g)
-    return dict(input_ids=ids, labels=labels, response_mask=mask, advantages=adv)
+    rewards = torch.randn(8, generator=g)  # with a zero baseline the advantage is the reward
+    return dict(input_ids=ids, labels=labels, response_mask=mask, rewards=rewards, baseline=torch.zeros(8))
 
 
 def _trainer(world, model_dir, tp, pp, overrides, **build_kw):
@@ -65,8 +65,8 @@ def _update_body(rank, world, model_dir, tp, pp, micro_batch_size, poison, out_p
     assert actor.config.sequence_parallel == sp and actor.config.recompute_granularity == recompute
     batch = _batch()
     if poison:
-        batch["advantages"][3] = float("nan")
-    stats = trainer._train_on(batch, None, None, batch["advantages"])
+        batch["rewards"][3] = float("nan")
+    stats = trainer._train_on(batch, None, None).stats
     weights = {n: t.clone() for n, t in export_hf_weights(actor)}
     if rank == 0:
         torch.save({"stats": stats, "weights": weights, "skipped": trainer.skipped_updates}, out_path)
@@ -113,7 +113,7 @@ def _offload_body(rank, world, model_dir, tp):
 
     trainer, actor, ddp, opt = _trainer(world, model_dir, tp, 1, ["optim.lr=1e-2"])
     batch = _batch()
-    trainer._train_on(batch, None, None, batch["advantages"])  # Adam state exists from here on
+    trainer._train_on(batch, None, None)  # Adam state exists from here on
     state = list(actor.parameters()) + opt.state_tensors()
     assert len(opt.state_tensors()) >= 2 * len(list(actor.parameters()))
     before = [t.detach().clone() for t in state]
@@ -135,7 +135,7 @@ def _offload_body(rank, world, model_dir, tp):
             g.fill_(1.0)
         # main_grad views into the grad buffer are usable again
         assert all(p.main_grad.untyped_storage().nbytes() > 0 for p in actor.parameters())
-    trainer._train_on(batch, None, None, batch["advantages"])  # and training goes on
+    trainer._train_on(batch, None, None)  # and training goes on
 
 
 @pytest.mark.slow
@@ -162,7 +162,7 @@ def _dp_update_body(rank, world, model_dir, tp, pp, micro_batch_size, out_path):
         rows = batch["input_ids"].shape[0] // g.dp_size
         local = {k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()}
         assert rows // micro_batch_size > 1, "the test needs more than one micro-batch per rank"
-        stats = trainer._train_on(local, None, None, local["advantages"])
+        stats = trainer._train_on(local, None, None).stats
         results[mode] = {"stats": stats, "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
     if rank == 0:
         torch.save(results, out_path)
@@ -185,3 +185,47 @@ def test_data_parallel_update_equals_one_replica(model_dir, tmp_path):
             assert abs(got["stats"]["grad_norm"] - ref["stats"]["grad_norm"]) < 1e-6, (layout, mode)
             worst = max((got["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
             assert worst < 1e-6, (layout, mode, worst)
+
+
+def _saved_forward_body(rank, world, model_dir, tp, pp, out_path):
+    """The same update twice: with the rollout policy's log-probs from a separate forward pass (the
+    pass an on-policy step no longer runs) and from the training forward itself; KL in the reward, so
+    the advantages depend on those log-probs."""
+    from remax_megatron.weights import export_hf_weights
+
+    results = {}
+    for separate in (True, False):
+        trainer, actor, _, _ = _trainer(
+            world, model_dir, tp, pp,
+            ["trainer.micro_batch_size=4", "optim.lr=1e-2", "optim.grad_clip=0", "optim.eps=1e-3",
+             "algo.kl_mode=reward"])
+        trainer.p.kl.coef = 0.3
+        trainer.p.reference = None
+        batch = _batch()
+        ref = -3.0 * torch.rand(8, 12, generator=torch.Generator().manual_seed(1))  # [B, S] reference log-probs
+        old = trainer._logprobs(actor, batch) if separate else None
+        update = trainer._train_on(batch, old, ref)
+        results[separate] = {"stats": update.stats, "logprobs": update.logprobs, "advantages": update.advantages,
+                             "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
+    if trainer.g.is_last_stage and trainer.g.tp_rank == 0:
+        torch.save(results, out_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_on_policy_update_without_the_separate_logprob_pass_is_unchanged(model_dir, tmp_path, tp, pp):
+    """Issue 14: skipping the old-log-prob forward (on-policy) leaves the update as it was: advantages,
+    loss, grad norm and weights within 1e-6 of the update that used a separate forward pass."""
+    out = tmp_path / "saved.pt"
+    run_distributed(_saved_forward_body, world_size=tp * pp, args=(model_dir, tp, pp, str(out)))
+    runs = torch.load(out)
+    before, after = runs[True], runs[False]
+    mask = _batch()["response_mask"].bool()
+    kl_part = (after["advantages"] - _batch()["rewards"][:, None])[mask]
+    assert kl_part.abs().max() > 0.05, "the KL term must move the advantages for this test to mean anything"
+    assert (after["logprobs"] - before["logprobs"])[mask].abs().max() < 1e-6
+    assert (after["advantages"] - before["advantages"]).abs().max() < 1e-6
+    assert abs(after["stats"]["loss"] - before["stats"]["loss"]) < 1e-6
+    assert abs(after["stats"]["grad_norm"] - before["stats"]["grad_norm"]) < 1e-6
+    worst = max((after["weights"][k] - before["weights"][k]).abs().max().item() for k in before["weights"])
+    assert worst < 1e-6, worst
