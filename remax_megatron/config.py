@@ -15,21 +15,34 @@ import difflib
 import os
 import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
 import yaml
 
-RECOMPUTE = ("none", "selective", "full")
-KL_MODES = ("reward", "loss")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-SCHEDULES = ("constant", "linear", "cosine")
-OVERLONG = ("drop", "truncate")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# Fixed choices: the type is the one source of the allowed values (checked on load, listed by --help).
+Recompute = Literal["none", "selective", "full"]
+KlMode = Literal["reward", "loss"]
+KlEstimator = Literal["k1", "k2", "k3"]
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+Schedule = Literal["constant", "linear", "cosine"]
+Overlong = Literal["drop", "truncate"]
+Dtype = Literal["float32", "bfloat16", "float16"]
+DTYPE_NAMES = typing.get_args(Dtype)
 
 
-def _one_of(key: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
+def knob(default, doc: str):
+    """A config field with its documentation (shown by `python -m remax_megatron.train --help`)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+def _check_choices(section: str, obj) -> None:
+    """Every Literal-typed field of `obj` holds one of its allowed values."""
+    for name, hint in typing.get_type_hints(type(obj)).items():
+        if typing.get_origin(hint) is Literal and getattr(obj, name) not in typing.get_args(hint):
+            raise ValueError(f"{section}.{name}={getattr(obj, name)!r} is not one of "
+                             f"{', '.join(typing.get_args(hint))}")
 
 
 def _positive(key: str, value, zero_ok: bool = False) -> None:
@@ -39,16 +52,16 @@ def _positive(key: str, value, zero_ok: bool = False) -> None:
 
 @dataclass
 class TrainerConfig:
-    steps: int = 20                 # total optimizer steps of the run (a resumed run continues up to it)
-    seed: int = 0                   # seeds data order, sampling and init on every rank
-    output_dir: str = "outputs/run"  # metrics.jsonl, config.yaml, TensorBoard events, checkpoints
-    prompts_per_step: int = 8       # global prompts per step (each gets rollout.n samples + 1 greedy)
-    micro_batch_size: int = 4       # sequences per micro-batch in the train forward/backward
-    mini_batches: int = 1           # optimizer steps per rollout (> 1 uses the clipped ratio)
-    eval_every: int = 5             # greedy eval every N steps (0: never)
-    eval_prompts: int = 32          # held-out prompts evaluated
-    dist_timeout_minutes: int = 30  # collective timeout: a dead rank fails the job after this
-    peak_tflops: float = 0.0        # device peak for perf/mfu; 0: from the GPU's name (H100/H200/A100/L40S)
+    steps: int = knob(20, "total optimizer steps of the run (a resumed run continues up to it)")
+    seed: int = knob(0, "seeds data order, sampling and init on every rank")
+    output_dir: str = knob("outputs/run", "metrics.jsonl, config.yaml, TensorBoard events, checkpoints")
+    prompts_per_step: int = knob(8, "global prompts per step (each gets rollout.n samples + 1 greedy)")
+    micro_batch_size: int = knob(4, "sequences per micro-batch in the train forward/backward")
+    mini_batches: int = knob(1, "optimizer steps per rollout (> 1 uses the clipped ratio)")
+    eval_every: int = knob(5, "greedy eval every N steps (0: never)")
+    eval_prompts: int = knob(32, "held-out prompts evaluated")
+    dist_timeout_minutes: int = knob(30, "collective timeout: a dead rank fails the job after this")
+    peak_tflops: float = knob(0.0, "device peak for perf/mfu; 0: from the GPU's name (H100/H200/A100/L40S)")
 
     def __post_init__(self):
         for key in ("steps", "prompts_per_step", "micro_batch_size", "mini_batches"):
@@ -61,40 +74,39 @@ class TrainerConfig:
 
 @dataclass
 class ActorConfig:
-    model: str = ""                 # Hugging Face model directory (config.json + safetensors)
-    tp: int = 1                     # tensor-parallel size
-    pp: int = 1                     # pipeline-parallel size
-    dtype: str = "float32"          # parameter dtype: float32 | bfloat16 | float16
-    sequence_parallel: bool = False  # shard activations along the sequence within TP (GPU)
-    recompute: str = "none"         # activation recompute: none | selective | full
-    make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this * tp
-    offload_during_rollout: bool = False  # params, grads, optimizer state to host while the engine generates
+    model: str = knob("", "Hugging Face model directory (config.json + safetensors)")
+    tp: int = knob(1, "tensor-parallel size")
+    pp: int = knob(1, "pipeline-parallel size")
+    dtype: Dtype = knob("float32", "parameter dtype (the engine runs in it too)")
+    sequence_parallel: bool = knob(False, "shard activations along the sequence within TP (GPU)")
+    recompute: Recompute = knob("none", "activation recompute (megatron's granularity)")
+    make_vocab_size_divisible_by: int = knob(128, "vocab padded to a multiple of this * tp")
+    offload_during_rollout: bool = knob(False, "params, grads, optimizer state to host while the engine generates")
 
     def __post_init__(self):
         _positive("actor.tp", self.tp)
         _positive("actor.pp", self.pp)
-        _one_of("actor.dtype", self.dtype, DTYPE_NAMES)
-        _one_of("actor.recompute", self.recompute, RECOMPUTE)
+        _check_choices("actor", self)
         _positive("actor.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
 
 
 @dataclass
 class ReferenceConfig:
-    enabled: bool = False           # build a frozen reference model (needed for algo.kl_coef > 0)
-    model: str = ""                 # default: actor.model (the reference is the initial policy)
+    enabled: bool = knob(False, "build a frozen reference model (needed for algo.kl_coef > 0)")
+    model: str = knob("", "default: actor.model (the reference is the initial policy)")
 
 
 @dataclass
 class RewardConfig:
-    functions: list[str] = field(default_factory=list)  # registry names or "package.module:function"
-    weights: list[float] = field(default_factory=list)  # one per function (default 1.0 each)
-    model: str = ""                 # optional reward-model directory (*ForSequenceClassification)
-    model_weight: float = 1.0       # weight of the reward-model score in the sum
-    tp: int = 1                     # reward-model tensor parallel; reward.tp * reward.pp must divide
-    pp: int = 1                     # actor.tp * actor.pp, or be a multiple of it that divides actor.tp*pp*dp
-    format_pattern: str = r"^\s*-?\d+\s*$"  # regex of the built-in `format` reward
-    numeric_tolerance: float = 1e-6  # relative tolerance of the built-in `numeric_match`
-    length_limit: int = 256         # chars before the built-in `length_penalty` starts
+    functions: list[str] = knob([], "registry names or \"package.module:function\"")
+    weights: list[float] = knob([], "one per function (default 1.0 each)")
+    model: str = knob("", "optional reward-model directory (*ForSequenceClassification)")
+    model_weight: float = knob(1.0, "weight of the reward-model score in the sum")
+    tp: int = knob(1, "reward-model tensor parallel (see reward.pp for the layouts allowed)")
+    pp: int = knob(1, "reward-model pipeline parallel; reward.tp * reward.pp divides actor.tp * actor.pp, or is a multiple of it that divides the world size")
+    format_pattern: str = knob(r"^\s*-?\d+\s*$", "regex of the built-in `format` reward")
+    numeric_tolerance: float = knob(1e-6, "relative tolerance of the built-in `numeric_match`")
+    length_limit: int = knob(256, "chars before the built-in `length_penalty` starts")
 
     def __post_init__(self):
         if self.weights and len(self.weights) != len(self.functions):
@@ -108,18 +120,18 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "vllm"            # vllm (GPU, or vLLM's CPU build) | native (transformers; no vLLM needed)
-    n: int = 2                      # sampled responses per prompt; the greedy one comes on top
-    tp: int = 1                     # inference tensor parallel (may differ from actor.tp)
-    temperature: float = 1.0        # sampling temperature of the n samples (greedy is argmax)
-    top_p: float = 1.0
-    top_k: int = 0                  # 0: off
-    max_new_tokens: int = 64
-    stop: list[str] = field(default_factory=list)  # stop strings (EOS always stops)
-    sync_bucket_mb: int = 256       # weight-sync bucket size
-    kv_cache_gib: float = 0.0       # vLLM KV cache per engine in GiB; 0: sized by gpu_memory_utilization
-    gpu_memory_utilization: float = 0.5  # vLLM's memory fraction when kv_cache_gib=0 (CPU: of HOST memory, per engine)
-    logprob_warn_threshold: float = 0.05  # warn when engine vs actor log-probs differ more
+    engine: str = knob("vllm", "a registered rollout engine (remax_megatron/rollout/factory.py): vllm (CUDA, or vLLM's CPU build) | native (no vLLM needed)")
+    n: int = knob(2, "sampled responses per prompt; the greedy one comes on top")
+    tp: int = knob(1, "inference tensor parallel (may differ from actor.tp)")
+    temperature: float = knob(1.0, "sampling temperature of the n samples (greedy is argmax)")
+    top_p: float = knob(1.0, "nucleus sampling: keep the smallest token set with this probability mass (1: off)")
+    top_k: int = knob(0, "sample from the k most likely tokens (0: off)")
+    max_new_tokens: int = knob(64, "completion length limit (sampled and greedy); prompt + this <= max_position_embeddings")
+    stop: list[str] = knob([], "stop strings (EOS always stops)")
+    sync_bucket_mb: int = knob(256, "weight-sync bucket size in MiB (peak extra memory of the sync)")
+    kv_cache_gib: float = knob(0.0, "vLLM KV cache per engine in GiB; 0: sized by gpu_memory_utilization")
+    gpu_memory_utilization: float = knob(0.5, "vLLM's memory fraction when kv_cache_gib=0 (CPU: of HOST memory, per engine)")
+    logprob_warn_threshold: float = knob(0.05, "warn when engine vs actor log-probs differ more")
 
     def __post_init__(self):
         if not self.engine:
@@ -139,67 +151,63 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
-    kl_coef: float = 0.0            # KL penalty coefficient (0: no reference needed)
-    kl_mode: str = "reward"         # reward: per-token k1 penalty in the reward | loss: a loss term (kl_estimator)
-    # Estimator of the kl_mode=loss term: k3 | k2. k1 is refused there: its gradient has zero expectation
-    # on-policy, so it does not regularise. The kl/mean metric is always k1: the mean over response tokens
-    # of (rollout-time actor - reference) log-probs, whatever this is.
-    kl_estimator: str = "k3"
-    kl_target: float = 0.0          # > 0: adaptive KL coefficient towards this KL per sequence
-    kl_horizon: int = 10000         # adaptive controller horizon (in sequences)
-    loss_agg: str = "token-mean"    # token-mean | seq-mean-token-sum | seq-mean-token-mean
-    clip_ratio: float = 0.2         # ratio clip when trainer.mini_batches > 1
-    advantage_clip: float = 0.0     # clip advantages to [-c, c] (0: off)
+    kl_coef: float = knob(0.0, "KL penalty coefficient (0: no reference needed)")
+    kl_mode: KlMode = knob("reward", "reward: per-token k1 penalty in the reward; loss: a loss term (kl_estimator)")
+    kl_estimator: KlEstimator = knob("k3", "estimator of the kl_mode=loss term; k1 is refused there (its gradient "
+                                     "has zero expectation on-policy); the kl/mean metric is always k1")
+    kl_target: float = knob(0.0, "> 0: adaptive KL coefficient towards this KL per sequence")
+    kl_horizon: int = knob(10000, "adaptive controller horizon (in sequences)")
+    loss_agg: LossAgg = knob("token-mean", "loss aggregation over the GLOBAL batch (token or sequence counts of all DP ranks)")
+    clip_ratio: float = knob(0.2, "ratio clip when trainer.mini_batches > 1")
+    advantage_clip: float = knob(0.0, "clip advantages to [-c, c] (0: off)")
 
     def __post_init__(self):
         _positive("algo.kl_coef", self.kl_coef, zero_ok=True)
-        _one_of("algo.kl_mode", self.kl_mode, KL_MODES)
-        _one_of("algo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_choices("algo", self)
         if self.kl_mode == "loss" and self.kl_estimator == "k1":
             raise ValueError("algo.kl_mode=loss with algo.kl_estimator=k1 does not regularise (its gradient has zero "
                              "expectation on-policy): set algo.kl_estimator=k3 (or k2)")
         _positive("algo.kl_target", self.kl_target, zero_ok=True)
         _positive("algo.kl_horizon", self.kl_horizon)
-        _one_of("algo.loss_agg", self.loss_agg, LOSS_AGG)
         _positive("algo.clip_ratio", self.clip_ratio)
         _positive("algo.advantage_clip", self.advantage_clip, zero_ok=True)
 
 
 @dataclass
 class DataConfig:
-    train: str = "builtin:arith"    # JSONL / Parquet file, or builtin:<task>
-    eval: str = ""                  # held-out file; empty: split eval_size prompts off the train set
-    eval_size: int = 32
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"      # ground truth handed to reward functions
-    chat_template: bool = True      # apply the tokenizer's chat template when it has one
-    max_prompt_tokens: int = 256
-    overlong: str = "drop"          # prompts over max_prompt_tokens: drop | truncate (left)
-    shuffle: bool = True            # deterministic per-epoch shuffle from trainer.seed
+    train: str = knob("builtin:arith", "JSONL / Parquet file, or builtin:<task>")
+    eval: str = knob("", "held-out file; empty: split eval_size prompts off the train set")
+    eval_size: int = knob(32, "prompts split off the train set for eval when data.eval is empty (0: no eval)")
+    prompt_key: str = knob("prompt", "column holding the prompt text")
+    answer_key: str = knob("answer", "ground truth handed to reward functions")
+    chat_template: bool = knob(True, "apply the tokenizer's chat template when it has one")
+    max_prompt_tokens: int = knob(256, "longest prompt in tokens (after the chat template); see data.overlong")
+    overlong: Overlong = knob("drop", "prompts over max_prompt_tokens: drop them, or truncate from the left")
+    shuffle: bool = knob(True, "deterministic per-epoch shuffle from trainer.seed")
 
     def __post_init__(self):
         _positive("data.eval_size", self.eval_size, zero_ok=True)
         _positive("data.max_prompt_tokens", self.max_prompt_tokens)
-        _one_of("data.overlong", self.overlong, OVERLONG)
+        _check_choices("data", self)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    schedule: str = "constant"      # constant | linear | cosine (after warmup)
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    grad_clip: float = 1.0          # max global grad norm (0: off)
-    distributed_optimizer: bool = True  # megatron's DistributedOptimizer on GPU
+    lr: float = knob(1e-6, "peak learning rate (AdamW)")
+    min_lr: float = knob(0.0, "learning rate at the end of a linear or cosine schedule")
+    schedule: Schedule = knob("constant", "learning-rate decay after the warm-up")
+    warmup_steps: int = knob(0, "linear warm-up, in optimizer updates")
+    weight_decay: float = knob(0.0, "decoupled weight decay (AdamW)")
+    beta1: float = knob(0.9, "Adam first-moment decay")
+    beta2: float = knob(0.999, "Adam second-moment decay")
+    eps: float = knob(1e-8, "Adam denominator epsilon")
+    grad_clip: float = knob(1.0, "max global grad norm (0: off)")
+    distributed_optimizer: bool = knob(True, "megatron's DistributedOptimizer on GPU")
 
     def __post_init__(self):
         _positive("optim.lr", self.lr)
         _positive("optim.min_lr", self.min_lr, zero_ok=True)
-        _one_of("optim.schedule", self.schedule, SCHEDULES)
+        _check_choices("optim", self)
         _positive("optim.warmup_steps", self.warmup_steps, zero_ok=True)
         _positive("optim.grad_clip", self.grad_clip, zero_ok=True)
         for key in ("beta1", "beta2"):
@@ -209,10 +217,10 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str = ""                   # default <trainer.output_dir>/checkpoints
-    save_every: int = 0             # steps between saves (0: only at the end)
-    resume: str = "auto"            # auto (newest valid) | none | a checkpoint path
-    keep: int = 2                   # checkpoints kept
+    dir: str = knob("", "default <trainer.output_dir>/checkpoints")
+    save_every: int = knob(0, "steps between saves (0: only at the end)")
+    resume: str = knob("auto", "auto (newest valid) | none | a checkpoint path")
+    keep: int = knob(2, "checkpoints kept")
 
     def __post_init__(self):
         _positive("checkpoint.save_every", self.save_every, zero_ok=True)
@@ -224,10 +232,10 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = True        # TensorBoard events under <output_dir>/tensorboard
-    wandb_project: str = ""         # non-empty: also log to Weights & Biases
-    progress_bar: bool = True       # tqdm bar on rank 0
-    sample_completions: int = 3     # completions printed at each eval
+    tensorboard: bool = knob(True, "TensorBoard events under <output_dir>/tensorboard")
+    wandb_project: str = knob("", "non-empty: also log to Weights & Biases")
+    progress_bar: bool = knob(True, "tqdm bar on rank 0")
+    sample_completions: int = knob(3, "completions printed at each eval")
 
 
 @dataclass
@@ -280,6 +288,12 @@ class Config:
 def _convert(key: str, value, hint):
     """`value` as the type `hint`, or a ValueError naming the key."""
     origin = typing.get_origin(hint)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        value = _convert(key, value, type(allowed[0]))
+        if value not in allowed:
+            raise ValueError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+        return value
     if origin is list:
         (item,) = typing.get_args(hint)
         if isinstance(value, str):
@@ -326,8 +340,28 @@ def all_keys() -> list[str]:
 
 def _unknown(key: str) -> ValueError:
     close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]}?" if close else "; see remax_megatron/config.py for the keys"
-    return ValueError(f"unknown config key {key!r}{hint}")
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return ValueError(f"unknown config key {key!r}{hint} (`python -m remax_megatron.train --help` lists every key)")
+
+
+def _type_name(hint) -> str:
+    if typing.get_origin(hint) is Literal:
+        return " | ".join(typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        return f"list of {typing.get_args(hint)[0].__name__}"
+    return hint.__name__
+
+
+def config_help() -> str:
+    """Every config key with its type, default and doc (the trainer's --help)."""
+    lines = ["config keys (YAML `section: {key: value}` or a dotted override section.key=value):"]
+    for section, cls in _sections().items():
+        lines.append(f"  {section}:")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            lines.append(f"    {section}.{f.name} = {default!r}  [{_type_name(hints[f.name])}]  {f.metadata['doc']}")
+    return "\n".join(lines)
 
 
 def _set(tree: dict, key: str, raw) -> None:

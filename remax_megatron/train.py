@@ -135,7 +135,10 @@ def build(cfg, checked: dict):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from remax_megatron.config import config_help
+
+    parser = argparse.ArgumentParser(description=__doc__, epilog=config_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="YAML config (configs/tiny_cpu.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2")
     args = parser.parse_args(argv)
