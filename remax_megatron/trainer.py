@@ -30,7 +30,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from transformers import PreTrainedTokenizerBase
 
+from remax_megatron.algo.kl_controller import KLController
 from remax_megatron.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
 from remax_megatron.config import Config
 from remax_megatron.kernels import compute_advantages, remax_loss
@@ -38,10 +42,13 @@ from remax_megatron.flops import forward_flops, peak_tflops
 from remax_megatron.memory import TrainStateOffload, phase_memory
 from remax_megatron.metrics import MetricsLogger, print0
 from remax_megatron.models.forward import broadcast_from_last_stage, forward_only, to_model_device
-from remax_megatron.models.gpt import check_sequence_length, sequence_multiple
-from remax_megatron.optimizer import finalize_grads
+from remax_megatron.data.prompts import Prompt, PromptSampler
+from remax_megatron.models.gpt import PolicyModel, check_sequence_length, sequence_multiple
+from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer, finalize_grads
 from remax_megatron.parallel import ProcessGroups, all_reduce_cpu, cpu_compat
-from remax_megatron.rollout import SamplingParams, WeightSync, logprob_mismatch, pack_sequences, stream_seed
+from remax_megatron.reward.scoring import RewardScorer
+from remax_megatron.rollout import RolloutEngine, SamplingParams, WeightSync, logprob_mismatch, pack_sequences, \
+    stream_seed
 
 # Statistics of the loss that are summed over micro-batches and DP ranks (each already normalised globally).
 LOSS_STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac")
@@ -53,22 +60,22 @@ class Components:
 
     cfg: Config
     groups: ProcessGroups
-    actor: object            # megatron DDP-wrapped PolicyModel
-    reference: object | None  # frozen PolicyModel
-    optimizer: object
-    scheduler: object
-    engine: object
-    scorer: object
-    tokenizer: object
-    sampler: object          # PromptSampler over the train prompts
-    eval_prompts: list
-    kl: object               # KLController
-    hf_dir: str              # the actor's HF directory (config and tokenizer go into checkpoints)
+    actor: DistributedDataParallel           # megatron DDP around the actor's PolicyModel
+    reference: PolicyModel | None            # frozen; None without KL
+    optimizer: CpuAdamW | MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+    engine: RolloutEngine
+    scorer: RewardScorer
+    tokenizer: PreTrainedTokenizerBase
+    sampler: PromptSampler                   # over the train prompts
+    eval_prompts: list[Prompt]
+    kl: KLController
+    hf_dir: str                              # the actor's HF directory (config and tokenizer go into checkpoints)
 
 
 class Trainer:
     def __init__(self, parts: Components, logger: MetricsLogger):
-        self.p, self.cfg, self.g, self.log = parts, parts.cfg, parts.groups, logger
+        self.parts, self.cfg, self.groups, self.log = parts, parts.cfg, parts.groups, logger
         self.actor_module = parts.actor.module
         self.actor_module.config.finalize_model_grads_func = finalize_grads
         self.actor_module.config.grad_scale_func = parts.optimizer.scale_loss  # fp16 loss scaling on GPU
@@ -81,16 +88,16 @@ class Trainer:
     @functools.cached_property
     def offload(self) -> TrainStateOffload:
         """Frees the actor's training state while the engine generates (actor.offload_during_rollout)."""
-        return TrainStateOffload(self.p.actor, self.p.optimizer, enabled=self.cfg.actor.offload_during_rollout)
+        return TrainStateOffload(self.parts.actor, self.parts.optimizer, enabled=self.cfg.actor.offload_during_rollout)
 
     @functools.cached_property
     def weight_sync(self) -> WeightSync:
         """Actor -> engine sync (keeps its buffers between steps)."""
-        return WeightSync(self.p.engine, self.actor_module, bucket_mb=self.cfg.rollout.sync_bucket_mb)
+        return WeightSync(self.parts.engine, self.actor_module, bucket_mb=self.cfg.rollout.sync_bucket_mb)
 
     # ---- the step ------------------------------------------------------------------------
     def train_step(self) -> dict:
-        cfg, p = self.cfg, self.p
+        cfg, parts = self.cfg, self.parts
         times: dict[str, float] = {}
         t_step = time.perf_counter()
 
@@ -99,7 +106,7 @@ class Trainer:
             sync = self.weight_sync()
 
         with self._stage("rollout", times), self.offload.offloaded():
-            prompts = self._local_share(p.sampler.next(cfg.trainer.prompts_per_step))
+            prompts = self._local_share(parts.sampler.next(cfg.trainer.prompts_per_step))
             rollouts = self._generate(prompts, cfg.rollout.n)
 
         with self._stage("reward", times):
@@ -112,7 +119,7 @@ class Trainer:
             # On-policy (one update per rollout) the training forward itself gives the rollout policy's
             # log-probs (same weights, no dropout): a separate pass only for several mini-batches.
             old_logprobs = self._logprobs(self.actor_module, batch) if cfg.trainer.mini_batches > 1 else None
-            ref_logprobs = self._logprobs(p.reference, batch) if p.reference is not None else None
+            ref_logprobs = self._logprobs(parts.reference, batch) if parts.reference is not None else None
 
         with self._stage("update", times):
             update = self._train_on(batch, old_logprobs, ref_logprobs)
@@ -123,17 +130,17 @@ class Trainer:
             tokens = self._global_sum(float(batch["lengths"].sum()))
             num_sequences = int(self._global_sum(len(r_sampled)))
         # The adaptive KL controller's horizon counts the global batch's sequences (every DP rank's).
-        p.kl.update(record["kl/mean"] * record["response/length_mean"], num_sequences)
+        parts.kl.update(record["kl/mean"] * record["response/length_mean"], num_sequences)
         step_time = time.perf_counter() - t_step
         times["time/train_s"] = times["time/pack_s"] + times["time/logprobs_s"] + times["time/update_s"]
         record.update(times)
         record.update(self._perf(prompts, rollouts, batch, step_time, times["time/train_s"]))
         record.update({
             "time/step_s": step_time, "throughput/tokens_per_s": tokens / step_time,
-            "sync/bytes": sync["bytes"], "sync/buckets": sync["buckets"], "kl/coef": p.kl.coef,
-            "lr": p.optimizer.param_groups[0]["lr"], "optim/skipped_updates": self.skipped_updates,
+            "sync/bytes": sync["bytes"], "sync/buckets": sync["buckets"], "kl/coef": parts.kl.coef,
+            "lr": parts.optimizer.param_groups[0]["lr"], "optim/skipped_updates": self.skipped_updates,
             # Where the data loader stands after this step (resume must continue exactly here).
-            "data/epoch": p.sampler.epoch, "data/position": p.sampler.position,
+            "data/epoch": parts.sampler.epoch, "data/position": parts.sampler.position,
         })
         return record
 
@@ -155,8 +162,8 @@ class Trainer:
     # ---- pieces of the step ----------------------------------------------------------------
     def _local_share(self, prompts: list) -> list:
         """This DP rank's contiguous share of the global prompt batch."""
-        per_rank = len(prompts) // self.g.dp_size
-        return prompts[self.g.dp_rank * per_rank:(self.g.dp_rank + 1) * per_rank]
+        per_rank = len(prompts) // self.groups.dp_size
+        return prompts[self.groups.dp_rank * per_rank:(self.groups.dp_rank + 1) * per_rank]
 
     def _generate(self, prompts: list, n: int) -> list:
         """n sampled + 1 greedy per prompt of this replica; the same list on every rank of its
@@ -167,32 +174,32 @@ class Trainer:
         step's global batch samples from `stream_seed(trainer.seed, step, i)` whichever rank or
         engine decodes it.
         """
-        g = self.g
-        decoded_before = self.p.engine.decoded_tokens
-        lo, hi = _share(len(prompts), g.mp_size, g.mp_rank)
-        first = g.dp_rank * len(prompts)  # index of this replica's first prompt in the global batch
+        groups = self.groups
+        decoded_before = self.parts.engine.decoded_tokens
+        lo, hi = _share(len(prompts), groups.mp_size, groups.mp_rank)
+        first = groups.dp_rank * len(prompts)  # index of this replica's first prompt in the global batch
         seeds = [stream_seed(self.cfg.trainer.seed, self.step, first + i) for i in range(lo, hi)]
-        rollouts = self.p.engine.generate([q.token_ids for q in prompts[lo:hi]], n=n,
+        rollouts = self.parts.engine.generate([q.token_ids for q in prompts[lo:hi]], n=n,
                                           sampling=SamplingParams.from_config(self.cfg.rollout), seeds=seeds)
-        self.p.engine.sleep()
-        self._decoded_tokens = self.p.engine.decoded_tokens - decoded_before
-        if g.mp_size > 1:
-            shares: list = [None] * g.mp_size
-            dist.all_gather_object(shares, rollouts, group=g.mp)
+        self.parts.engine.sleep()
+        self._decoded_tokens = self.parts.engine.decoded_tokens - decoded_before
+        if groups.mp_size > 1:
+            shares: list = [None] * groups.mp_size
+            dist.all_gather_object(shares, rollouts, group=groups.mp)
             rollouts = [r for share in shares for r in share]
         return rollouts
 
     def _pad_id(self) -> int:
-        tok = self.p.tokenizer
+        tok = self.parts.tokenizer
         return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     def _decode(self, ids: list[int]) -> str:
-        return self.p.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.parts.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _rewards(self, prompts, rollouts):
         """r(sample) [P * n] and r(greedy) [P * 1], one scoring call over both."""
         responses = [[(c.token_ids, self._decode(c.token_ids)) for c in r.sampled + [r.greedy]] for r in rollouts]
-        scores, metrics = self.p.scorer.score(
+        scores, metrics = self.parts.scorer.score(
             [q.token_ids for q in prompts], [q.text for q in prompts], [q.columns for q in prompts],
             [q.index for q in prompts], responses)
         n = self.cfg.rollout.n
@@ -238,7 +245,7 @@ class Trainer:
         log-probs: `old_logprobs` when given (several mini-batches), else the training forward's own,
         detached (on-policy: the weights that produced the rollout, before this update).
         """
-        cfg, p = self.cfg, self.p
+        cfg, parts = self.cfg, self.parts
         total = batch["input_ids"].shape[0]
         per_update = total // cfg.trainer.mini_batches
         summed = {k: 0.0 for k in LOSS_STATS}
@@ -250,18 +257,18 @@ class Trainer:
             num_seqs = self._dp_sum(torch.tensor(float(len(rows)), dtype=torch.float64)).item()
             micro = self._micro_batches(batch, rows, {"old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs})
             stats = self._forward_backward(micro, num_tokens, num_seqs, behaviour, advantages)
-            ok, norm = p.optimizer.step()
+            ok, norm = parts.optimizer.step()
             if ok:
-                p.scheduler.step(increment=1)
+                parts.scheduler.step(increment=1)
             else:
                 self.skipped_updates += 1
                 print0(f"step {self.step}: skipped an update (grad norm {norm})")
-            p.optimizer.zero_grad()
+            parts.optimizer.zero_grad()
             grad_norms.append(norm)
             for k in LOSS_STATS:
                 summed[k] += stats.get(k, 0.0) / cfg.trainer.mini_batches
         summed["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        last = self.g.is_last_stage
+        last = self.groups.is_last_stage
         return Update(stats=summed, logprobs=torch.cat(behaviour) if last else None,
                       advantages=torch.cat(advantages) if last else None)
 
@@ -285,7 +292,7 @@ class Trainer:
                 rollout_policy = old if old is not None else logprobs.detach()  # [b, S]
                 kl_in_reward = ref is not None and not kl_in_loss
                 adv = compute_advantages(mb["rewards"], mb["baseline"], mb["response_mask"], rollout_policy, ref,
-                                         kl_coef=self.p.kl.coef if kl_in_reward else 0.0,
+                                         kl_coef=self.parts.kl.coef if kl_in_reward else 0.0,
                                          clip=cfg.algo.advantage_clip or None)  # [b, S]
                 behaviour.append(rollout_policy.cpu())
                 advantages.append(adv.cpu())
@@ -293,7 +300,7 @@ class Trainer:
                     logprobs, adv, mb["response_mask"], loss_agg_mode=cfg.algo.loss_agg,
                     global_num_tokens=num_tokens, global_num_seqs=num_seqs,
                     old_logprobs=old if off_policy else None, clip_eps=cfg.algo.clip_ratio,
-                    ref_logprobs=ref if kl_in_loss else None, kl_coef=self.p.kl.coef,
+                    ref_logprobs=ref if kl_in_loss else None, kl_coef=self.parts.kl.coef,
                     kl_estimator=cfg.algo.kl_estimator, entropy=entropy)
                 # A non-finite loss gives non-finite grads: the optimizer skips that update.
                 local_tokens = mb["response_mask"].sum().to(torch.int)
@@ -303,33 +310,33 @@ class Trainer:
 
         check_sequence_length(self.actor_module, micro[0]["input_ids"].shape[1])
         outputs = cpu_compat.forward_backward_func()(
-            forward_step_func=step_fn, data_iterator=batches, model=[self.p.actor], num_microbatches=len(micro),
+            forward_step_func=step_fn, data_iterator=batches, model=[self.parts.actor], num_microbatches=len(micro),
             seq_length=micro[0]["input_ids"].shape[1], micro_batch_size=micro[0]["input_ids"].shape[0],
             forward_only=False)
         keys = LOSS_STATS
         vec = torch.zeros(len(keys), dtype=torch.float64)
-        if self.g.is_last_stage:
+        if self.groups.is_last_stage:
             for out in outputs:
                 for i, k in enumerate(keys):
                     if k in out:
                         vec[i] += float(out[k])
-        vec = broadcast_from_last_stage(vec if self.g.is_last_stage else None, (len(keys),), torch.float64)
+        vec = broadcast_from_last_stage(vec if self.groups.is_last_stage else None, (len(keys),), torch.float64)
         vec = self._dp_sum(vec)
         return {k: float(vec[i]) for i, k in enumerate(keys)}
 
     # ---- metrics -------------------------------------------------------------------------
     def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return all_reduce_cpu(tensor, group=self.g.dp) if self.g.dp_size > 1 else tensor
+        return all_reduce_cpu(tensor, group=self.groups.dp) if self.groups.dp_size > 1 else tensor
 
     def _perf(self, prompts, rollouts, batch, step_time: float, train_time: float) -> dict:
         """Model TFLOP/s per device and MFU of the step and of its train stage (remax_megatron.flops)."""
         arch = self.actor_module.arch
         rows = [len(q.token_ids) + len(c.token_ids) for q, r in zip(prompts, rollouts) for c in r.sampled + [r.greedy]]
         rollout = forward_flops(arch, rows)
-        rm = self.p.scorer.reward_model
+        rm = self.parts.scorer.reward_model
         reward = forward_flops(rm.arch, rows) if rm is not None else 0.0
         # forward + backward (3 forwards' worth), old log-probs (several mini-batches only), reference
-        passes = 3 + (self.cfg.trainer.mini_batches > 1) + (self.p.reference is not None)
+        passes = 3 + (self.cfg.trainer.mini_batches > 1) + (self.parts.reference is not None)
         train = passes * forward_flops(arch, batch["lengths"].tolist())
         # Prompts are split over DP only: the ranks of one model-parallel group share one replica's work.
         step_flops, train_flops = (float(x) for x in self._dp_sum(torch.tensor(
@@ -348,7 +355,7 @@ class Trainer:
         1.0 when no rank decodes a prompt that another rank (or engine) also decodes."""
         tokens = self._global_sum(float(sum(len(c.token_ids) for r in rollouts for c in r.sampled + [r.greedy])))
         # Every rank of a TP engine counts its engine's tokens: count each engine once.
-        decoded = all_reduce_cpu(torch.tensor(self._decoded_tokens / self.p.engine.group_size, dtype=torch.float64))
+        decoded = all_reduce_cpu(torch.tensor(self._decoded_tokens / self.parts.engine.group_size, dtype=torch.float64))
         return {"rollout/tokens": tokens, "rollout/decoded_per_token": float(decoded) / max(tokens, 1.0)}
 
     def _global_sum(self, value: float) -> float:
@@ -364,7 +371,7 @@ class Trainer:
         # Token statistics live on the last stage: reduce there, then broadcast to every stage.
         keys = ("adv_sum", "adv_sq", "adv_n", "kl_sum", "diff_max", "diff_sum")
         vec = None
-        if self.g.is_last_stage:
+        if self.groups.is_last_stage:
             a = adv[mask].double()
             kl = (old_lp - ref_lp)[mask].double().sum() if ref_lp is not None else torch.tensor(0.0)
             gap = logprob_mismatch(old_lp, batch["engine_logprobs"], mask,
@@ -374,8 +381,8 @@ class Trainer:
         vec = broadcast_from_last_stage(vec, (len(keys),), torch.float64)
         summed = self._dp_sum(torch.cat([vec[:4], vec[5:]]))
         diff_max = vec[4].clone()
-        if self.g.dp_size > 1:
-            diff_max = all_reduce_cpu(diff_max, op=dist.ReduceOp.MAX, group=self.g.dp)
+        if self.groups.dp_size > 1:
+            diff_max = all_reduce_cpu(diff_max, op=dist.ReduceOp.MAX, group=self.groups.dp)
         n_tok = max(float(summed[2]), 1.0)
         adv_mean = float(summed[0]) / n_tok
         lengths = [len(c.token_ids) for r in rollouts for c in r.sampled]
@@ -410,16 +417,16 @@ class Trainer:
     # ---- eval ----------------------------------------------------------------------------
     def evaluate(self) -> dict:
         """Greedy decoding on the held-out prompts; mean reward (eval/reward_mean)."""
-        p = self.p
-        selected = p.eval_prompts[: self.cfg.trainer.eval_prompts]
-        if len(selected) < self.g.dp_size:  # the same decision on every rank: no DP rank waits for another
+        parts = self.parts
+        selected = parts.eval_prompts[: self.cfg.trainer.eval_prompts]
+        if len(selected) < self.groups.dp_size:  # the same decision on every rank: no DP rank waits for another
             return {}
         prompts = self._local_share(selected)
         self.weight_sync()
         with self.offload.offloaded():
             rollouts = self._generate(prompts, 0)
         responses = [[(r.greedy.token_ids, self._decode(r.greedy.token_ids))] for r in rollouts]
-        scores, _ = p.scorer.score([q.token_ids for q in prompts], [q.text for q in prompts],
+        scores, _ = parts.scorer.score([q.token_ids for q in prompts], [q.text for q in prompts],
                                    [q.columns for q in prompts], [q.index for q in prompts], responses)
         for q, (resp,) in list(zip(prompts, responses))[: self.cfg.logging.sample_completions]:
             self.log.write(f"  [eval step {self.step}] {q.text!r} -> {resp[1]!r}")
@@ -427,13 +434,13 @@ class Trainer:
 
     # ---- checkpoints and preemption ----------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"sampler": self.p.sampler.state_dict(), "scheduler": self.p.scheduler.state_dict(),
-                "kl": self.p.kl.state_dict(), "skipped_updates": self.skipped_updates}
+        return {"sampler": self.parts.sampler.state_dict(), "scheduler": self.parts.scheduler.state_dict(),
+                "kl": self.parts.kl.state_dict(), "skipped_updates": self.skipped_updates}
 
     def save(self) -> str:
         c = self.cfg.checkpoint
-        path = save_checkpoint(c.dir, self.step, self.actor_module, self.p.optimizer, self.state_dict(),
-                               self.p.hf_dir, keep=c.keep)
+        path = save_checkpoint(c.dir, self.step, self.actor_module, self.parts.optimizer, self.state_dict(),
+                               self.parts.hf_dir, keep=c.keep)
         self.log.write(f"saved checkpoint {path}")
         return path
 
@@ -441,11 +448,11 @@ class Trainer:
         path = find_resume_checkpoint(self.cfg.checkpoint.dir, self.cfg.checkpoint.resume)
         if path is None:
             return
-        state = load_checkpoint(path, self.actor_module, self.p.optimizer)
+        state = load_checkpoint(path, self.actor_module, self.parts.optimizer)
         self.step = state["step"]
-        self.p.sampler.load_state_dict(state["sampler"])
-        self.p.scheduler.load_state_dict(state["scheduler"])
-        self.p.kl.load_state_dict(state["kl"])
+        self.parts.sampler.load_state_dict(state["sampler"])
+        self.parts.scheduler.load_state_dict(state["scheduler"])
+        self.parts.kl.load_state_dict(state["kl"])
         self.skipped_updates = state["skipped_updates"]
         print0(f"resumed from {path} at step {self.step}")
 

@@ -157,7 +157,7 @@ def _dp_update_body(rank, world, model_dir, tp, pp, micro_batch_size, out_path):
             world, model_dir, tp, pp,
             [f"trainer.micro_batch_size={micro_batch_size}", "optim.lr=1e-2", "optim.grad_clip=0",
              "optim.eps=1e-3", f"algo.loss_agg={mode}"])
-        g = trainer.g
+        g = trainer.groups
         batch = _batch()
         rows = batch["input_ids"].shape[0] // g.dp_size
         local = {k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()}
@@ -199,15 +199,14 @@ def _saved_forward_body(rank, world, model_dir, tp, pp, out_path):
             world, model_dir, tp, pp,
             ["trainer.micro_batch_size=4", "optim.lr=1e-2", "optim.grad_clip=0", "optim.eps=1e-3",
              "algo.kl_mode=reward"])
-        trainer.p.kl.coef = 0.3
-        trainer.p.reference = None
+        trainer.parts.kl.coef = 0.3
         batch = _batch()
         ref = -3.0 * torch.rand(8, 12, generator=torch.Generator().manual_seed(1))  # [B, S] reference log-probs
         old = trainer._logprobs(actor, batch) if separate else None
         update = trainer._train_on(batch, old, ref)
         results[separate] = {"stats": update.stats, "logprobs": update.logprobs, "advantages": update.advantages,
                              "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
-    if trainer.g.is_last_stage and trainer.g.tp_rank == 0:
+    if trainer.groups.is_last_stage and trainer.groups.tp_rank == 0:
         torch.save(results, out_path)
 
 
