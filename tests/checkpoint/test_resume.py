@@ -2,7 +2,8 @@
 
 - exact resume: 6 steps straight == 3 steps + resume for 3 (bitwise metrics on CPU); bf16 with fp32
   main weights: 4 == 2 + 2
-- resume at another layout (TP=2 -> PP=2): the first resumed step's loss equals the straight run's
+- resume at another layout (TP=2 -> PP=2) for 3 steps: losses, grad norms and final weights equal the
+  straight run's (optimizer state, scheduler and data order resharded)
 - SIGTERM mid-run: exit 0 after a checkpoint at a consistent step; the resumed run continues the data order
 - a truncated shard / missing manifest: error naming the file; resume=auto falls back with a warning
 - SIGKILL of one rank: the job exits non-zero within the timeout
@@ -95,16 +96,34 @@ def test_bf16_resume_restores_fp32_main_weights(model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_resume_at_another_layout(model_dir, straight, tmp_path):
+    """TP=2 checkpoint of step 3, resumed at PP=2 for 3 more steps: the losses and grad norms of steps 4-6
+    (each step's loss comes from the forward BEFORE its update, so steps 5 and 6 see the resharded Adam
+    state, scheduler and data order at work) and the final weights match the straight TP=2 run."""
+    from safetensors.torch import load_file
+
     out = str(tmp_path / "pp2")
     ckpt = os.path.join(straight, "checkpoints", "step_000003")
-    args = _args(model_dir, out, "trainer.steps=4", f"checkpoint.resume={ckpt}", "actor.pp=2")
+    args = _args(model_dir, out, "trainer.steps=6", f"checkpoint.resume={ckpt}", "actor.pp=2")
     _train([a if a != "actor.tp=2" else "actor.tp=1" for a in args])
-    (first,) = _metrics(out)
-    expected = _metrics(straight)[3]
-    assert first["step"] == 4 and expected["step"] == 4
-    assert abs(first["loss"] - expected["loss"]) < 1e-5
-    assert first["reward/sampled_mean"] == expected["reward/sampled_mean"]
-    assert (first["data/epoch"], first["data/position"]) == (expected["data/epoch"], expected["data/position"])
+    resumed, expected = _metrics(out), _metrics(straight)[3:]
+    assert [r["step"] for r in resumed] == [4, 5, 6] == [r["step"] for r in expected]
+    for got, want in zip(resumed, expected):
+        assert abs(got["loss"] - want["loss"]) < 1e-5, (got["step"], got["loss"], want["loss"])
+        assert abs(got["grad_norm"] - want["grad_norm"]) < 1e-4 * want["grad_norm"], got["step"]
+        assert got["reward/sampled_mean"] == want["reward/sampled_mean"]
+        assert (got["data/epoch"], got["data/position"]) == (want["data/epoch"], want["data/position"])
+    weights = {}
+    for name, run in (("resumed", out), ("straight", straight)):
+        hf = str(tmp_path / f"hf_{name}")
+        r = subprocess.run([sys.executable, "tools/convert_megatron_to_hf.py", "--ckpt",
+                            os.path.join(run, "checkpoints", "step_000006"), "--out", hf], cwd=ROOT,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        weights[name] = load_file(f"{hf}/model.safetensors")
+    initial = load_file(f"{model_dir}/model.safetensors")
+    moved = max((weights["straight"][k] - initial[k]).abs().max().item() for k in initial)
+    worst = max((weights["resumed"][k] - weights["straight"][k]).abs().max().item() for k in initial)
+    assert moved > 1e-3 and worst < 1e-5, (moved, worst)
 
 
 @pytest.mark.slow
