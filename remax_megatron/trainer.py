@@ -41,11 +41,11 @@ from remax_megatron.kernels import compute_advantages, remax_loss
 from remax_megatron.flops import forward_flops, peak_tflops
 from remax_megatron.memory import TrainStateOffload, phase_memory
 from remax_megatron.metrics import MetricsLogger, print0
-from remax_megatron.models.forward import broadcast_from_last_stage, forward_only, to_model_device
+from remax_megatron.models.forward import broadcast_from_last_stage, forward_only, run_schedule, to_model_device
 from remax_megatron.data.prompts import Prompt, PromptSampler
-from remax_megatron.models.gpt import PolicyModel, check_sequence_length, sequence_multiple
+from remax_megatron.models.gpt import PolicyModel, sequence_multiple
 from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer, finalize_grads
-from remax_megatron.parallel import ProcessGroups, all_reduce_cpu, cpu_compat
+from remax_megatron.parallel import ProcessGroups, all_reduce_cpu
 from remax_megatron.reward.scoring import RewardScorer
 from remax_megatron.rollout import RolloutEngine, SamplingParams, WeightSync, logprob_mismatch, pack_sequences, \
     stream_seed
@@ -279,8 +279,6 @@ class Trainer:
         cfg, model = self.cfg, self.actor_module
         off_policy = cfg.trainer.mini_batches > 1
         kl_in_loss = cfg.algo.kl_mode == "loss"
-        batches = iter(micro)
-
         def step_fn(data_iterator, ddp_model):
             mb = to_model_device(next(data_iterator), model)
             hidden = ddp_model(mb["input_ids"], _positions(mb["input_ids"]), attention_mask=None)
@@ -308,11 +306,7 @@ class Trainer:
 
             return hidden, loss_fn
 
-        check_sequence_length(self.actor_module, micro[0]["input_ids"].shape[1])
-        outputs = cpu_compat.forward_backward_func()(
-            forward_step_func=step_fn, data_iterator=batches, model=[self.parts.actor], num_microbatches=len(micro),
-            seq_length=micro[0]["input_ids"].shape[1], micro_batch_size=micro[0]["input_ids"].shape[0],
-            forward_only=False)
+        outputs = run_schedule(model, step_fn, micro, forward_only=False, wrapped=self.parts.actor)
         keys = LOSS_STATS
         vec = torch.zeros(len(keys), dtype=torch.float64)
         if self.groups.is_last_stage:

@@ -13,6 +13,22 @@ from remax_megatron.parallel import cpu_compat
 from remax_megatron.parallel.layout import comm_device
 
 
+def run_schedule(model, step_fn: Callable, micro_batches: list[dict], *, forward_only: bool,
+                 wrapped=None) -> list:
+    """megatron's pipeline schedule (any PP, on `model`'s own process groups) over micro-batches
+    with equal [b, s] `input_ids`; returns the loss functions' outputs (last stage; [] elsewhere).
+
+    step_fn(data_iterator, module) -> (output, loss_fn) is megatron's forward_step_func; `wrapped`:
+    the module the schedule runs (the DDP wrapper when training), default `model`.
+    """
+    b, s = micro_batches[0]["input_ids"].shape
+    check_sequence_length(model, s)
+    return cpu_compat.forward_backward_func(pp_size=model.pp_group.size())(
+        forward_step_func=step_fn, data_iterator=iter(micro_batches), model=[wrapped or model],
+        num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b, forward_only=forward_only,
+        **schedule_groups(model))
+
+
 @torch.no_grad()
 def forward_only(model, micro_batches: list[dict], head: Callable[[object, torch.Tensor, dict], object]) -> list:
     """Run micro-batches (dicts with `input_ids` [b, s], equal shapes) through all stages.
@@ -23,10 +39,7 @@ def forward_only(model, micro_batches: list[dict], head: Callable[[object, torch
     """
     if not micro_batches:
         return []
-    b, s = micro_batches[0]["input_ids"].shape
-    check_sequence_length(model, s)
     results: list = []
-    batches = iter(micro_batches)
 
     def step(data_iterator, module):
         batch = to_model_device(next(data_iterator), model)
@@ -37,10 +50,7 @@ def forward_only(model, micro_batches: list[dict], head: Callable[[object, torch
 
         return module.run(batch["input_ids"]), collect
 
-    cpu_compat.forward_backward_func(pp_size=model.pp_group.size())(
-        forward_step_func=step, data_iterator=batches, model=[model], num_microbatches=len(micro_batches),
-        seq_length=s, micro_batch_size=b, forward_only=True, **schedule_groups(model),
-    )
+    run_schedule(model, step, micro_batches, forward_only=True)
     return results
 
 
