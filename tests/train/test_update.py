@@ -228,3 +228,42 @@ def test_on_policy_update_without_the_separate_logprob_pass_is_unchanged(model_d
     assert abs(after["stats"]["grad_norm"] - before["stats"]["grad_norm"]) < 1e-6
     worst = max((after["weights"][k] - before["weights"][k]).abs().max().item() for k in before["weights"])
     assert worst < 1e-6, worst
+
+
+def _recompute_body(rank, world, model_dir, out_path):
+    """Forward calls of the transformer layers and of their core attention in one update of 2
+    micro-batches, per recompute mode (module forward hooks also fire when the backward re-runs them)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    counts = {}
+    for recompute in (None, "full", "selective"):
+        trainer, actor, _, _ = _trainer(world, model_dir, 1, 1, ["trainer.micro_batch_size=4"],
+                                        recompute_granularity=recompute)
+        calls = {"layer": 0, "core_attention": 0}
+
+        def count(key):
+            def hook(module, args, output):
+                calls[key] += 1
+            return hook
+
+        for module in actor.modules():
+            if isinstance(module, TransformerLayer):
+                module.register_forward_hook(count("layer"))
+                module.self_attention.core_attention.register_forward_hook(count("core_attention"))
+        trainer._train_on(_batch(), None, None)
+        counts[str(recompute)] = dict(calls)
+    torch.save(counts, out_path)
+
+
+@pytest.mark.slow
+def test_recompute_really_recomputes(model_dir, tmp_path):
+    """Recompute is proven by the forward calls, not by the config flag: full recompute runs every
+    layer again in the backward, selective only the core attention."""
+    out = tmp_path / "recompute.pt"
+    run_distributed(_recompute_body, world_size=1, args=(model_dir, str(out)))
+    counts = torch.load(out)
+    layers, micro_batches = 2, 2
+    once = layers * micro_batches
+    assert counts["None"] == {"layer": once, "core_attention": once}, counts
+    assert counts["full"] == {"layer": 2 * once, "core_attention": 2 * once}, counts
+    assert counts["selective"] == {"layer": once, "core_attention": 2 * once}, counts
