@@ -174,3 +174,52 @@ def test_reward_model_sequence_parallel_matches_transformers(models):
     with torch.no_grad():
         expected = hf(ids).logits.view(-1).float()
     run_distributed(_rm_body, world_size=2, args=(models["rm"], 2, 1, expected, True))
+
+
+def _rope_body(rank, world, model_dir, ids, expected):
+    from remax_megatron.models import build_policy, read_hf_config
+    from remax_megatron.models.forward import forward_only
+    from remax_megatron.parallel import ParallelLayout
+    from remax_megatron.weights import load_hf_weights
+
+    ParallelLayout(tp=world, pp=1, world_size=world).initialize()
+    arch = read_hf_config(model_dir)
+    assert arch.rope_scaling_factor == 8.0
+    model = build_policy(arch, tp=world, pp=1)
+    load_hf_weights(model, model_dir)
+    (logits,) = forward_only(model, [{"input_ids": ids}], lambda m, hidden, batch: m.full_logits(hidden))
+    err = (logits - expected).abs().max().item()
+    assert err < 1e-5, f"llama3 RoPE scaling: max |logits - transformers| = {err}"
+
+
+@pytest.mark.slow
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+    """rope_type=llama3 (factor 8, megatron's fixed low/high frequency factors and 8192 original
+    length) gives transformers' logits over 1024 positions, where the scaling moves them far more
+    than the tolerance."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(str(tmp_path / "llama3"), "llama", hidden=128, layers=2, heads=2, kv_heads=2, ffn=96,
+                           rope_theta=500000.0, max_positions=16384, seed=4)
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    plain = dict(config)
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config["rope_parameters"] = rope
+    config["rope_scaling"] = rope
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+    ids = torch.randint(4, config["vocab_size"], (1, 1024), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids).logits
+        unscaled_dir = str(tmp_path / "plain")
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).save_pretrained(unscaled_dir)
+        with open(f"{unscaled_dir}/config.json", "w") as f:
+            json.dump(plain, f)
+        unscaled = AutoModelForCausalLM.from_pretrained(unscaled_dir, dtype=torch.float32).eval()(ids).logits
+    moved = (expected - unscaled).abs().max().item()
+    assert moved > 1e-3, f"the scaling must matter at these positions (moved the logits by {moved})"
+    run_distributed(_rope_body, world_size=2, args=(path, ids, expected))
