@@ -1,0 +1,293 @@
+"""End-to-end benchmark: trained samples per second of the real trainer, optionally against TRL.
+
+    python tools/make_tiny_model.py --family llama --hidden 512 --layers 8 --heads 8 --kv-heads 4 \
+        --ffn 1408 --vocab 32003 --out /tmp/llama-60m
+    python tools/bench_e2e.py --hf-dir /tmp/llama-60m --peer trl --json e2e.json \
+        actor.tp=1 trainer.prompts_per_step=16 rollout.n=2 rollout.max_new_tokens=64 \
+        trainer.micro_batch_size=8 rollout.kv_cache_gib=0.5
+    torchrun --nproc_per_node=2 tools/bench_e2e.py --hf-dir HF --json e2e.json actor.tp=2
+
+Ours: the project's Trainer (remax_megatron.train check_inputs + build, then
+`Trainer.train_step`) for --warmup + --steps steps on `--config` (default the tiny
+CPU config) with actor.model=--hf-dir and the given dotted overrides. Per step:
+trained samples/s = rollout.n * trainer.prompts_per_step / time/step_s; the JSON
+reports medians over the steps after the warm-up.
+
+Greedy row: after the steps, the same prompts are decoded `--greedy-repeats` times
+with the n samples + greedy row (ReMax's request) and with the n samples alone,
+same seeds, alternating; `greedy_row.ratio` is compared with (n + 1) / n.
+
+--peer trl: TRL's GRPOTrainer (tools/bench_e2e_trl.py, in a subprocess of
+--peer-python) on the same model, prompts, n, max new tokens, reward functions,
+lr and micro-batching, beta=0, fp32. Generation: vLLM colocate first, and when that
+fails, transformers generate (the JSON says which, and why).
+
+Output: one JSON object (DESIGN.md, "Benchmark JSON"), printed and written to --json
+(rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+DEFAULT_CONFIG = os.path.join(REPO, "configs", "tiny_cpu.yaml")
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+# ---- ours ---------------------------------------------------------------------------------
+def bench_config(args, overrides: list[str], output_dir: str):
+    """The run's Config: --config, actor.model=--hf-dir, no eval / checkpoints / progress bar, then
+    the user's overrides (they win)."""
+    from remax_megatron.config import load_config
+
+    fixed = [f"actor.model={args.hf_dir}", f"trainer.steps={args.warmup + args.steps}",
+             f"trainer.output_dir={output_dir}", "trainer.eval_every=0", "checkpoint.save_every=0",
+             "logging.progress_bar=false", "logging.tensorboard=false"]
+    return load_config(args.config, fixed + list(overrides))
+
+
+def run_ours(args, overrides: list[str]) -> dict:
+    from remax_megatron.metrics import quiet_library_warnings
+
+    quiet_library_warnings()  # before megatron-core is imported
+    import torch
+
+    from remax_megatron.metrics import MetricsLogger
+    from remax_megatron.train import build, check_inputs
+    from remax_megatron.trainer import Trainer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    output_dir = tempfile.mkdtemp(prefix="bench-e2e-")
+    try:
+        cfg = bench_config(args, overrides, output_dir)
+        checked = check_inputs(cfg, world)
+    except (ValueError, FileNotFoundError) as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if cfg.rollout.n < 1:
+        print("error: rollout.n must be >= 1 to train", file=sys.stderr)
+        sys.exit(2)
+
+    t0 = time.perf_counter()
+    parts = build(cfg, checked)
+    build_s = time.perf_counter() - t0
+    logger = MetricsLogger(output_dir, cfg.trainer.steps, tensorboard=False, progress_bar=False)
+    trainer = Trainer(parts, logger)
+    records, cpu_s = [], []
+    for _ in range(cfg.trainer.steps):
+        cpu_start = time.process_time()  # every thread of this process (the vLLM engine's too)
+        record = trainer.train_step()
+        cpu_s.append(time.process_time() - cpu_start)
+        trainer.step += 1
+        logger.log(record)
+        records.append(record)
+    logger.close()
+    measured = records[args.warmup:]
+    samples = cfg.rollout.n * cfg.trainer.prompts_per_step
+    time_keys = sorted({k for r in measured for k in r if k.startswith("time/")})
+    groups = parts.groups
+    result = {
+        "samples_per_s": median([samples / r["time/step_s"] for r in measured]),
+        "stages": {k: median([r[k] for r in measured if k in r]) for k in time_keys},
+        "tokens_per_s": median([r["throughput/tokens_per_s"] for r in measured]),
+        "rollout_tokens_per_s": median([r["rollout/tokens"] / r["time/rollout_s"] for r in measured]),
+        "engine": cfg.rollout.engine,
+        "layout": {"world": world, "actor_tp": cfg.actor.tp, "actor_pp": cfg.actor.pp, "dp": groups.dp_size,
+                   "rollout_tp": cfg.rollout.tp},
+        "workload": {"model": args.hf_dir, "prompts_per_step": cfg.trainer.prompts_per_step, "n": cfg.rollout.n,
+                     "max_new_tokens": cfg.rollout.max_new_tokens, "micro_batch_size": cfg.trainer.micro_batch_size,
+                     "reward_functions": list(cfg.reward.functions), "lr": cfg.optim.lr, "dtype": cfg.actor.dtype,
+                     "kl": parts.reference is not None,
+                     "response_length_mean": median([r["response/length_mean"] for r in measured])},
+        "steps": args.steps, "warmup": args.warmup,
+        "step_s": [r["time/step_s"] for r in measured],
+        # CPU seconds per step (this rank): less sensitive than wall time to other jobs on a shared machine.
+        "cpu_s_per_step": median(cpu_s[args.warmup:]),
+        "cpu_s_per_sample": median(cpu_s[args.warmup:]) / samples,
+        "build_s": build_s,
+        # torch's threads after the run: vLLM's CPU build sets 1 in its process unless OMP_NUM_THREADS is set.
+        "threads": torch.get_num_threads(),
+    }
+    result["greedy_row"] = measure_greedy_row(trainer, checked["train"], args.greedy_repeats)
+    return result, cfg, checked
+
+
+def measure_greedy_row(trainer, train_prompts: list, repeats: int) -> dict:
+    """Seconds of ReMax's rollout (n samples + greedy per prompt) vs a sampling-only rollout of the
+    same prompts and seeds (median of `repeats` after one warm-up, the two alternating).
+
+    vLLM: both are the engine's request (rollout.vllm_engine.build_requests) sent to its LLM, the
+    sampling-only one without the greedy entries. Native: its request always carries a greedy row,
+    so the sampling-only cost is measured as n - 1 samples + greedy (n rows per prompt; a native row
+    costs the same sampled or greedy)."""
+    import torch
+    import torch.distributed as dist
+
+    from remax_megatron.rollout import SamplingParams, stream_seed
+    from remax_megatron.trainer import _share
+
+    cfg, engine, groups = trainer.cfg, trainer.parts.engine, trainer.groups
+    n = cfg.rollout.n
+    prompts = trainer._local_share(train_prompts[:cfg.trainer.prompts_per_step])
+    if engine.group_size == 1 and groups.mp_size > 1:  # as in training: each rank decodes its share
+        lo, hi = _share(len(prompts), groups.mp_size, groups.mp_rank)
+        prompts = prompts[lo:hi]
+    ids = [q.token_ids for q in prompts]
+    sampling = SamplingParams.from_config(cfg.rollout)
+    trainer.weight_sync()  # the engine holds the current weights (whatever the last step left)
+
+    if engine.name == "vllm":
+        from vllm import SamplingParams as VllmParams
+
+        from remax_megatron.rollout.vllm_engine import build_requests
+
+        method = "vLLM request with vs without its greedy entries"
+
+        def rollout(seeds, greedy):
+            engine.wake_up()
+            reqs, params = build_requests(ids, n, sampling, seeds, VllmParams)
+            if not greedy:
+                reqs, params = reqs[0::2], params[0::2]
+            engine.llm.generate(reqs, params, use_tqdm=False)
+    else:
+        method = "native: n samples + greedy vs n - 1 samples + greedy (same row count as sampling-only)"
+
+        def rollout(seeds, greedy):
+            engine.generate(ids, n=n if greedy else n - 1, sampling=sampling, seeds=seeds)
+
+    with_greedy, sampling_only = [], []
+    for r in range(repeats + 1):
+        seeds = [stream_seed(cfg.trainer.seed, 1_000_000 + r, i) for i in range(len(ids))]
+        for greedy in ((True, False) if r % 2 == 0 else (False, True)):
+            dist.barrier()
+            start = time.perf_counter()
+            rollout(seeds, greedy)
+            # The slowest rank's time: a step waits for it.
+            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if r > 0:  # r == 0 warms both up
+                (with_greedy if greedy else sampling_only).append(float(elapsed))
+    engine.sleep()
+    ratio = median(with_greedy) / median(sampling_only)
+    return {"with_greedy_s": median(with_greedy), "sampling_only_s": median(sampling_only), "ratio": ratio,
+            "bound": (n + 1) / n, "within_bound": ratio <= (n + 1) / n, "repeats": repeats,
+            "with_greedy_times": with_greedy, "sampling_only_times": sampling_only, "method": method}
+
+
+# ---- the peer -----------------------------------------------------------------------------
+def peer_spec(args, cfg, checked, result: dict) -> dict:
+    """What tools/bench_e2e_trl.py needs to run the same work through TRL."""
+    if cfg.reward.model:
+        raise ValueError("--peer trl compares rule-based rewards only: this config has reward.model set")
+    if cfg.algo.kl_coef:
+        print("note: --peer trl runs TRL with beta=0 (no KL) while this config has algo.kl_coef="
+              f"{cfg.algo.kl_coef}", file=sys.stderr)
+    train = checked["train"]
+    # The prompts of the measured run, in the order our sampler used them (shuffle or not, every step
+    # draws prompts_per_step distinct rows: TRL gets as many rows as it will consume).
+    needed = (args.warmup + args.steps) * cfg.trainer.prompts_per_step
+    rows = [dict(q.columns, prompt=q.text) for q in (train * (needed // len(train) + 1))[:needed]]
+    return {
+        "hf_dir": checked["actor_dir"], "rows": rows, "steps": args.warmup + args.steps, "warmup": args.warmup,
+        "prompts_per_step": cfg.trainer.prompts_per_step, "n": cfg.rollout.n,
+        "max_new_tokens": cfg.rollout.max_new_tokens, "max_prompt_tokens": cfg.data.max_prompt_tokens,
+        "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k,
+        "micro_batch_size": cfg.trainer.micro_batch_size, "lr": cfg.optim.lr, "grad_clip": cfg.optim.grad_clip,
+        "weight_decay": cfg.optim.weight_decay, "seed": cfg.trainer.seed,
+        "reward_functions": list(cfg.reward.functions), "reward_weights": list(cfg.reward.weights),
+        "reward_options": {"pattern": cfg.reward.format_pattern, "tolerance": cfg.reward.numeric_tolerance,
+                           "limit": cfg.reward.length_limit},
+        # Same KV-cache budget as our engine (on CPU vLLM's memory fraction is of host memory).
+        "kv_cache_gib": cfg.rollout.kv_cache_gib or 0.5,
+    }
+
+
+def run_peer(args, spec: dict) -> dict:
+    """TRL in a subprocess: vLLM colocate first, transformers generate when that fails."""
+    modes = ["vllm", "transformers"] if args.peer_generation == "auto" else [args.peer_generation]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                        "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
+    failures = {}
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-trl-") as tmp:
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        for mode in modes:
+            out = os.path.join(tmp, f"{mode}.json")
+            cmd = [args.peer_python, os.path.join(REPO, "tools", "bench_e2e_trl.py"), "--spec", spec_path,
+                   "--generation", mode, "--out", out]
+            print(f"peer: {' '.join(cmd)}", file=sys.stderr, flush=True)
+            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  timeout=args.peer_timeout)
+            log_path = os.path.join(args.peer_log_dir, f"trl_{mode}.log") if args.peer_log_dir else None
+            if log_path:
+                with open(log_path, "w") as f:
+                    f.write(proc.stdout)
+            if proc.returncode == 0 and os.path.exists(out):
+                with open(out) as f:
+                    peer = json.load(f)
+                peer["fallback_from"] = failures
+                return peer
+            tail = [line for line in proc.stdout.strip().splitlines() if line.strip()][-3:]
+            failures[mode] = f"exit {proc.returncode}: " + " | ".join(tail)
+            print(f"peer: TRL with {mode} generation failed ({failures[mode]})", file=sys.stderr, flush=True)
+    raise RuntimeError(f"TRL failed in every generation mode: {failures}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-dir", required=True, help="the actor's Hugging Face directory")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config the overrides apply to")
+    p.add_argument("--json", default=None, help="write the result here (rank 0)")
+    p.add_argument("--steps", type=int, default=4, help="measured steps, after --warmup")
+    p.add_argument("--warmup", type=int, default=1, help="steps left out of the medians")
+    p.add_argument("--greedy-repeats", type=int, default=3, help="timed rollouts per greedy-row variant")
+    p.add_argument("--peer", choices=["trl"], default=None, help="also run TRL's GRPOTrainer on the same work")
+    p.add_argument("--peer-python", default=sys.executable, help="python that can import trl")
+    p.add_argument("--peer-generation", choices=["auto", "vllm", "transformers"], default="auto",
+                   help="TRL's generation backend; auto: vLLM colocate, else transformers generate")
+    p.add_argument("--peer-timeout", type=int, default=3600, help="seconds per TRL attempt")
+    p.add_argument("--peer-log-dir", default=None, help="keep the TRL subprocesses' output here")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. actor.tp=1 rollout.n=2")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.greedy_repeats < 1:
+        p.error("--steps and --greedy-repeats must be >= 1, --warmup >= 0")
+
+    load_start = os.getloadavg()
+    result, cfg, checked = run_ours(args, args.overrides)
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if args.peer and rank == 0:
+        peer = run_peer(args, peer_spec(args, cfg, checked, result))
+        result.update(peer_samples_per_s=peer["samples_per_s"], ratio=result["samples_per_s"] / peer["samples_per_s"],
+                      cpu_ratio=peer["cpu_s_per_sample"] / result["cpu_s_per_sample"], peer=peer)
+    if rank == 0:
+        # A shared machine's load moves every number here: say what it was.
+        result["machine"] = {"cpus": os.cpu_count(), "loadavg_1_5_15_start": load_start,
+                             "loadavg_1_5_15_end": os.getloadavg(),
+                             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+        text = json.dumps(result, indent=2)
+        print(text, flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

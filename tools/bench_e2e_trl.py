@@ -1,0 +1,145 @@
+"""The peer of tools/bench_e2e.py: TRL's GRPOTrainer on the work described by a spec file.
+
+    python tools/bench_e2e_trl.py --spec spec.json --generation vllm|transformers --out peer.json
+
+Run by `bench_e2e.py --peer trl` (one process, world 1) with a python that can import trl;
+not a project dependency. The spec (bench_e2e.peer_spec) gives the model, the prompt rows,
+n, max new tokens, sampling, lr, micro-batch size and the reward functions; the run uses
+the project's reward functions (remax_megatron.reward.RewardFunctions) so both sides score
+the same way.
+
+Configuration (the same work as ours, in TRL's fastest setting that runs on CPU):
+beta=0 (no reference model), one generation and one optimizer step per prompts_per_step *
+n completions (gradient accumulation over micro-batches of our size), fp32 (bf16=False, as
+ours), no gradient checkpointing, no importance-sampling correction (it costs an extra
+forward; ours has none either). Generation: vLLM colocate (`--generation vllm`) with a
+KV cache of the spec's size, or transformers generate.
+
+Seconds per step: the wall time between consecutive optimizer steps (on_step_end), so
+generation, rewards, forward/backward and TRL's own bookkeeping all count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def make_reward(spec: dict, columns: list[str]):
+    """The project's weighted reward functions with TRL's reward-function signature."""
+    from remax_megatron.reward import RewardFunctions
+
+    functions = RewardFunctions(spec["reward_functions"], spec["reward_weights"], spec["reward_options"])
+
+    def remax_reward(prompts, completions, **kwargs):
+        total, _ = functions(list(prompts), list(completions), {k: list(kwargs[k]) for k in columns},
+                             list(range(len(prompts))))
+        return total
+
+    remax_reward.__name__ = "+".join(spec["reward_functions"])
+    return remax_reward
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spec", required=True)
+    p.add_argument("--generation", choices=["vllm", "transformers"], required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    with open(args.spec) as f:
+        spec = json.load(f)
+
+    import torch
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = spec["rows"]
+    columns = [k for k in rows[0] if k != "prompt"]
+    samples = spec["prompts_per_step"] * spec["n"]
+    mbs = spec["micro_batch_size"]
+    if samples % mbs:
+        raise ValueError(f"prompts_per_step * n = {samples} is not divisible by micro_batch_size={mbs}")
+    use_vllm = args.generation == "vllm"
+    config = dict(
+        per_device_train_batch_size=mbs, gradient_accumulation_steps=samples // mbs,
+        num_generations=spec["n"], max_completion_length=spec["max_new_tokens"],
+        temperature=spec["temperature"], top_p=spec["top_p"], top_k=spec["top_k"],
+        learning_rate=spec["lr"], max_grad_norm=spec["grad_clip"] or 1e9, weight_decay=spec["weight_decay"],
+        lr_scheduler_type="constant", beta=0.0, num_iterations=1, max_steps=spec["steps"], seed=spec["seed"],
+        bf16=False, gradient_checkpointing=False, use_cpu=True, logging_steps=1, save_strategy="no",
+        report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+        use_vllm=use_vllm,
+    )
+    if use_vllm:
+        # vLLM's CPU build sizes the KV cache as (memory fraction x host memory - this process's RSS), which
+        # a training process overdraws; its own CPU knob sets the size instead (whole GiB, >= ours).
+        kv_gib = max(1, math.ceil(spec["kv_cache_gib"]))
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+        config.update(vllm_mode="colocate", vllm_importance_sampling_correction=False,
+                      vllm_max_model_length=spec["max_prompt_tokens"] + spec["max_new_tokens"])
+    out_dir = tempfile.mkdtemp(prefix="bench-e2e-trl-")
+    grpo_args = GRPOConfig(output_dir=out_dir, **config)
+
+    step_ends: list[float] = []
+    cpu_ends: list[float] = []  # process CPU seconds at the same points
+    history: list[dict] = []  # TRL's log records (completion lengths, rewards)
+
+    class StepClock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            step_ends.append(time.perf_counter())
+            cpu_ends.append(time.process_time())
+
+        def on_step_end(self, *a, **k):
+            step_ends.append(time.perf_counter())
+            cpu_ends.append(time.process_time())
+
+        def on_log(self, _args, _state, _control, logs=None, **k):
+            if logs:
+                history.append(dict(logs))
+
+    tokenizer = AutoTokenizer.from_pretrained(spec["hf_dir"])
+    t0 = time.perf_counter()
+    trainer = GRPOTrainer(model=spec["hf_dir"], reward_funcs=make_reward(spec, columns), args=grpo_args,
+                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[StepClock()])
+    build_s = time.perf_counter() - t0
+    trainer.train()
+    step_s = [b - a for a, b in zip(step_ends, step_ends[1:])][spec["warmup"]:]
+    if not step_s:
+        raise RuntimeError(f"TRL ran {len(step_ends) - 1} steps, none after the {spec['warmup']} warm-up steps")
+    cpu_s = [b - a for a, b in zip(cpu_ends, cpu_ends[1:])][spec["warmup"]:]
+    lengths = [entry["completions/mean_length"] for entry in history if "completions/mean_length" in entry]
+    result = {
+        "samples_per_s": samples / statistics.median(step_s),
+        "step_s": step_s,
+        "cpu_s_per_step": statistics.median(cpu_s),
+        "cpu_s_per_sample": statistics.median(cpu_s) / samples,
+        "build_s": build_s,
+        "response_length_mean": statistics.median(lengths[spec["warmup"]:] or lengths) if lengths else None,
+        "config": {
+            "trainer": "trl.GRPOTrainer", "trl": trl.__version__, "transformers": transformers.__version__,
+            "torch": torch.__version__, "generation": "vllm colocate" if use_vllm else "transformers generate",
+            "threads": torch.get_num_threads(), **{k: v for k, v in config.items() if k != "report_to"},
+        },
+    }
+    if use_vllm:
+        import vllm
+
+        result["config"].update(vllm=vllm.__version__, VLLM_CPU_KVCACHE_SPACE=kv_gib)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
