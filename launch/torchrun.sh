@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Single-node launch: one torchrun with one process per GPU, overrides passed through.
+# Single-node launch: one process per GPU under remax_megatron.launch (torchrun's agent, with
+# SIGTERM / SIGUSR1 forwarded to the workers, which save and exit 0, and the workers' exit code),
+# overrides passed through.
 #
 #   bash launch/torchrun.sh configs/tiny_cpu.yaml actor.tp=2 trainer.steps=10
 #   NPROC=4 bash launch/torchrun.sh CONFIG ...        # 4 processes (e.g. 4 of 8 GPUs, or 4 on CPU)
@@ -8,7 +10,8 @@
 # Process count: NPROC if set, else the visible GPUs (CUDA_VISIBLE_DEVICES, else
 # nvidia-smi), else 1 on a machine without GPUs. --standalone lets torchrun pick a
 # free rendezvous port, so two single-node jobs on one machine do not collide.
-# Environment: TORCHRUN (default: torchrun), DRY_RUN, NPROC.
+# Environment: DRY_RUN, NPROC, PYTHON (default: python), TORCHRUN (a plain torchrun command
+# instead of the launcher: stop signals then kill it, see remax_megatron/launch.py).
 set -euo pipefail
 
 usage="usage: bash launch/torchrun.sh CONFIG.yaml [key=value ...]"
@@ -60,7 +63,12 @@ else
   fi
 fi
 
-cmd=("${TORCHRUN:-torchrun}" --standalone --nnodes=1 "--nproc_per_node=$nproc"
+if [[ -n ${TORCHRUN:-} ]]; then
+  launcher=("$TORCHRUN")
+else
+  launcher=("${PYTHON:-python}" -m remax_megatron.launch)
+fi
+cmd=("${launcher[@]}" --standalone --nnodes=1 "--nproc_per_node=$nproc"
   -m remax_megatron.train --config "$config" "$@")
 
 if [[ ${DRY_RUN:-0} == 1 ]]; then

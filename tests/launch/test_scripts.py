@@ -20,7 +20,8 @@ TORCHRUN_SH = os.path.join(REPO, "launch", "torchrun.sh")
 EXAMPLE = os.path.join(REPO, "launch", "slurm", "example_2x8.sh")
 SLURM_KEYS = ("SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_JOB_ID", "SLURM_GPUS_ON_NODE",
               "SLURM_GPUS_PER_NODE", "SLURM_SUBMIT_DIR", "SLURM_RESTART_COUNT", "SLURM_CPUS_ON_NODE",
-              "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "NNODES", "NPROC", "DRY_RUN", "CUDA_VISIBLE_DEVICES")
+              "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "NNODES", "NPROC", "DRY_RUN", "CUDA_VISIBLE_DEVICES",
+              "PYTHON", "TORCHRUN")
 
 
 @pytest.fixture
@@ -65,11 +66,11 @@ def test_sbatch_dry_run_prints_both_nodes(config):
     cmds = _commands(r.stdout)
     assert list(cmds) == ["node 0: node01", "node 1: node02"]
     for rank, argv in enumerate(cmds.values()):
-        assert argv[0] == "torchrun"
+        assert argv[:3] == ["python", "-m", "remax_megatron.launch"]
         for flag in ("--nnodes=2", "--nproc_per_node=8", f"--node_rank={rank}", "--rdzv_backend=c10d",
                      "--rdzv_endpoint=node01:29500", "--rdzv_id=4242"):
             assert flag in argv, (flag, argv)
-        tail = argv[argv.index("-m"):]
+        tail = argv[argv.index("remax_megatron.train") - 1:]
         assert tail == ["-m", "remax_megatron.train", "--config", config, "actor.tp=2", "trainer.steps=3",
                         "checkpoint.resume=auto"]
     assert "NCCL_DEBUG=WARN" in r.stdout
@@ -131,15 +132,17 @@ def test_sbatch_outside_slurm_refuses_real_run(config):
 
 
 def _fake_cluster(tmp_path, srun_sleep=0):
-    """srun that runs the task once per node with SLURM_NODEID set; torchrun that logs its argv."""
+    """srun that runs the task once per node with SLURM_NODEID set (and logs a USR1 it receives, as the
+    real srun forwards it to the tasks); python (the launcher's interpreter) that logs its argv."""
     d = str(tmp_path / "bin")
     os.makedirs(d)
     log = tmp_path / "calls.log"
     _fake(d, "srun", f'echo "srun $*" >> {log}\n'
           'while [[ $1 == --* ]]; do shift; done\n'
-          f'sleep {srun_sleep}\n'
+          f'trap \'echo "srun got USR1" >> {log}; exit 0\' USR1\n'
+          f'sleep {srun_sleep} & wait $!\n'
           'for ((i = 0; i < 2; i++)); do SLURM_NODEID=$i "$@"; done\n')
-    _fake(d, "torchrun", f'echo "torchrun $*" >> {log}\n')
+    _fake(d, "python", f'echo "python $*" >> {log}\n')
     _fake(d, "scontrol", 'if [[ "$1 $2" == "show hostnames" ]]; then printf "h1\\nh2\\n"; exit 0; fi\n'
           f'echo "scontrol $*" >> {log}\n')
     return d, log
@@ -173,14 +176,17 @@ def test_usr1_requeues_the_job(config, tmp_path):
     p.send_signal(signal.SIGUSR1)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 0, err                 # kept waiting for srun after the trap
-    assert "scontrol requeue 99" in log.read_text()
+    calls = log.read_text().splitlines()
+    # the workers are stopped first (they save), the job is requeued once they have exited
+    assert calls.index("srun got USR1") < calls.index("scontrol requeue 99"), calls
     assert "requeueing job 99" in err
 
 
 def test_torchrun_sh_dry_run_and_gpu_count(config):
     r = _run(TORCHRUN_SH, [config, "actor.tp=2"], DRY_RUN="1", NPROC="3")
-    assert shlex.split(r.stdout) == ["torchrun", "--standalone", "--nnodes=1", "--nproc_per_node=3", "-m",
-                                     "remax_megatron.train", "--config", config, "actor.tp=2"]
+    assert shlex.split(r.stdout) == ["python", "-m", "remax_megatron.launch", "--standalone", "--nnodes=1",
+                                     "--nproc_per_node=3", "-m", "remax_megatron.train", "--config", config,
+                                     "actor.tp=2"]
     r = _run(TORCHRUN_SH, [config], DRY_RUN="1", CUDA_VISIBLE_DEVICES="0,1,2,3")
     assert "--nproc_per_node=4" in shlex.split(r.stdout)
     r = _run(TORCHRUN_SH, [config], DRY_RUN="1", CUDA_VISIBLE_DEVICES="")

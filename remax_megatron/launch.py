@@ -1,0 +1,97 @@
+"""The job launcher: torchrun whose stop signals reach the workers and whose exit code is theirs.
+
+    python -m remax_megatron.launch --nproc_per_node=2 -m remax_megatron.train --config configs/tiny_cpu.yaml
+    (torchrun's arguments, unchanged; launch/torchrun.sh and launch/slurm/remax.sbatch run it)
+
+It is torchrun (`torch.distributed.run`: same arguments, same elastic agent, same rendezvous)
+with three differences, each a fix of what plain torchrun does to a job that must stop cleanly:
+
+- SIGTERM and SIGUSR1 (a scheduler's stop and its warning) sent to the launcher are forwarded
+  to the workers and the launcher then waits for them as long as they take: each worker finishes
+  its step, saves a checkpoint and exits 0, and so does the job. Plain torchrun dies on SIGUSR1
+  (exit 138) leaving its workers training, and on SIGTERM kills the workers 30 s later
+  (`--shutdown-timeout`) whether their checkpoint is written or not, then exits 1 with a traceback.
+- The exit code is the workers': the first failed rank's (2 when the input was refused), and a
+  worker that printed its own one-line error is not followed by torchrun's ~35-line report. A
+  worker killed by a signal is named in one line (exit 128 + the signal's number).
+- The workers get REMAX_LAUNCHER=1, so they know no kill grace is running after a stop signal.
+
+SIGINT, SIGHUP and SIGQUIT keep torchrun's handling (forwarded; workers killed after the grace).
+Torch's own launcher log lines are hidden unless LOGLEVEL is set (e.g. LOGLEVEL=WARNING).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
+LAUNCHER_ENV = "REMAX_LAUNCHER"
+
+
+def _workers() -> list[int]:
+    """The pids of this process's children: the elastic agent starts every worker directly."""
+    import psutil
+
+    return [child.pid for child in psutil.Process().children(recursive=False)]
+
+
+def _forward(signum, frame) -> None:
+    """SIGTERM / SIGUSR1: hand it to every worker; the agent keeps waiting for them to exit."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    workers = _workers()
+    if not workers:  # still in the rendezvous: nothing was started, nothing to save
+        raise SignalException(f"{signal.Signals(signum).name} before the workers started", signal.Signals(signum))
+    for pid in workers:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _without_ours(signals: str) -> str:
+    """torchrun's --signals-to-handle less SIGTERM and SIGUSR1 (ours); SIGINT, SIGHUP, SIGQUIT stay its."""
+    ours = {sig.name for sig in FORWARDED}
+    return ",".join(s.strip() for s in signals.split(",") if s.strip() and s.strip() not in ours)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    argv = sys.argv[1:] if argv is None else argv
+    # torch's launcher logs (its OMP_NUM_THREADS banner, "failed (exitcode: 2) local_rank: 0 ...")
+    # repeat what the workers and this launcher say in one line; LOGLEVEL=WARNING shows them again.
+    level = os.environ.get("LOGLEVEL", "CRITICAL")
+    for name, log in list(logging.root.manager.loggerDict.items()):
+        if name.startswith("torch.distributed") and isinstance(log, logging.Logger):
+            log.setLevel(level)
+    os.environ[LAUNCHER_ENV] = "1"
+    args = torchrun.parse_args(argv)
+    args.signals_to_handle = _without_ours(args.signals_to_handle)
+    if "OMP_NUM_THREADS" not in os.environ and args.nproc_per_node not in ("1", 1):
+        os.environ["OMP_NUM_THREADS"] = "1"  # what torchrun sets (without its banner)
+    for sig in FORWARDED:
+        signal.signal(sig, _forward)
+    try:
+        torchrun.run(args)
+    except ChildFailedError as e:
+        failed = {r: f for r, f in e.failures.items() if f.exitcode > 0}
+        if failed:  # the worker said why in its own line
+            sys.exit(failed[min(failed)].exitcode)
+        rank, failure = e.get_first_failure()
+        print(f"error: rank {rank} (pid {failure.pid}) died from {failure.signal_name()}", file=sys.stderr,
+              flush=True)
+        sys.exit(128 - failure.exitcode if failure.exitcode < 0 else 1)
+    except SignalException as e:
+        print(f"error: launcher stopped by {e.sigval.name}; the workers were stopped", file=sys.stderr,
+              flush=True)
+        sys.exit(128 + int(e.sigval))
+
+
+if __name__ == "__main__":
+    main()
