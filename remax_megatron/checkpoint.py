@@ -81,6 +81,32 @@ def save_checkpoint(root: str, step: int, model, optimizer, trainer_state: dict,
     return final
 
 
+def preemption_save_refusal(signal_name: str, save_seconds: float, environ=None, parent_pid: int | None = None
+                            ) -> str | None:
+    """Why a save on a stop signal would be killed half-way, or None when it may start.
+
+    Plain torchrun forwards SIGTERM to its workers and SIGKILLs them `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`
+    (default 30) seconds later: a save expected to take longer (`save_seconds`, the last save's
+    duration agreed over the ranks; 0 when unknown) is refused up front, with the numbers, and the
+    previous checkpoint stays the newest. No grace runs under remax_megatron.launch (REMAX_LAUNCHER),
+    on SIGUSR1 (torchrun does not handle it), or once the launcher is gone (`parent_pid`, default
+    REMAX_LAUNCHER_PID noted by train.main at start-up, is no longer this process's parent).
+    """
+    env = os.environ if environ is None else environ
+    if signal_name != "SIGTERM" or "TORCHELASTIC_RUN_ID" not in env or env.get("REMAX_LAUNCHER") == "1":
+        return None
+    if parent_pid is None and env.get("REMAX_LAUNCHER_PID", "").isdigit():  # noted by train.main
+        parent_pid = int(env["REMAX_LAUNCHER_PID"])
+    if parent_pid is not None and os.getppid() != parent_pid:
+        return None
+    grace = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+    if save_seconds <= grace * 0.8:  # a margin for the step's end and the rename
+        return None
+    return (f"not saving: the last save took {save_seconds:.0f} s and plain torchrun kills its workers "
+            f"{grace:.0f} s after forwarding SIGTERM (TORCH_ELASTIC_SHUTDOWN_TIMEOUT / --shutdown-timeout); "
+            "launch with python -m remax_megatron.launch (it waits for the save) or raise that timeout")
+
+
 def _write(tmp: str, final: str, root: str, step: int, model, optimizer, trainer_state: dict, hf_dir: str) -> None:
     """The collective body of save_checkpoint: preflight, shards, checksums, manifest, rename."""
     from megatron.core import dist_checkpointing

@@ -1,10 +1,14 @@
-"""Rank-aware output in one place: print0, metrics.jsonl, TensorBoard, optional wandb, a tqdm bar."""
+"""Rank-aware output in one place: print0, library warnings, metrics.jsonl, TensorBoard, optional
+wandb, a tqdm bar."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
+import warnings
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -18,22 +22,61 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
+def quiet_library_warnings(rank: int | None = None) -> None:
+    """The one place that decides which library warnings a run shows; call it before megatron-core
+    is imported (train.main does). Nothing changes when the user chose with -W / PYTHONWARNINGS.
+
+    megatron-core warns at import and at model build, on every rank: Apex / Transformer Engine
+    missing (once per module, five times), "full scope is deprecated" (its own `cuda_graph_scope`
+    default, nothing a user set) and CUDA_DEVICE_MAX_CONNECTIONS (meaningless without CUDA); a
+    resume adds FutureWarnings of torch's checkpoint API that megatron's dist_checkpointing uses.
+    Ranks other than 0 show no megatron-core warning at all (rank 0 shows the same ones); rank 0
+    drops the deprecation and, on CPU, the CUDA one, and says the Apex / Transformer Engine fallback
+    once, on a GPU only (on CPU the local fallbacks are the only path anyway).
+    """
+    if sys.warnoptions:
+        return
+    import importlib.util
+
+    import torch
+
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed", module="megatron")
+    warnings.filterwarnings("ignore", message="full scope is deprecated", module="megatron")
+    if not torch.cuda.is_available():
+        warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS", module="megatron")
+    # Deprecations inside the checkpoint libraries' own calls (ShardedTensor, load_state_dict): not the user's.
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"megatron\.core\.dist_checkpointing")
+        warnings.filterwarnings("ignore", category=category, module=r"torch\.distributed\.checkpoint")
+    if rank != 0:
+        warnings.filterwarnings("ignore", module="megatron")
+    elif torch.cuda.is_available() and not any(importlib.util.find_spec(m) for m in ("apex", "transformer_engine")):
+        warnings.warn("neither Apex nor Transformer Engine is installed: megatron-core uses its local (slower) "
+                      "fused-op fallbacks", stacklevel=2)
+
+
 class MetricsLogger:
-    """One sink for training and eval records; everything is a no-op off rank 0."""
+    """One sink for training and eval records; everything is a no-op off rank 0.
+
+    Nothing is written before the first record: a run that fails before it has trained or evaluated
+    anything leaves the output directory as it was (no metrics.jsonl, no TensorBoard events, and
+    `on_first_record` -- train.py writes config.yaml there -- is not called). The first record's
+    step also tells where this run starts: rows of an earlier attempt at that step or later (a
+    resume from an older checkpoint than the newest, e.g. after a corrupt one was skipped) are
+    moved from metrics.jsonl to metrics.superseded.jsonl, and TensorBoard purges them.
+    """
 
     def __init__(self, output_dir: str, total_steps: int, start_step: int = 0, tensorboard: bool = True,
-                 wandb_project: str = "", progress_bar: bool = True, config: dict | None = None):
+                 wandb_project: str = "", progress_bar: bool = True, config: dict | None = None,
+                 on_first_record: Callable[[], None] | None = None):
         self.active = is_rank0()
+        self.output_dir, self.tensorboard, self.on_first_record = output_dir, tensorboard, on_first_record
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self.tb = self.wandb = self.bar = None
+        self.file = self.tb = self.wandb = self.bar = None
+        self.records = 0
         if not self.active:
             return
-        os.makedirs(output_dir, exist_ok=True)
-        self.file = open(self.path, "a")
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
         if wandb_project:
             try:
                 import wandb
@@ -46,9 +89,27 @@ class MetricsLogger:
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="remax", dynamic_ncols=True)
 
+    def _start(self, first_step: int) -> None:
+        """Open the sinks at the first record, `first_step` being its step."""
+        os.makedirs(self.output_dir, exist_ok=True)
+        superseded = _split_metrics(self.path, first_step)
+        if superseded:
+            self.write(f"metrics: {superseded} rows of steps >= {first_step} from an earlier attempt moved to "
+                       f"{os.path.join(self.output_dir, SUPERSEDED)}")
+        self.file = open(self.path, "a")
+        if self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(self.output_dir, "tensorboard"), purge_step=first_step)
+        if self.on_first_record is not None:
+            self.on_first_record()
+
     def log(self, record: dict) -> None:
         if not self.active:
             return
+        if self.file is None:
+            self._start(int(record["step"]))
+        self.records += 1
         clean = {k: (float(v) if not isinstance(v, (int, str)) else v) for k, v in record.items()}
         self.file.write(json.dumps(clean, allow_nan=True) + "\n")
         self.file.flush()
@@ -79,10 +140,39 @@ class MetricsLogger:
     def close(self) -> None:
         if not self.active:
             return
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.tb is not None:
             self.tb.close()
         if self.bar is not None:
             self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+SUPERSEDED = "metrics.superseded.jsonl"
+
+
+def _split_metrics(path: str, first_step: int) -> int:
+    """Move the rows of `path` whose step is >= first_step to metrics.superseded.jsonl (appended),
+    keeping the rest in order; returns how many moved. Rewritten atomically."""
+    if not os.path.isfile(path):
+        return 0
+    keep, moved = [], []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                step = json.loads(line).get("step")
+            except (ValueError, AttributeError):
+                step = None
+            (moved if isinstance(step, (int, float)) and step >= first_step else keep).append(line)
+    if moved:
+        with open(os.path.join(os.path.dirname(path), SUPERSEDED), "a") as f:
+            f.writelines(moved)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, path)
+    return len(moved)

@@ -1,17 +1,22 @@
 """Entry point: ReMax training.
 
+    python -m remax_megatron.launch --nproc_per_node=2 -m remax_megatron.train --config configs/tiny_cpu.yaml [key=value ...]
     torchrun --nproc_per_node=2 -m remax_megatron.train --config configs/tiny_cpu.yaml [key=value ...]
     python -m remax_megatron.train --config configs/tiny_cpu.yaml actor.tp=1 trainer.steps=5
 
 Everything a user can get wrong (config keys and values, layout vs world size,
-model files, data, reward functions) is checked before any process group,
-model or output file is created; a mistake is one line on stderr and exit 2.
+model files, data, reward functions, output and checkpoint directories) is
+checked before any process group, model or output file is created; a mistake is
+one line on stderr and exit 2. Later failures are one line too, exit 1; SIGTERM /
+SIGUSR1 stop at a step boundary with a checkpoint, exit 0 (README: "Errors and
+exit codes"; remax_megatron.launch makes the launcher exit with these codes).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import torch
@@ -34,6 +39,32 @@ def resolve_model(spec: str, what: str, build: bool = True) -> str:
     return spec
 
 
+def check_writable(path: str, what: str) -> None:
+    """Refuse a directory this process cannot create or write into, before any work.
+
+    Probed, not guessed from permission bits (root passes os.access on /sys, read-only mounts and
+    the like): a temporary file in `path` when it exists, else a temporary directory in its
+    nearest existing ancestor; both are removed at once, so a refused run leaves nothing behind."""
+    import tempfile
+
+    target = os.path.abspath(path)
+    probe = target
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    try:
+        if not os.path.isdir(probe):
+            raise NotADirectoryError(f"{probe} is a file, not a directory")
+        if probe == target:
+            with tempfile.TemporaryFile(dir=probe):
+                pass
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".remax-probe-", dir=probe))
+    except OSError as e:
+        reason = e.args[0] if isinstance(e, NotADirectoryError) else f"{type(e).__name__}: {e.strerror or e}"
+        raise ValueError(f"{what}={path} cannot be {'written' if probe == target else 'created'} ({reason}): "
+                         "point it at a writable directory") from None
+
+
 def check_inputs(cfg, world_size: int) -> dict:
     """All user-input checks; returns what they resolved (model dirs, archs, tokenizer, data)."""
     from transformers import AutoTokenizer
@@ -45,6 +76,8 @@ def check_inputs(cfg, world_size: int) -> dict:
     from remax_megatron.rollout import check_rollout
 
     cfg.check_world(world_size)
+    check_writable(cfg.trainer.output_dir, "trainer.output_dir")
+    check_writable(cfg.checkpoint.dir, "checkpoint.dir")
     actor_dir = resolve_model(cfg.actor.model, "actor.model", build=False)
     arch = read_hf_config(actor_dir)
     check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor")
@@ -134,6 +167,42 @@ def build(cfg, checked: dict):
                       hf_dir=checked["actor_dir"])
 
 
+class _EarlyStop:
+    """SIGTERM / SIGUSR1 before the trainer installed its own handler (PreemptionFlag): remembered,
+    then replayed to that handler, so a stop during start-up still ends at the first step boundary
+    with a checkpoint instead of killing the process."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.signum = None
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._record)
+
+    def _record(self, signum, frame):
+        self.signum = signum
+
+    def replay(self) -> None:
+        if self.signum is not None:
+            signal.raise_signal(self.signum)
+
+
+def _stop_with_launcher() -> None:
+    """Under torchrun: the kernel sends this worker SIGTERM when its launcher dies (plain torchrun
+    killed by SIGUSR1, or any launcher killed by SIGKILL), so it saves at the step boundary and
+    exits instead of training on as an orphan. Linux only (prctl PR_SET_PDEATHSIG); a safety net:
+    remax_megatron.launch forwards the stop signals itself."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    os.environ["REMAX_LAUNCHER_PID"] = str(os.getppid())  # checkpoint.preemption_save_refusal reads it
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+
+
 def main(argv=None) -> None:
     from remax_megatron.config import config_help
 
@@ -142,7 +211,12 @@ def main(argv=None) -> None:
     parser.add_argument("--config", default=None, help="YAML config (configs/tiny_cpu.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2")
     args = parser.parse_args(argv)
+    early_stop = _EarlyStop()
+    _stop_with_launcher()
 
+    from remax_megatron.metrics import quiet_library_warnings
+
+    quiet_library_warnings()  # before megatron-core is imported
     from remax_megatron.config import load_config, save_config
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -156,6 +230,7 @@ def main(argv=None) -> None:
 
     from remax_megatron.checkpoint import CheckpointError
     from remax_megatron.metrics import MetricsLogger, is_rank0, print0
+    from remax_megatron.reward import RewardError
     from remax_megatron.trainer import StageError, Trainer
 
     dp = world // (cfg.actor.tp * cfg.actor.pp)
@@ -165,15 +240,21 @@ def main(argv=None) -> None:
               f"(tp x pp x dp), {len(checked['train'])} train / {len(checked['eval'])} eval prompts "
               f"{checked['data_counts']}", flush=True)
     parts = build(cfg, checked)
-    if is_rank0():
-        save_config(cfg, cfg.trainer.output_dir)
+    # config.yaml, metrics.jsonl and TensorBoard events appear with the first record: a run that fails
+    # before it has trained or evaluated anything leaves an existing run's files as they were.
     logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.steps, tensorboard=cfg.logging.tensorboard,
                            wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar,
-                           config=None)
+                           config=None, on_first_record=lambda: save_config(cfg, cfg.trainer.output_dir))
+    trainer = Trainer(parts, logger)
+    early_stop.replay()  # a stop signal received during start-up, now to the trainer's handler
     try:
-        finished = Trainer(parts, logger).fit()
+        finished = trainer.fit()
     except CheckpointError as e:  # every rank raises the same one line: print it once
         if is_rank0():
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except RewardError as e:  # every rank raises it; the first rank that saw it prints it
+        if e.report:
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     except StageError as e:  # names the rank that saw the failure
@@ -181,9 +262,13 @@ def main(argv=None) -> None:
         sys.exit(1)
     finally:
         logger.close()
-    if finished:
+    if trainer.step > cfg.trainer.steps:  # resumed past the end: the loop had nothing to do
+        if is_rank0():
+            print(f"warning: the checkpoint resumed from is at step {trainer.step}, past trainer.steps="
+                  f"{cfg.trainer.steps}: nothing was trained; set trainer.steps above {trainer.step} to train on "
+                  "(or checkpoint.resume=none to start over)", file=sys.stderr, flush=True)
+    elif finished:
         print0(f"done: metrics in {os.path.join(cfg.trainer.output_dir, 'metrics.jsonl')}")
-
 
 if __name__ == "__main__":
     main()

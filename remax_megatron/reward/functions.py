@@ -8,7 +8,8 @@ where `columns` are the dataset's extra columns (e.g. `answer=[...]`), aligned
 with the responses. User functions are named `package.module:function`.
 Built-ins: exact_match, numeric_match, format (regex), length_penalty.
 Every result is checked: wrong count, non-numbers, NaN/inf, or an exception
-become a one-line error naming the function and the prompt index.
+become a one-line RewardError naming the function and the prompt index (the
+scorer then stops every rank with it; the first rank that saw it prints it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,17 @@ import re
 from typing import Callable, Sequence
 
 REGISTRY: dict[str, Callable] = {}
+
+
+class RewardError(ValueError):
+    """A reward function raised or returned something unusable; one line naming it and the prompt.
+
+    `report`: whether this rank prints it (the scorer sets it on the first rank that saw the
+    failure; every other rank raises it too, silently, so that the whole job stops together)."""
+
+    def __init__(self, message: str, report: bool = True):
+        super().__init__(message)
+        self.report = report
 
 
 def register(name: str):
@@ -131,18 +143,18 @@ def call_checked(name: str, fn: Callable, prompts: list[str], responses: list[st
         # Find the first prompt it fails on, to name it.
         bad = _first_failing(fn, prompts, responses, kwargs)
         where = f"prompt {prompt_index[bad]}" if bad is not None else "this batch"
-        raise ValueError(f"reward function {name!r} raised {type(e).__name__}: {e} (on {where})") from None
+        raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e} (on {where})") from None
     try:
         values = [float(v) for v in values]
     except (TypeError, ValueError):
-        raise ValueError(f"reward function {name!r} must return one float per response, got "
+        raise RewardError(f"reward function {name!r} must return one float per response, got "
                          f"{type(values).__name__}") from None
     if len(values) != len(responses):
-        raise ValueError(f"reward function {name!r} returned {len(values)} values for {len(responses)} responses "
+        raise RewardError(f"reward function {name!r} returned {len(values)} values for {len(responses)} responses "
                          f"(prompts {prompt_index[0]}..{prompt_index[-1]})")
     for i, v in enumerate(values):
         if not math.isfinite(v):
-            raise ValueError(f"reward function {name!r} returned {v} for prompt {prompt_index[i]} "
+            raise RewardError(f"reward function {name!r} returned {v} for prompt {prompt_index[i]} "
                              f"(response {responses[i][:60]!r})")
     return values
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from remax_megatron.reward.functions import RewardFunctions
+from remax_megatron.reward.functions import RewardError, RewardFunctions
 from remax_megatron.reward.rm_inputs import RewardModelInputs
 
 if TYPE_CHECKING:
@@ -54,8 +54,13 @@ class RewardScorer:
         if self.functions is not None:
             keys = sorted({k for c in columns for k in c})
             cols = {k: [columns[i].get(k) for i, _, _ in items] for k in keys}
-            values, parts = self.functions([prompt_texts[i] for i, _, _ in items], [t for _, _, t in items],
-                                           cols, [prompt_index[i] for i, _, _ in items])
+            error = None
+            try:
+                values, parts = self.functions([prompt_texts[i] for i, _, _ in items], [t for _, _, t in items],
+                                               cols, [prompt_index[i] for i, _, _ in items])
+            except RewardError as e:
+                error = e
+            _stop_together(error)
             total = values
             for name, vals in parts.items():
                 metrics[f"reward/{name.split(':')[-1]}_mean"] = sum(vals) / max(1, len(vals))
@@ -113,3 +118,21 @@ class RewardScorer:
         if layout.outer.size() > 1:
             scores = all_reduce_cpu(scores, group=layout.outer)
         return scores[first : first + count].tolist()
+
+
+def _stop_together(error: RewardError | None) -> None:
+    """Collective over every rank (all of them score at the same point of a step): when any rank's
+    reward functions failed, every rank raises a RewardError, so none is left waiting in the next
+    collective; only the lowest rank that failed reports it (one line, once)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    from remax_megatron.parallel import all_reduce_cpu
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first = int(all_reduce_cpu(torch.tensor([rank if error is not None else world], dtype=torch.int64),
+                               op=dist.ReduceOp.MIN).item())
+    if first < world:
+        raise RewardError(f"{error} (rank {rank})" if rank == first else "failed on another rank",
+                          report=rank == first)

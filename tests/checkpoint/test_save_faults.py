@@ -232,3 +232,18 @@ def test_manifest_of_sizes_only_still_validates(tmp_path):
     (tmp_path / "model" / "__0_0.distcp").write_bytes(b"x" * 99)
     with pytest.raises(CheckpointError, match="has 99 bytes, the manifest says 100"):
         validate(str(tmp_path))
+
+
+def test_a_save_longer_than_torchruns_kill_grace_is_refused_with_the_numbers():
+    from remax_megatron.checkpoint import preemption_save_refusal
+
+    plain = {"TORCHELASTIC_RUN_ID": "x"}
+    why = preemption_save_refusal("SIGTERM", 45.0, plain)
+    assert why.startswith("not saving: the last save took 45 s and plain torchrun kills its workers 30 s after")
+    assert "60 s" in preemption_save_refusal("SIGTERM", 70.0, dict(plain, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="60"))
+    assert preemption_save_refusal("SIGTERM", 20.0, plain) is None                      # fits in the grace
+    assert preemption_save_refusal("SIGTERM", 0.0, plain) is None                       # no save measured yet
+    assert preemption_save_refusal("SIGUSR1", 45.0, plain) is None                      # torchrun ignores it
+    assert preemption_save_refusal("SIGTERM", 45.0, dict(plain, REMAX_LAUNCHER="1")) is None  # waits for us
+    assert preemption_save_refusal("SIGTERM", 45.0, {}) is None                         # no torchrun at all
+    assert preemption_save_refusal("SIGTERM", 45.0, plain, parent_pid=os.getppid() + 1) is None  # launcher gone

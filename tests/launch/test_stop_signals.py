@@ -1,0 +1,161 @@
+"""Stopping a job (issue 17, items 2 and 10), through remax_megatron.launch with 2 gloo workers on the
+tiny default (native engine):
+
+- SIGUSR1 / SIGTERM sent to the launcher, or to one rank: exit 0, a checkpoint of the last finished
+  step that validates (and resumes), and no process of the job left (its whole session is checked)
+- plain torchrun killed by SIGUSR1 (what it does with that signal): its orphaned workers still save
+  at the step boundary and exit (parent-death signal), instead of training on
+- exit codes: an input error is the worker's one line and exit 2, nothing after it; a rank killed by
+  SIGKILL is one line naming it, exit 137
+"""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from remax_megatron.launch import _without_ours
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAUNCH = [sys.executable, "-m", "remax_megatron.launch"]
+TORCHRUN = [os.path.join(os.path.dirname(sys.executable), "torchrun")]
+
+
+def _cmd(launcher, out, *overrides):
+    return [*launcher, "--nproc_per_node=2", "-m", "remax_megatron.train", "--config", "configs/tiny_cpu.yaml",
+            "rollout.engine=native", "trainer.eval_every=0", "checkpoint.save_every=0", "logging.progress_bar=false",
+            "logging.tensorboard=false", f"trainer.output_dir={out}", *overrides]
+
+
+@contextlib.contextmanager
+def _job(cmd):
+    """The job in a session of its own: every process of it (launcher, workers, their helpers) has
+    the launcher's pid as session and process-group id. Whatever a failed test leaves is killed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("LOGLEVEL", None)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if _session(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def _session(sid: int) -> list[int]:
+    """pids of live (not zombie) processes in session `sid`."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields: state, ppid, pgrp, session
+            pids.append(int(name))
+    return pids
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _wait_for_steps(proc, out, steps=1, timeout=900):  # the first run of a test session builds the model
+    path = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + timeout
+    while not (os.path.exists(path) and len(open(path).readlines()) >= steps):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "no training step in time"
+        time.sleep(0.2)
+
+
+def _workers(pid: int) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+
+
+def _assert_saved_last_step(out):
+    from remax_megatron.checkpoint import validate
+
+    done = _metrics(out)[-1]["step"]
+    ckpt = os.path.join(out, "checkpoints", open(os.path.join(out, "checkpoints", "latest")).read().strip())
+    assert ckpt.endswith(f"step_{done:06d}"), (ckpt, done)   # the last finished step, nothing lost
+    validate(ckpt)                                            # complete: manifest, sizes, checksums
+    assert not [n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith(".tmp-")]
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target, sig", [("launcher", signal.SIGUSR1), ("launcher", signal.SIGTERM),
+                                         ("rank", signal.SIGUSR1), ("rank", signal.SIGTERM)])
+def test_stop_signal_saves_and_exits_0_with_nothing_left(tmp_path, target, sig):
+    out = str(tmp_path / "run")
+    with _job(_cmd(LAUNCH, out, "trainer.steps=200")) as proc:
+        _wait_for_steps(proc, out)
+        os.kill(proc.pid if target == "launcher" else _workers(proc.pid)[-1], sig)
+        stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, (stdout + stderr)[-3000:]
+    assert stderr == "", stderr[-3000:]
+    # rank 0 prints the line; naming the signal that reached another rank needs the trainer to share it
+    assert f"preempted ({sig.name})" in stdout if target == "launcher" else "preempted (" in stdout, stdout
+    assert _session(proc.pid) == []
+    done = _assert_saved_last_step(out)
+    if (target, sig) == ("launcher", signal.SIGUSR1):  # and it resumes where it stopped
+        r = subprocess.run(_cmd(LAUNCH, out, f"trainer.steps={done + 1}"), cwd=ROOT, capture_output=True,
+                           text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        assert f"resumed from {out}/checkpoints/step_{done:06d} at step {done}" in r.stdout
+        assert [m["step"] for m in _metrics(out)] == list(range(1, done + 2))
+
+
+@pytest.mark.slow
+def test_plain_torchrun_killed_by_sigusr1_leaves_no_worker_training(tmp_path):
+    """torchrun does not handle SIGUSR1 and dies of it; the workers get SIGTERM from the kernel
+    (PR_SET_PDEATHSIG) and stop at the step boundary with a checkpoint, instead of training on."""
+    out = str(tmp_path / "run")
+    with _job(_cmd(TORCHRUN, out, "trainer.steps=200")) as proc:
+        _wait_for_steps(proc, out)
+        os.kill(proc.pid, signal.SIGUSR1)
+        stdout, _ = proc.communicate(timeout=300)   # the workers hold stdout until they exit
+        assert proc.returncode == -signal.SIGUSR1
+        deadline = time.time() + 60
+        while _session(proc.pid) and time.time() < deadline:
+            time.sleep(0.2)
+        assert _session(proc.pid) == []
+    assert "preempted (SIGTERM)" in stdout
+    _assert_saved_last_step(out)
+
+
+@pytest.mark.slow
+def test_input_error_is_the_workers_line_and_exit_2(tmp_path):
+    r = subprocess.run(_cmd(LAUNCH, str(tmp_path / "run"), "actor.tpp=2"), cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.splitlines() == ["error: unknown config key 'actor.tpp'; did you mean actor.tp? "
+                                     "(`python -m remax_megatron.train --help` lists every key)"], r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_killed_rank_is_one_line_naming_it(tmp_path):
+    out = str(tmp_path / "run")
+    with _job(_cmd(LAUNCH, out, "trainer.steps=200")) as proc:
+        _wait_for_steps(proc, out)
+        victim = _workers(proc.pid)[-1]
+        os.kill(victim, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGKILL, stderr[-3000:]
+    assert stderr.splitlines()[-1].startswith("error: rank ") and f"(pid {victim}) died from SIGKILL" in stderr
+    assert _session(proc.pid) == []
+
+
+def test_launcher_keeps_sigterm_and_sigusr1_for_itself():
+    assert _without_ours("SIGTERM,SIGINT,SIGHUP,SIGQUIT") == "SIGINT,SIGHUP,SIGQUIT"
+    assert _without_ours("SIGUSR1, SIGUSR2,SIGTERM") == "SIGUSR2"
