@@ -1,24 +1,29 @@
 """megatron-core on CPU: the few CUDA assumptions of megatron-core 0.16 made to run on gloo.
 
-Everything here is inert when CUDA is available: `install()` returns at once and
-`forward_backward_func()` hands back megatron's own schedule untouched. Nothing
-else in the package knows about these accommodations (see shared/PITFALLS.md):
+Everything here is inert when CUDA is available: `install()` returns at once,
+`redirect_cuda()` is a null context and `forward_backward_func()` hands back
+megatron's own schedule untouched. Callers: ParallelLayout.initialize (install,
+the per-TP-rank seeds), model construction in models/gpt.py (redirect_cuda) and
+models/forward.run_schedule (the schedule). See shared/PITFALLS.md.
 
-1. `GlobalMemoryBuffer.get_tensor` allocates on `torch.cuda.current_device()`
-   (local core attention, sequence-parallel gathers) -> allocate on CPU.
-2. `CudaRNGStatesTracker.add/fork` drive the CUDA generator -> the same
-   named-state bookkeeping on the CPU generator, so dropout under `fork()` stays
-   reproducible per TP rank exactly as on GPU.
-3. RoPE, attention and p2p code place tensors on `torch.cuda.current_device()`
-   and p2p calls `torch.cuda.synchronize()` -> "cpu" and a no-op (on a CPU-only
-   torch build both would raise anyway).
-4. The pipeline schedules create tensors with a literal `device="cuda"`, and
-   GPTModel's constructor moves the tied embedding with `.cuda()` at PP > 1 ->
-   inside `redirect_cuda()` (schedules, model construction) those stay on CPU.
-5. Activation recompute (`tensor_parallel.checkpoint`) saves and restores the
-   CUDA generator's state around the recomputed forward -> the CPU generator's;
-   and the softmax's causal mask (built with a literal `device="cuda"`, inside the
-   checkpointed function where `redirect_cuda()` does not reach) -> built on CPU.
+What `install()` patches, PROCESS-WIDE and for the rest of the process (never undone; it is
+called once per process by ParallelLayout.initialize, on CPU-only machines):
+
+1. `megatron.core.utils.GlobalMemoryBuffer.get_tensor` allocated on the current CUDA device
+   (local core attention, sequence-parallel gathers) -> allocates on CPU.
+2. `CudaRNGStatesTracker.add/fork` and `tensor_parallel.random._get/_set_cuda_rng_state`
+   drive the CUDA generator -> the same named-state bookkeeping on the CPU generator, so
+   dropout under `fork()` and activation recompute (which saves and restores the generator
+   around the recomputed forward) stay reproducible per TP rank exactly as on GPU.
+3. `megatron.core.fusions.fused_softmax.get_default_causal_mask` built its mask with a literal
+   `device="cuda"` (inside recomputed functions, where redirect_cuda() does not reach) -> CPU.
+4. `torch.cuda.current_device` -> "cpu" and `torch.cuda.synchronize` -> no-op, for EVERY
+   library in the process (megatron's RoPE, attention and p2p code place tensors on the
+   current device; on a CPU-only torch build both would raise anyway).
+
+`redirect_cuda()` is scoped (a TorchFunctionMode while it is active): tensor factories called
+with `device="cuda"` (the pipeline schedules) and `.cuda()` (GPTModel's tied embedding at
+PP > 1) stay on CPU, in the schedules and in model construction only.
 """
 
 from __future__ import annotations
