@@ -59,7 +59,8 @@ def bench_config(args, overrides: list[str], output_dir: str):
     return load_config(args.config, fixed + list(overrides))
 
 
-def run_ours(args, overrides: list[str]) -> dict:
+def run_ours(args, overrides: list[str]) -> tuple[dict, object, dict]:
+    """(the result without the peer, the Config, check_inputs' resolved inputs)."""
     from remax_megatron.metrics import quiet_library_warnings
 
     quiet_library_warnings()  # before megatron-core is imported
@@ -119,6 +120,7 @@ def run_ours(args, overrides: list[str]) -> dict:
         "cpu_s_per_step": median(cpu_s[args.warmup:]),
         "cpu_s_per_sample": median(cpu_s[args.warmup:]) / samples,
         "build_s": build_s,
+        "metrics_jsonl": os.path.join(output_dir, "metrics.jsonl"),  # every step's full record
         # torch's threads after the run: vLLM's CPU build sets 1 in its process unless OMP_NUM_THREADS is set.
         "threads": torch.get_num_threads(),
     }
@@ -189,7 +191,7 @@ def measure_greedy_row(trainer, train_prompts: list, repeats: int) -> dict:
 
 
 # ---- the peer -----------------------------------------------------------------------------
-def peer_spec(args, cfg, checked, result: dict) -> dict:
+def peer_spec(args, cfg, checked) -> dict:
     """What tools/bench_e2e_trl.py needs to run the same work through TRL."""
     if cfg.reward.model:
         raise ValueError("--peer trl compares rule-based rewards only: this config has reward.model set")
@@ -197,8 +199,7 @@ def peer_spec(args, cfg, checked, result: dict) -> dict:
         print("note: --peer trl runs TRL with beta=0 (no KL) while this config has algo.kl_coef="
               f"{cfg.algo.kl_coef}", file=sys.stderr)
     train = checked["train"]
-    # The prompts of the measured run, in the order our sampler used them (shuffle or not, every step
-    # draws prompts_per_step distinct rows: TRL gets as many rows as it will consume).
+    # Rows of the same train split, as many as TRL consumes (each side's sampler picks its own order).
     needed = (args.warmup + args.steps) * cfg.trainer.prompts_per_step
     rows = [dict(q.columns, prompt=q.text) for q in (train * (needed // len(train) + 1))[:needed]]
     return {
@@ -274,7 +275,7 @@ def main(argv=None) -> None:
 
     rank = dist.get_rank()
     if args.peer and rank == 0:
-        peer = run_peer(args, peer_spec(args, cfg, checked, result))
+        peer = run_peer(args, peer_spec(args, cfg, checked))
         result.update(peer_samples_per_s=peer["samples_per_s"], ratio=result["samples_per_s"] / peer["samples_per_s"],
                       cpu_ratio=peer["cpu_s_per_sample"] / result["cpu_s_per_sample"], peer=peer)
     if rank == 0:
