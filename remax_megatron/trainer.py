@@ -35,7 +35,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from transformers import PreTrainedTokenizerBase
 
 from remax_megatron.algo.kl_controller import KLController
-from remax_megatron.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
+from remax_megatron.checkpoint import find_resume_checkpoint, load_checkpoint, preemption_save_refusal, \
+    save_checkpoint
 from remax_megatron.config import Config
 from remax_megatron.kernels import compute_advantages, remax_loss
 from remax_megatron.flops import forward_flops, peak_tflops
@@ -84,6 +85,7 @@ class Trainer:
         self.skipped_updates = 0
         self._decoded_tokens = 0  # tokens this rank's engine decoded in the step's rollout
         self.preempt = PreemptionFlag()
+        self._save_seconds = 0.0  # the last save's duration: a stop-signal save must fit torchrun's grace
 
     @functools.cached_property
     def offload(self) -> TrainStateOffload:
@@ -433,8 +435,10 @@ class Trainer:
 
     def save(self) -> str:
         c = self.cfg.checkpoint
+        start = time.perf_counter()
         path = save_checkpoint(c.dir, self.step, self.actor_module, self.parts.optimizer, self.state_dict(),
                                self.parts.hf_dir, keep=c.keep)
+        self._save_seconds = time.perf_counter() - start
         self.log.write(f"saved checkpoint {path}")
         return path
 
@@ -451,9 +455,24 @@ class Trainer:
         print0(f"resumed from {path} at step {self.step}")
 
     def _stop_requested(self) -> bool:
-        """True on every rank when any rank received SIGTERM/SIGUSR1 (all stop after the same step)."""
-        flag = torch.tensor([int(self.preempt.requested)], dtype=torch.int32)
-        return bool(all_reduce_cpu(flag, op=dist.ReduceOp.MAX).item())
+        """True on every rank when any rank received SIGTERM/SIGUSR1 (all stop after the same step).
+        The signal's number travels with the flag, so every rank can name it (rank 0 prints)."""
+        flag = torch.tensor([self.preempt.signum], dtype=torch.int32)
+        signum = int(all_reduce_cpu(flag, op=dist.ReduceOp.MAX).item())
+        if signum and not self.preempt.requested:
+            self.preempt.signal_name = signal.Signals(signum).name
+        return bool(signum)
+
+    def _save_refused(self) -> str | None:
+        """Collective: why a stop-signal save would be killed half-way (plain torchrun's grace), or
+        None; one decision for all ranks, from the slowest rank's last save."""
+        seconds = float(all_reduce_cpu(torch.tensor([self._save_seconds], dtype=torch.float64),
+                                       op=dist.ReduceOp.MAX).item())
+        why = preemption_save_refusal(self.preempt.signal_name, seconds)
+        refused = all_reduce_cpu(torch.tensor([int(why is not None)], dtype=torch.int32), op=dist.ReduceOp.MAX)
+        if refused.item():
+            return why or "not saving: another rank's launcher would kill the save half-way"
+        return None
 
     # ---- the loop ------------------------------------------------------------------------
     def fit(self) -> bool:
@@ -472,6 +491,11 @@ class Trainer:
             self.log.log(record)
             self.log.progress(self.step, record)
             if self._stop_requested():
+                refusal = self._save_refused()
+                if refusal:
+                    print0(f"preempted ({self.preempt.signal_name}): stopped after step {self.step}, {refusal}; "
+                           "rerun with checkpoint.resume=auto to continue from the newest checkpoint")
+                    return False
                 path = self.save()
                 print0(f"preempted ({self.preempt.signal_name}): stopped after step {self.step}, "
                        f"checkpoint {path}; rerun with checkpoint.resume=auto to continue")
@@ -500,12 +524,12 @@ class PreemptionFlag:
     """SIGTERM / SIGUSR1 (what SLURM sends before a kill) only set a flag; the loop stops at a step boundary."""
 
     def __init__(self):
-        self.requested, self.signal_name = False, ""
+        self.requested, self.signal_name, self.signum = False, "", 0
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
-        self.requested, self.signal_name = True, signal.Signals(signum).name
+        self.requested, self.signal_name, self.signum = True, signal.Signals(signum).name, int(signum)
 
 
 def _share(count: int, parts: int, index: int) -> tuple[int, int]:
