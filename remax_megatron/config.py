@@ -103,7 +103,8 @@ class RewardConfig:
     model: str = knob("", "optional reward-model directory (*ForSequenceClassification)")
     model_weight: float = knob(1.0, "weight of the reward-model score in the sum")
     tp: int = knob(1, "reward-model tensor parallel (see reward.pp for the layouts allowed)")
-    pp: int = knob(1, "reward-model pipeline parallel; reward.tp * reward.pp divides actor.tp * actor.pp, or is a multiple of it that divides the world size")
+    pp: int = knob(1, "reward-model pipeline parallel; reward.tp * reward.pp divides actor.tp * actor.pp, or is a "
+                   "multiple of it that divides the world size")
     format_pattern: str = knob(r"^\s*-?\d+\s*$", "regex of the built-in `format` reward")
     numeric_tolerance: float = knob(1e-6, "relative tolerance of the built-in `numeric_match`")
     length_limit: int = knob(256, "chars before the built-in `length_penalty` starts")
@@ -120,17 +121,20 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = knob("vllm", "a registered rollout engine (remax_megatron/rollout/factory.py): vllm (CUDA, or vLLM's CPU build) | native (no vLLM needed)")
+    engine: str = knob("vllm", "a registered rollout engine (remax_megatron/rollout/factory.py): vllm (CUDA, or "
+                       "vLLM's CPU build) | native (no vLLM needed)")
     n: int = knob(2, "sampled responses per prompt; the greedy one comes on top")
     tp: int = knob(1, "inference tensor parallel (may differ from actor.tp)")
     temperature: float = knob(1.0, "sampling temperature of the n samples (greedy is argmax)")
     top_p: float = knob(1.0, "nucleus sampling: keep the smallest token set with this probability mass (1: off)")
     top_k: int = knob(0, "sample from the k most likely tokens (0: off)")
-    max_new_tokens: int = knob(64, "completion length limit (sampled and greedy); prompt + this <= max_position_embeddings")
+    max_new_tokens: int = knob(64, "completion length limit (sampled and greedy); prompt + this <= "
+                               "max_position_embeddings")
     stop: list[str] = knob([], "stop strings (EOS always stops)")
     sync_bucket_mb: int = knob(256, "weight-sync bucket size in MiB (peak extra memory of the sync)")
     kv_cache_gib: float = knob(0.0, "vLLM KV cache per engine in GiB; 0: sized by gpu_memory_utilization")
-    gpu_memory_utilization: float = knob(0.5, "vLLM's memory fraction when kv_cache_gib=0 (CPU: of HOST memory, per engine)")
+    gpu_memory_utilization: float = knob(0.5, "vLLM's memory fraction when kv_cache_gib=0 (CPU: of HOST memory, per "
+                                         "engine)")
     logprob_warn_threshold: float = knob(0.05, "warn when engine vs actor log-probs differ more")
 
     def __post_init__(self):
@@ -157,7 +161,8 @@ class AlgoConfig:
                                      "has zero expectation on-policy); the kl/mean metric is always k1")
     kl_target: float = knob(0.0, "> 0: adaptive KL coefficient towards this KL per sequence")
     kl_horizon: int = knob(10000, "adaptive controller horizon (in sequences)")
-    loss_agg: LossAgg = knob("token-mean", "loss aggregation over the GLOBAL batch (token or sequence counts of all DP ranks)")
+    loss_agg: LossAgg = knob("token-mean", "loss aggregation over the GLOBAL batch (token or sequence counts of all "
+                             "DP ranks)")
     clip_ratio: float = knob(0.2, "ratio clip when trainer.mini_batches > 1")
     advantage_clip: float = knob(0.0, "clip advantages to [-c, c] (0: off)")
 
