@@ -72,6 +72,6 @@ def _body(rank, world, v):
     torch.testing.assert_close(ent_tp, ent_1, rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("world,vocab", [(2, 37), (4, 37)])
+@pytest.mark.parametrize("world,vocab", [(2, 37), pytest.param(4, 37, marks=pytest.mark.slow)])
 def test_tp_equals_unsharded(world, vocab):
     run_distributed(_body, world_size=world, args=(vocab,))

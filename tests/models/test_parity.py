@@ -120,6 +120,7 @@ def _odd_length_body(rank, world, model_dir):
         forward_only(model, [{"input_ids": torch.ones(2, 17, dtype=torch.long)}], lambda m, h, b: h)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_refuses_odd_length_on_every_rank(models):
     run_distributed(_odd_length_body, world_size=2, args=(models["llama"],))
 

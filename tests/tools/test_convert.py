@@ -114,6 +114,7 @@ def _run_dir(path):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tool", ["hf_to_megatron", "megatron_to_hf"])
 @pytest.mark.parametrize("target,overwrite", [("run_dir", False), ("run_dir", True), ("file", True)])
 def test_converter_refuses_an_existing_out_and_leaves_it_byte_identical(converted, tmp_path, tool, target,
@@ -162,6 +163,7 @@ def test_overwrite_replaces_only_what_the_tool_wrote(converted, tmp_path, tool):
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
 
 
+@pytest.mark.slow
 def test_converter_names_a_missing_out_parent(converted, tmp_path):
     hf, _ = converted
     out = str(tmp_path / "no" / "such" / "ckpt")
@@ -170,6 +172,7 @@ def test_converter_names_a_missing_out_parent(converted, tmp_path):
     assert not os.path.exists(tmp_path / "no")
 
 
+@pytest.mark.slow
 def test_converter_names_a_bad_config_json(tmp_path):
     hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=32, layers=2, heads=2, kv_heads=1, ffn=64)
     with open(os.path.join(hf, "config.json"), "w") as f:
@@ -180,6 +183,7 @@ def test_converter_names_a_bad_config_json(tmp_path):
     assert not os.path.exists(tmp_path / "c")
 
 
+@pytest.mark.slow
 def test_converter_refuses_tp_not_dividing_heads(tmp_path):
     hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=48, layers=2, heads=3, kv_heads=3, ffn=64)
     r = _run([PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf, "--out", str(tmp_path / "c"), "--tp", "2"])

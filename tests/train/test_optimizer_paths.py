@@ -44,6 +44,7 @@ def run_step(model_dir, dtype, out, cuda_visible=None):
     return torch.load(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_optimizer_step_equals_fp64_adamw(tmp_path, dtype):
     model_dir = make_tiny_model(str(tmp_path / "m"), "qwen2", hidden=32, layers=2, heads=4, kv_heads=2,

@@ -154,6 +154,7 @@ def _refused(env, tmp_path, *overrides, world=1):
     return lines[0]
 
 
+@pytest.mark.slow
 def test_bad_input_is_refused_before_any_work(env, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
