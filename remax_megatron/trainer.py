@@ -271,8 +271,9 @@ class Trainer:
                 summed[k] += stats.get(k, 0.0) / cfg.trainer.mini_batches
         summed["grad_norm"] = sum(grad_norms) / len(grad_norms)
         last = self.groups.is_last_stage
-        return Update(stats=summed, logprobs=torch.cat(behaviour) if last else None,
-                      advantages=torch.cat(advantages) if last else None)
+        # The step's bookkeeping stays on the CPU: one transfer each, not a host sync per micro-batch.
+        return Update(stats=summed, logprobs=torch.cat(behaviour).cpu() if last else None,
+                      advantages=torch.cat(advantages).cpu() if last else None)
 
     def _forward_backward(self, micro: list[dict], num_tokens: float, num_seqs: float,
                           behaviour: list, advantages: list) -> dict:
@@ -294,8 +295,8 @@ class Trainer:
                 adv = compute_advantages(mb["rewards"], mb["baseline"], mb["response_mask"], rollout_policy, ref,
                                          kl_coef=self.parts.kl.coef if kl_in_reward else 0.0,
                                          clip=cfg.algo.advantage_clip or None)  # [b, S]
-                behaviour.append(rollout_policy.cpu())
-                advantages.append(adv.cpu())
+                behaviour.append(rollout_policy)  # stays on the device: one copy to the host per update
+                advantages.append(adv)
                 loss, stats = remax_loss(
                     logprobs, adv, mb["response_mask"], loss_agg_mode=cfg.algo.loss_agg,
                     global_num_tokens=num_tokens, global_num_seqs=num_seqs,
