@@ -10,7 +10,10 @@ import sys
 import warnings
 from typing import Callable
 
+import torch
 import torch.distributed as dist
+
+from remax_megatron.parallel import all_reduce_cpu
 
 
 def is_rank0() -> bool:
@@ -54,6 +57,35 @@ def quiet_library_warnings(rank: int | None = None) -> None:
     elif torch.cuda.is_available() and not any(importlib.util.find_spec(m) for m in ("apex", "transformer_engine")):
         warnings.warn("neither Apex nor Transformer Engine is installed: megatron-core uses its local (slower) "
                       "fused-op fallbacks", stacklevel=2)
+
+
+def reduce_totals(local: dict[str, float], group=None, maximum: tuple[str, ...] = ()) -> dict[str, float]:
+    """Each entry of `local` summed over the ranks of `group` (the keys in `maximum`: their max), in
+    float64, one all-reduce per kind. group None: this rank's values (nothing to reduce)."""
+    out = {}
+    for keys, op in (([k for k in local if k not in maximum], dist.ReduceOp.SUM),
+                     ([k for k in local if k in maximum], dist.ReduceOp.MAX)):
+        if keys:
+            t = torch.tensor([float(local[k]) for k in keys], dtype=torch.float64)
+            t = all_reduce_cpu(t, op=op, group=group) if group is not None else t
+            out.update(zip(keys, t.tolist()))
+    return out
+
+
+def global_mean(values: list[float], group=None) -> float:
+    """Mean of every rank's `values` together (ranks with more values weigh more)."""
+    t = reduce_totals({"sum": sum(values), "n": len(values)}, group)
+    return t["sum"] / max(t["n"], 1)
+
+
+def count_weighted(local: dict[str, float], count_key: str, group=None) -> dict[str, float]:
+    """Per-rank metrics over all ranks: `*_mean` weighted by each rank's `local[count_key]` (which is
+    summed, as is anything not ending in `_mean`)."""
+    count = local.get(count_key, 1.0)
+    totals = reduce_totals({**{k: v * count if k.endswith("_mean") else v for k, v in local.items()},
+                            "_weight": count}, group)
+    weight = max(totals.pop("_weight"), 1.0)
+    return {k: v / weight if k.endswith("_mean") else v for k, v in sorted(totals.items())}
 
 
 class MetricsLogger:

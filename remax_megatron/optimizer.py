@@ -21,6 +21,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from remax_megatron.parallel import ProcessGroups
+
 
 def wrap_ddp(model, use_distributed_optimizer: bool):
     """megatron DistributedDataParallel: grads in fp32 buffers, summed over DP (loss is globally normalised)."""
@@ -51,9 +53,7 @@ class CpuAdamW:
     their own main weights.
     """
 
-    def __init__(self, ddp_model, cfg):
-        from megatron.core import parallel_state as ps
-
+    def __init__(self, ddp_model, cfg, process_groups: ProcessGroups | None = None):
         self.ddp_model, self.clip = ddp_model, cfg.grad_clip
         # megatron's groups: no weight decay on biases and 1-D parameters (norm weights).
         named = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
@@ -68,7 +68,7 @@ class CpuAdamW:
                                            weight_decay=cfg.weight_decay)
         for group in self.optimizer.param_groups:
             group["weight_decay"] = cfg.weight_decay * group["wd_mult"]
-        self.model_parallel_group = ps.get_model_parallel_group()
+        self.model_parallel_group = (process_groups or ProcessGroups.current()).mp  # the grad norm's
 
     @property
     def param_groups(self):
@@ -216,11 +216,11 @@ class MegatronOptimizer:
         self.optimizer.load_state_dict(state)
 
 
-def build_optimizer(ddp_model, cfg, params_dtype: torch.dtype = torch.float32):
-    """MegatronOptimizer with CUDA, CpuAdamW without."""
+def build_optimizer(ddp_model, cfg, params_dtype: torch.dtype = torch.float32, groups: ProcessGroups | None = None):
+    """MegatronOptimizer with CUDA, CpuAdamW without (groups: the model's; default the current layout's)."""
     if torch.cuda.is_available():
         return MegatronOptimizer(ddp_model, cfg, params_dtype)
-    return CpuAdamW(ddp_model, cfg)
+    return CpuAdamW(ddp_model, cfg, groups)
 
 
 def build_scheduler(optimizer, cfg, total_updates: int):

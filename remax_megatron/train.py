@@ -152,7 +152,7 @@ def build(cfg, checked: dict):
                                           make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by)
         load_hf_weights(reward_model, checked["rm_dir"])
     ddp = wrap_ddp(actor, cfg.optim.distributed_optimizer)
-    optimizer = build_optimizer(ddp, cfg.optim, dtype)
+    optimizer = build_optimizer(ddp, cfg.optim, dtype, groups)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.steps * cfg.trainer.mini_batches)
     engine = build_engine(cfg.rollout, hf_dir=checked["actor_dir"], arch=checked["arch"], seed=cfg.trainer.seed,
                           dtype=dtype, max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)

@@ -41,7 +41,7 @@ from remax_megatron.config import Config
 from remax_megatron.kernels import compute_advantages, remax_loss
 from remax_megatron.flops import forward_flops, peak_tflops
 from remax_megatron.memory import TrainStateOffload, phase_memory
-from remax_megatron.metrics import MetricsLogger, print0
+from remax_megatron.metrics import MetricsLogger, count_weighted, global_mean, print0, reduce_totals
 from remax_megatron.models.forward import broadcast_from_last_stage, forward_only, run_schedule, to_model_device
 from remax_megatron.data.prompts import Prompt, PromptSampler
 from remax_megatron.models.gpt import PolicyModel, sequence_multiple
@@ -95,7 +95,8 @@ class Trainer:
     @functools.cached_property
     def weight_sync(self) -> WeightSync:
         """Actor -> engine sync (keeps its buffers between steps)."""
-        return WeightSync(self.parts.engine, self.actor_module, bucket_mb=self.cfg.rollout.sync_bucket_mb)
+        return WeightSync(self.parts.engine, self.actor_module, bucket_mb=self.cfg.rollout.sync_bucket_mb,
+                          groups=self.groups)
 
     # ---- the step ------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -310,20 +311,23 @@ class Trainer:
             return hidden, loss_fn
 
         outputs = run_schedule(model, step_fn, micro, forward_only=False, wrapped=self.parts.actor)
-        keys = LOSS_STATS
-        vec = torch.zeros(len(keys), dtype=torch.float64)
-        if self.groups.is_last_stage:
-            for out in outputs:
-                for i, k in enumerate(keys):
-                    if k in out:
-                        vec[i] += float(out[k])
-        vec = broadcast_from_last_stage(vec if self.groups.is_last_stage else None, (len(keys),), torch.float64)
-        vec = self._dp_sum(vec)
-        return {k: float(vec[i]) for i, k in enumerate(keys)}
+        local = {k: sum(float(out[k]) for out in outputs if k in out) for k in LOSS_STATS} \
+            if self.groups.is_last_stage else None
+        return reduce_totals(self._from_last_stage(local, LOSS_STATS), self._dp_group)
 
     # ---- metrics -------------------------------------------------------------------------
+    @property
+    def _dp_group(self):
+        """The group metrics are reduced over (None at DP=1: nothing to reduce)."""
+        return self.groups.dp if self.groups.dp_size > 1 else None
+
     def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return all_reduce_cpu(tensor, group=self.groups.dp) if self.groups.dp_size > 1 else tensor
+        return all_reduce_cpu(tensor, group=self._dp_group) if self._dp_group is not None else tensor
+
+    def _from_last_stage(self, local: dict | None, keys: tuple[str, ...]) -> dict[str, float]:
+        """`local` (given on the last pipeline stage only, where the tokens' statistics live) on every stage."""
+        vec = torch.tensor([local[k] for k in keys], dtype=torch.float64) if self.groups.is_last_stage else None
+        return dict(zip(keys, broadcast_from_last_stage(vec, (len(keys),), torch.float64).tolist()))
 
     def _perf(self, prompts, rollouts, batch, step_time: float, train_time: float) -> dict:
         """Model TFLOP/s per device and MFU of the step and of its train stage (remax_megatron.flops)."""
@@ -356,47 +360,42 @@ class Trainer:
         return {"rollout/tokens": tokens, "rollout/decoded_per_token": float(decoded) / max(tokens, 1.0)}
 
     def _global_sum(self, value: float) -> float:
-        return float(self._dp_sum(torch.tensor(value, dtype=torch.float64)))
+        return reduce_totals({"value": value}, self._dp_group)["value"]
 
     def _dp_mean(self, values: list[float]) -> float:
-        t = self._dp_sum(torch.tensor([sum(values), len(values)], dtype=torch.float64))
-        return float(t[0] / max(t[1], 1))
+        return global_mean(values, self._dp_group)
 
     def _step_record(self, batch, rollouts, r_sampled, r_greedy, update: "Update", ref_lp, reward_metrics):
         stats, old_lp, adv = update.stats, update.logprobs, update.advantages
         mask = batch["response_mask"].bool()
         # Token statistics live on the last stage: reduce there, then broadcast to every stage.
-        keys = ("adv_sum", "adv_sq", "adv_n", "kl_sum", "diff_max", "diff_sum")
-        vec = None
+        keys = ("adv_sum", "adv_sq", "adv_n", "kl_sum", "gap_max", "gap_sum")
+        local = None
         if self.groups.is_last_stage:
             a = adv[mask].double()
-            kl = (old_lp - ref_lp)[mask].double().sum() if ref_lp is not None else torch.tensor(0.0)
+            kl = (old_lp - ref_lp)[mask].double().sum() if ref_lp is not None else 0.0
             gap = logprob_mismatch(old_lp, batch["engine_logprobs"], mask,
                                    threshold=self.cfg.rollout.logprob_warn_threshold)
-            vec = torch.tensor([a.sum(), a.pow(2).sum(), a.numel(), kl, gap["max"], gap["mean"] * a.numel()],
-                               dtype=torch.float64)
-        vec = broadcast_from_last_stage(vec, (len(keys),), torch.float64)
-        summed = self._dp_sum(torch.cat([vec[:4], vec[5:]]))
-        diff_max = vec[4].clone()
-        if self.groups.dp_size > 1:
-            diff_max = all_reduce_cpu(diff_max, op=dist.ReduceOp.MAX, group=self.groups.dp)
-        n_tok = max(float(summed[2]), 1.0)
-        adv_mean = float(summed[0]) / n_tok
+            local = dict(adv_sum=a.sum(), adv_sq=a.pow(2).sum(), adv_n=a.numel(), kl_sum=kl, gap_max=gap["max"],
+                         gap_sum=gap["mean"] * a.numel())
+        totals = reduce_totals(self._from_last_stage(local, keys), self._dp_group, maximum=("gap_max",))
+        n_tok = max(totals["adv_n"], 1.0)
+        adv_mean = totals["adv_sum"] / n_tok
         lengths = [len(c.token_ids) for r in rollouts for c in r.sampled]
         record = {
             "step": self.step + 1,
             "reward/sampled_mean": self._dp_mean(r_sampled),
             "reward/greedy_mean": self._dp_mean(r_greedy),
             "advantage/mean": adv_mean,
-            "advantage/std": math.sqrt(max(float(summed[1]) / n_tok - adv_mean ** 2, 0.0)),
-            "kl/mean": float(summed[3]) / n_tok,
+            "advantage/std": math.sqrt(max(totals["adv_sq"] / n_tok - adv_mean ** 2, 0.0)),
+            "kl/mean": totals["kl_sum"] / n_tok,
             "loss": stats["loss"], "pg_loss": stats["pg_loss"], "entropy/mean": stats["entropy"],
             "clip_frac": stats["clip_frac"], "grad_norm": stats["grad_norm"],
             "response/length_mean": self._dp_mean(lengths),
             "response/clipped_frac": self._dp_mean([float(c.finish_reason == "length")
                                                     for r in rollouts for c in r.sampled]),
-            "logprob/engine_vs_actor_max_diff": float(diff_max),
-            "logprob/engine_vs_actor_mean_diff": float(summed[4]) / n_tok,
+            "logprob/engine_vs_actor_max_diff": totals["gap_max"],
+            "logprob/engine_vs_actor_mean_diff": totals["gap_sum"] / n_tok,
         }
         record.update(self._global_reward_metrics(reward_metrics))
         return record
@@ -404,12 +403,7 @@ class Trainer:
     def _global_reward_metrics(self, local: dict) -> dict:
         """The scorer's per-rank metrics over the whole batch: `*_mean` weighted by the rank's count of
         scored responses (`reward/unique_scored`, which is summed), anything else summed."""
-        count = local.get("reward/unique_scored", 1.0)
-        keys = sorted(local)
-        summed = self._dp_sum(torch.tensor([local[k] * count if k.endswith("_mean") else local[k] for k in keys]
-                                           + [count], dtype=torch.float64))
-        total = max(float(summed[-1]), 1.0)
-        return {k: float(summed[i]) / total if k.endswith("_mean") else float(summed[i]) for i, k in enumerate(keys)}
+        return count_weighted(local, "reward/unique_scored", self._dp_group)
 
     # ---- eval ----------------------------------------------------------------------------
     def evaluate(self) -> dict:

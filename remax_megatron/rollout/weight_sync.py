@@ -140,11 +140,11 @@ class WeightSync:
     needs the memory.
     """
 
-    def __init__(self, engine: RolloutEngine, model, bucket_mb: float):
+    def __init__(self, engine: RolloutEngine, model, bucket_mb: float, groups=None):
         from remax_megatron.weights.export import HFExporter
 
         self.engine, self.bucket_mb = engine, bucket_mb
-        self.exporter = HFExporter(model, dtype=engine.dtype, bucket_mb=bucket_mb)
+        self.exporter = HFExporter(model, dtype=engine.dtype, bucket_mb=bucket_mb, groups=groups)
         self.packer = BucketPacker(int(bucket_mb * 2**20), engine.dtype, engine.device)
 
     def __call__(self) -> dict:

@@ -28,15 +28,15 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from remax_megatron.parallel.layout import comm_device
+from remax_megatron.parallel.layout import ProcessGroups, comm_device
 from remax_megatron.weights.load import mapping_for, uses_te_names
 from remax_megatron.weights.mapping import REPLICATED, ParamSpec, WeightMapping
 
 
-def export_hf_weights(model, dtype: torch.dtype | None = None,
-                      bucket_mb: float = 256.0) -> Iterator[tuple[str, torch.Tensor]]:
-    """One export of `model`: iter(HFExporter(model, dtype, bucket_mb))."""
-    return iter(HFExporter(model, dtype=dtype, bucket_mb=bucket_mb))
+def export_hf_weights(model, dtype: torch.dtype | None = None, bucket_mb: float = 256.0,
+                      groups: ProcessGroups | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """One export of `model`: iter(HFExporter(model, dtype, bucket_mb, groups))."""
+    return iter(HFExporter(model, dtype=dtype, bucket_mb=bucket_mb, groups=groups))
 
 
 class HFExporter:
@@ -52,9 +52,9 @@ class HFExporter:
         it) or clone it before advancing the iterator.
     """
 
-    def __init__(self, model, dtype: torch.dtype | None = None, bucket_mb: float = 256.0):
-        from megatron.core import parallel_state as ps
-
+    def __init__(self, model, dtype: torch.dtype | None = None, bucket_mb: float = 256.0,
+                 groups: ProcessGroups | None = None):
+        groups = groups or ProcessGroups.current()  # `model`'s layout: the actor's groups
         if not bucket_mb > 0:
             raise ValueError(f"export bucket size {bucket_mb!r} MiB must be > 0 (rollout.sync_bucket_mb)")
         self.mapping = mapping = mapping_for(model)
@@ -63,8 +63,8 @@ class HFExporter:
         self.te_names = uses_te_names(self.params)
         first = next(iter(self.params.values()))
         self.plan = _plan_buckets(mapping, int(bucket_mb * 2**20 / (dtype or first.dtype).itemsize))
-        self.me = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
-        self.group = ps.get_model_parallel_group() if mapping.tp * mapping.pp > 1 else None
+        self.me = (groups.pp_rank, groups.tp_rank)
+        self.group = groups.mp if mapping.tp * mapping.pp > 1 else None
         # The buffers live where the group's collectives run (the current GPU under NCCL).
         self.dtype = dtype or first.dtype
         self.device = comm_device(self.group) if self.group is not None else first.device
