@@ -18,8 +18,18 @@ import argparse
 import os
 import signal
 import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from remax_megatron.data.prompts import Prompt
+    from remax_megatron.models.hf_config import ModelArch
+    from remax_megatron.reward import RewardFunctions
+    from remax_megatron.reward.rm_inputs import RewardModelInputs
 
 
 def resolve_model(spec: str, what: str, build: bool = True) -> str:
@@ -65,8 +75,27 @@ def check_writable(path: str, what: str) -> None:
                          "point it at a writable directory") from None
 
 
-def check_inputs(cfg, world_size: int) -> dict:
-    """All user-input checks; returns what they resolved (model dirs, archs, tokenizer, data)."""
+@dataclass
+class CheckedInputs:
+    """What check_inputs resolved. Nothing is built yet: a built-in model's directory holds its config
+    and tokenizer only until build() trains it (the first time; cached afterwards)."""
+
+    arch: ModelArch                       # the actor's (and the reference's) architecture
+    actor_dir: str
+    ref_dir: str | None
+    rm_dir: str | None
+    rm_arch: ModelArch | None
+    rm_inputs: RewardModelInputs | None  # the prompt/response re-tokenisation for the reward model
+    functions: RewardFunctions | None
+    tokenizer: PreTrainedTokenizerBase
+    train: list[Prompt]
+    eval: list[Prompt]
+    data_counts: dict                  # what the data loader kept and dropped, for the first log line
+
+
+def check_inputs(cfg, world_size: int) -> CheckedInputs:
+    """All user-input checks, before any process group, model or file is created (built-in models are
+    not built either: a mistake is refused in a second, not after a minute of building)."""
     from transformers import AutoTokenizer
 
     from remax_megatron.data.prompts import load_prompts
@@ -109,17 +138,14 @@ def check_inputs(cfg, world_size: int) -> dict:
     if rm_dir:
         rm_inputs = RewardModelInputs(tokenizer, load_rm_tokenizer(rm_dir), chat_template=cfg.data.chat_template)
         rm_inputs.check_prompts([q.text for q in train + evals])
-    # Every check passed: now build the built-in models (a no-op for model directories).
-    actor_dir = resolve_model(cfg.actor.model, "actor.model")
-    ref_dir = ref_dir and resolve_model(cfg.reference.model or cfg.actor.model, "reference.model")
-    rm_dir = rm_dir and resolve_model(cfg.reward.model, "reward.model")
-    return dict(actor_dir=actor_dir, arch=arch, ref_dir=ref_dir, rm_dir=rm_dir, rm_arch=rm_arch,
-                rm_inputs=rm_inputs, functions=functions, tokenizer=tokenizer, train=train, eval=evals,
-                data_counts=counts)
+    return CheckedInputs(arch=arch, actor_dir=actor_dir, ref_dir=ref_dir, rm_dir=rm_dir, rm_arch=rm_arch,
+                         rm_inputs=rm_inputs, functions=functions, tokenizer=tokenizer, train=train, eval=evals,
+                         data_counts=counts)
 
 
-def build(cfg, checked: dict):
-    """Process groups, models, optimizer, engine, reward: the trainer's Components."""
+def build(cfg, checked: CheckedInputs):
+    """Built-in models (on first use), process groups, models, optimizer, engine, reward: the
+    trainer's Components."""
     from remax_megatron.algo.kl_controller import KLController
     from remax_megatron.data.prompts import PromptSampler
     from remax_megatron.models import build_policy, build_reward_model
@@ -131,6 +157,10 @@ def build(cfg, checked: dict):
     from remax_megatron.trainer import Components
     from remax_megatron.weights import load_hf_weights
 
+    # The checks passed: build the built-in models now (a no-op for model directories).
+    actor_dir = resolve_model(cfg.actor.model, "actor.model")
+    ref_dir = checked.ref_dir and resolve_model(cfg.reference.model or cfg.actor.model, "reference.model")
+    rm_dir = checked.rm_dir and resolve_model(cfg.reward.model, "reward.model")
     _, world = init_distributed(cfg.trainer.dist_timeout_minutes)
     groups = ParallelLayout(tp=cfg.actor.tp, pp=cfg.actor.pp, world_size=world).initialize(
         seed=cfg.trainer.seed, timeout_minutes=cfg.trainer.dist_timeout_minutes)
@@ -139,32 +169,32 @@ def build(cfg, checked: dict):
     recompute = None if cfg.actor.recompute == "none" else cfg.actor.recompute
     common = dict(tp=cfg.actor.tp, pp=cfg.actor.pp, params_dtype=dtype, sequence_parallel=cfg.actor.sequence_parallel,
                   make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by, init_weights=False)
-    actor = build_policy(checked["arch"], recompute_granularity=recompute, **common)
-    load_hf_weights(actor, checked["actor_dir"])
+    actor = build_policy(checked.arch, recompute_granularity=recompute, **common)
+    load_hf_weights(actor, actor_dir)
     reference = None
-    if checked["ref_dir"]:
-        reference = build_policy(checked["arch"], trainable=False, **common)
-        load_hf_weights(reference, checked["ref_dir"])
+    if ref_dir:
+        reference = build_policy(checked.arch, trainable=False, **common)
+        load_hf_weights(reference, ref_dir)
     reward_model = None
-    if checked["rm_dir"]:
-        reward_model = build_reward_model(checked["rm_arch"], tp=cfg.reward.tp, pp=cfg.reward.pp, params_dtype=dtype,
+    if rm_dir:
+        reward_model = build_reward_model(checked.rm_arch, tp=cfg.reward.tp, pp=cfg.reward.pp, params_dtype=dtype,
                                           sequence_parallel=cfg.actor.sequence_parallel, init_weights=False,
                                           make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by)
-        load_hf_weights(reward_model, checked["rm_dir"])
+        load_hf_weights(reward_model, rm_dir)
     ddp = wrap_ddp(actor, cfg.optim.distributed_optimizer)
     optimizer = build_optimizer(ddp, cfg.optim, dtype, groups)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.steps * cfg.trainer.mini_batches)
-    engine = build_engine(cfg.rollout, hf_dir=checked["actor_dir"], arch=checked["arch"], seed=cfg.trainer.seed,
+    engine = build_engine(cfg.rollout, hf_dir=actor_dir, arch=checked.arch, seed=cfg.trainer.seed,
                           dtype=dtype, max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
-    tok = checked["tokenizer"]
-    scorer = RewardScorer(checked["functions"], reward_model, cfg.reward.model_weight,
-                          micro_batch_size=cfg.trainer.micro_batch_size, rm_inputs=checked["rm_inputs"])
+    tok = checked.tokenizer
+    scorer = RewardScorer(checked.functions, reward_model, cfg.reward.model_weight,
+                          micro_batch_size=cfg.trainer.micro_batch_size, rm_inputs=checked.rm_inputs)
     return Components(cfg=cfg, groups=groups, actor=ddp, reference=reference, optimizer=optimizer,
                       scheduler=scheduler, engine=engine, scorer=scorer, tokenizer=tok,
-                      sampler=PromptSampler(checked["train"], cfg.trainer.seed, cfg.data.shuffle),
-                      eval_prompts=checked["eval"], kl=KLController(cfg.algo.kl_coef, cfg.algo.kl_target,
+                      sampler=PromptSampler(checked.train, cfg.trainer.seed, cfg.data.shuffle),
+                      eval_prompts=checked.eval, kl=KLController(cfg.algo.kl_coef, cfg.algo.kl_target,
                                                                     cfg.algo.kl_horizon),
-                      hf_dir=checked["actor_dir"])
+                      hf_dir=actor_dir)
 
 
 class _EarlyStop:
@@ -236,9 +266,9 @@ def main(argv=None) -> None:
     dp = world // (cfg.actor.tp * cfg.actor.pp)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"remax-megatron: rollout engine {cfg.rollout.engine} (rollout.tp={cfg.rollout.tp}), actor "
-              f"{checked['arch'].architecture} from {checked['actor_dir']}, {cfg.actor.tp}x{cfg.actor.pp}x{dp} "
-              f"(tp x pp x dp), {len(checked['train'])} train / {len(checked['eval'])} eval prompts "
-              f"{checked['data_counts']}", flush=True)
+              f"{checked.arch.architecture} from {cfg.actor.model}, {cfg.actor.tp}x{cfg.actor.pp}x{dp} "
+              f"(tp x pp x dp), {len(checked.train)} train / {len(checked.eval)} eval prompts "
+              f"{checked.data_counts}", flush=True)
     parts = build(cfg, checked)
     # config.yaml, metrics.jsonl and TensorBoard events appear with the first record: a run that fails
     # before it has trained or evaluated anything leaves an existing run's files as they were.

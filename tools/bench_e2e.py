@@ -29,6 +29,7 @@ Output: one JSON object (DESIGN.md, "Benchmark JSON"), printed and written to --
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -124,8 +125,8 @@ def run_ours(args, overrides: list[str]) -> tuple[dict, object, dict]:
         # torch's threads after the run: vLLM's CPU build sets 1 in its process unless OMP_NUM_THREADS is set.
         "threads": torch.get_num_threads(),
     }
-    result["greedy_row"] = measure_greedy_row(trainer, checked["train"], args.greedy_repeats)
-    return result, cfg, checked
+    result["greedy_row"] = measure_greedy_row(trainer, checked.train, args.greedy_repeats)
+    return result, cfg, dataclasses.replace(checked, actor_dir=parts.hf_dir)  # a built-in model: now built
 
 
 def measure_greedy_row(trainer, train_prompts: list, repeats: int) -> dict:
@@ -198,12 +199,12 @@ def peer_spec(args, cfg, checked) -> dict:
     if cfg.algo.kl_coef:
         print("note: --peer trl runs TRL with beta=0 (no KL) while this config has algo.kl_coef="
               f"{cfg.algo.kl_coef}", file=sys.stderr)
-    train = checked["train"]
+    train = checked.train
     # Rows of the same train split, as many as TRL consumes (each side's sampler picks its own order).
     needed = (args.warmup + args.steps) * cfg.trainer.prompts_per_step
     rows = [dict(q.columns, prompt=q.text) for q in (train * (needed // len(train) + 1))[:needed]]
     return {
-        "hf_dir": checked["actor_dir"], "rows": rows, "steps": args.warmup + args.steps, "warmup": args.warmup,
+        "hf_dir": checked.actor_dir, "rows": rows, "steps": args.warmup + args.steps, "warmup": args.warmup,
         "prompts_per_step": cfg.trainer.prompts_per_step, "n": cfg.rollout.n,
         "max_new_tokens": cfg.rollout.max_new_tokens, "max_prompt_tokens": cfg.data.max_prompt_tokens,
         "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k,
