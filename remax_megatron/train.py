@@ -15,186 +15,13 @@ exit codes"; remax_megatron.launch makes the launcher exit with these codes).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-import torch
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-    from remax_megatron.data.prompts import Prompt
-    from remax_megatron.models.hf_config import ModelArch
-    from remax_megatron.reward import RewardFunctions
-    from remax_megatron.reward.rm_inputs import RewardModelInputs
-
-
-def resolve_model(spec: str, what: str, build: bool = True) -> str:
-    """A model directory, or `builtin:<name>` (built offline and cached on first use).
-
-    build=False: for a built-in model, a directory with its config and tokenizer only (the input
-    checks read those; nothing is trained before every check has passed)."""
-    if not spec:
-        raise ValueError(f"{what} is empty: give a Hugging Face model directory or builtin:tiny-arith")
-    if spec.startswith("builtin:"):
-        from remax_megatron.data.builtin_models import builtin_model_spec, ensure_builtin_model
-
-        name = spec.split(":", 1)[1]
-        return ensure_builtin_model(name) if build else builtin_model_spec(name)
-    if not os.path.isdir(spec):
-        raise FileNotFoundError(f"{what}={spec}: no such directory")
-    return spec
-
-
-def check_writable(path: str, what: str) -> None:
-    """Refuse a directory this process cannot create or write into, before any work.
-
-    Probed, not guessed from permission bits (root passes os.access on /sys, read-only mounts and
-    the like): a temporary file in `path` when it exists, else a temporary directory in its
-    nearest existing ancestor; both are removed at once, so a refused run leaves nothing behind."""
-    import tempfile
-
-    target = os.path.abspath(path)
-    probe = target
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    try:
-        if not os.path.isdir(probe):
-            raise NotADirectoryError(f"{probe} is a file, not a directory")
-        if probe == target:
-            with tempfile.TemporaryFile(dir=probe):
-                pass
-        else:
-            os.rmdir(tempfile.mkdtemp(prefix=".remax-probe-", dir=probe))
-    except OSError as e:
-        reason = e.args[0] if isinstance(e, NotADirectoryError) else f"{type(e).__name__}: {e.strerror or e}"
-        raise ValueError(f"{what}={path} cannot be {'written' if probe == target else 'created'} ({reason}): "
-                         "point it at a writable directory") from None
-
-
-@dataclass
-class CheckedInputs:
-    """What check_inputs resolved. Nothing is built yet: a built-in model's directory holds its config
-    and tokenizer only until build() trains it (the first time; cached afterwards)."""
-
-    arch: ModelArch                       # the actor's (and the reference's) architecture
-    actor_dir: str
-    ref_dir: str | None
-    rm_dir: str | None
-    rm_arch: ModelArch | None
-    rm_inputs: RewardModelInputs | None  # the prompt/response re-tokenisation for the reward model
-    functions: RewardFunctions | None
-    tokenizer: PreTrainedTokenizerBase
-    train: list[Prompt]
-    eval: list[Prompt]
-    data_counts: dict                  # what the data loader kept and dropped, for the first log line
-
-
-def check_inputs(cfg, world_size: int) -> CheckedInputs:
-    """All user-input checks, before any process group, model or file is created (built-in models are
-    not built either: a mistake is refused in a second, not after a minute of building)."""
-    from transformers import AutoTokenizer
-
-    from remax_megatron.data.prompts import load_prompts
-    from remax_megatron.models import check_layout, read_hf_config
-    from remax_megatron.reward import RewardFunctions
-    from remax_megatron.reward.rm_inputs import RewardModelInputs, load_rm_tokenizer
-    from remax_megatron.rollout import check_rollout
-
-    cfg.check_world(world_size)
-    check_writable(cfg.trainer.output_dir, "trainer.output_dir")
-    check_writable(cfg.checkpoint.dir, "checkpoint.dir")
-    actor_dir = resolve_model(cfg.actor.model, "actor.model", build=False)
-    arch = read_hf_config(actor_dir)
-    check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor")
-    check_rollout(cfg.rollout, arch, world_size)
-    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    if longest > arch.max_position_embeddings:
-        raise ValueError(f"data.max_prompt_tokens({cfg.data.max_prompt_tokens}) + rollout.max_new_tokens("
-                         f"{cfg.rollout.max_new_tokens}) = {longest} exceeds the actor's max_position_embeddings="
-                         f"{arch.max_position_embeddings}: lower one of them")
-    if arch.task != "causal_lm":
-        raise ValueError(f"actor.model {actor_dir} is a {arch.architecture}: the actor must be a *ForCausalLM")
-    ref_dir = resolve_model(cfg.reference.model or cfg.actor.model, "reference.model", build=False) \
-        if cfg.reference.enabled else None
-    if ref_dir and read_hf_config(ref_dir) != arch:
-        raise ValueError(f"reference.model {ref_dir} has a different architecture than actor.model {actor_dir}")
-    rm_dir = rm_arch = None
-    if cfg.reward.model:
-        rm_dir = resolve_model(cfg.reward.model, "reward.model", build=False)
-        rm_arch = read_hf_config(rm_dir)
-        if rm_arch.task != "reward":
-            raise ValueError(f"reward.model {rm_dir} is a {rm_arch.architecture}: use a *ForSequenceClassification")
-        check_layout(rm_arch, cfg.reward.tp, cfg.reward.pp, "reward")
-    functions = RewardFunctions(cfg.reward.functions, cfg.reward.weights, {
-        "pattern": cfg.reward.format_pattern, "tolerance": cfg.reward.numeric_tolerance,
-        "limit": cfg.reward.length_limit}) if cfg.reward.functions else None
-    tokenizer = AutoTokenizer.from_pretrained(actor_dir)
-    train, evals, counts = load_prompts(cfg.data, tokenizer, cfg.reward.functions)
-    rm_inputs = None
-    if rm_dir:
-        rm_inputs = RewardModelInputs(tokenizer, load_rm_tokenizer(rm_dir), chat_template=cfg.data.chat_template)
-        rm_inputs.check_prompts([q.text for q in train + evals])
-    return CheckedInputs(arch=arch, actor_dir=actor_dir, ref_dir=ref_dir, rm_dir=rm_dir, rm_arch=rm_arch,
-                         rm_inputs=rm_inputs, functions=functions, tokenizer=tokenizer, train=train, eval=evals,
-                         data_counts=counts)
-
-
-def build(cfg, checked: CheckedInputs):
-    """Built-in models (on first use), process groups, models, optimizer, engine, reward: the
-    trainer's Components."""
-    from remax_megatron.algo.kl_controller import KLController
-    from remax_megatron.data.prompts import PromptSampler
-    from remax_megatron.models import build_policy, build_reward_model
-    from remax_megatron.models.gpt import params_dtype_of
-    from remax_megatron.optimizer import build_optimizer, build_scheduler, wrap_ddp
-    from remax_megatron.parallel import ParallelLayout, init_distributed
-    from remax_megatron.reward import RewardScorer
-    from remax_megatron.rollout import build_engine
-    from remax_megatron.trainer import Components
-    from remax_megatron.weights import load_hf_weights
-
-    # The checks passed: build the built-in models now (a no-op for model directories).
-    actor_dir = resolve_model(cfg.actor.model, "actor.model")
-    ref_dir = checked.ref_dir and resolve_model(cfg.reference.model or cfg.actor.model, "reference.model")
-    rm_dir = checked.rm_dir and resolve_model(cfg.reward.model, "reward.model")
-    _, world = init_distributed(cfg.trainer.dist_timeout_minutes)
-    groups = ParallelLayout(tp=cfg.actor.tp, pp=cfg.actor.pp, world_size=world).initialize(
-        seed=cfg.trainer.seed, timeout_minutes=cfg.trainer.dist_timeout_minutes)
-    torch.manual_seed(cfg.trainer.seed)
-    dtype = params_dtype_of(cfg.actor.dtype)
-    recompute = None if cfg.actor.recompute == "none" else cfg.actor.recompute
-    common = dict(tp=cfg.actor.tp, pp=cfg.actor.pp, params_dtype=dtype, sequence_parallel=cfg.actor.sequence_parallel,
-                  make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by, init_weights=False)
-    actor = build_policy(checked.arch, recompute_granularity=recompute, **common)
-    load_hf_weights(actor, actor_dir)
-    reference = None
-    if ref_dir:
-        reference = build_policy(checked.arch, trainable=False, **common)
-        load_hf_weights(reference, ref_dir)
-    reward_model = None
-    if rm_dir:
-        reward_model = build_reward_model(checked.rm_arch, tp=cfg.reward.tp, pp=cfg.reward.pp, params_dtype=dtype,
-                                          sequence_parallel=cfg.actor.sequence_parallel, init_weights=False,
-                                          make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by)
-        load_hf_weights(reward_model, rm_dir)
-    ddp = wrap_ddp(actor, cfg.optim.distributed_optimizer)
-    optimizer = build_optimizer(ddp, cfg.optim, dtype, groups)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.steps * cfg.trainer.mini_batches)
-    engine = build_engine(cfg.rollout, hf_dir=actor_dir, arch=checked.arch, seed=cfg.trainer.seed,
-                          dtype=dtype, max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
-    tok = checked.tokenizer
-    scorer = RewardScorer(checked.functions, reward_model, cfg.reward.model_weight,
-                          micro_batch_size=cfg.trainer.micro_batch_size, rm_inputs=checked.rm_inputs)
-    return Components(cfg=cfg, groups=groups, actor=ddp, reference=reference, optimizer=optimizer,
-                      scheduler=scheduler, engine=engine, scorer=scorer, tokenizer=tok,
-                      sampler=PromptSampler(checked.train, cfg.trainer.seed, cfg.data.shuffle),
-                      eval_prompts=checked.eval, kl=KLController(cfg.algo.kl_coef, cfg.algo.kl_target,
-                                                                    cfg.algo.kl_horizon),
-                      hf_dir=actor_dir)
+from remax_megatron.config import config_help, load_config, save_config
+from remax_megatron.metrics import MetricsLogger, is_rank0, print0, quiet_library_warnings
 
 
 class _EarlyStop:
@@ -227,15 +54,18 @@ def _stop_with_launcher() -> None:
     os.environ["REMAX_LAUNCHER_PID"] = str(os.getppid())  # checkpoint.preemption_save_refusal reads it
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
 
 
-def main(argv=None) -> None:
-    from remax_megatron.config import config_help
+def _refuse(error: Exception) -> None:
+    """Bad input: one line on stderr (rank 0), exit 2."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
 
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, epilog=config_help(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="YAML config (configs/tiny_cpu.yaml)")
@@ -244,24 +74,23 @@ def main(argv=None) -> None:
     early_stop = _EarlyStop()
     _stop_with_launcher()
 
-    from remax_megatron.metrics import quiet_library_warnings
-
-    quiet_library_warnings()  # before megatron-core is imported
-    from remax_megatron.config import load_config, save_config
-
+    quiet_library_warnings()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = load_config(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as e:
+        _refuse(e)
+    # megatron-core warns while it is imported: these imports come after the line above decided what
+    # shows (and after the config, so a mistyped key is refused in a second).
+    from remax_megatron.checkpoint import CheckpointError
+    from remax_megatron.reward import RewardError
+    from remax_megatron.startup import build, check_inputs
+    from remax_megatron.trainer import StageError, Trainer
+
+    try:
         checked = check_inputs(cfg, world)
     except (ValueError, FileNotFoundError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-    from remax_megatron.checkpoint import CheckpointError
-    from remax_megatron.metrics import MetricsLogger, is_rank0, print0
-    from remax_megatron.reward import RewardError
-    from remax_megatron.trainer import StageError, Trainer
+        _refuse(e)
 
     dp = world // (cfg.actor.tp * cfg.actor.pp)
     if int(os.environ.get("RANK", "0")) == 0:

@@ -57,7 +57,7 @@ LOSS_STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac")
 
 @dataclass
 class Components:
-    """Everything the loop uses, built once by remax_megatron.train.build()."""
+    """Everything the loop uses, built once by remax_megatron.startup.build()."""
 
     cfg: Config
     groups: ProcessGroups

@@ -68,7 +68,7 @@ def run_ours(args, overrides: list[str]) -> tuple[dict, object, dict]:
     import torch
 
     from remax_megatron.metrics import MetricsLogger
-    from remax_megatron.train import build, check_inputs
+    from remax_megatron.startup import build, check_inputs
     from remax_megatron.trainer import Trainer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

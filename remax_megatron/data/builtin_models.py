@@ -451,3 +451,18 @@ def evaluate_reward(model, tok, task: str = "arith", split: str = "eval", max_an
                 off_by_one=round(off.mean().item(), 4), gap=round((c.mean() - w.mean()).item(), 4),
                 gap_off_by_one=round((c.mean() - off.mean()).item(), 4),
                 pair_rank_acc=round((c[:, None] > w).float().mean().item(), 4))
+
+
+def resolve_model(spec: str, what: str, build: bool = True) -> str:
+    """A model directory, or `builtin:<name>` (built offline and cached on first use).
+
+    build=False: for a built-in model, a directory with its config and tokenizer only (the input
+    checks read those; nothing is trained before every check has passed)."""
+    if not spec:
+        raise ValueError(f"{what} is empty: give a Hugging Face model directory or builtin:tiny-arith")
+    if spec.startswith("builtin:"):
+        name = spec.split(":", 1)[1]
+        return ensure_builtin_model(name) if build else builtin_model_spec(name)
+    if not os.path.isdir(spec):
+        raise FileNotFoundError(f"{what}={spec}: no such directory")
+    return spec

@@ -41,7 +41,7 @@ class SpyScorer:
 def _step_body(rank, world, model_dir, out_dir, result_path):
     import remax_megatron.trainer as trainer_module
     from remax_megatron.config import load_config
-    from remax_megatron.train import build, check_inputs
+    from remax_megatron.startup import build, check_inputs
 
     cfg = load_config(None, [
         f"actor.model={model_dir}", "rollout.engine=native", f"rollout.n={N}", "rollout.max_new_tokens=6",
@@ -117,7 +117,7 @@ def test_the_step_reports_the_rewards_it_trained_on(step):
 def _paths_body(rank, world, model_dir, ref_dir, out_dir, result_path):
     import remax_megatron.trainer as trainer_module
     from remax_megatron.config import load_config
-    from remax_megatron.train import build, check_inputs
+    from remax_megatron.startup import build, check_inputs
 
     common = [f"actor.model={model_dir}", "rollout.engine=native", f"rollout.n={N}", "rollout.max_new_tokens=6",
               "reward.functions=[exact_match]", "trainer.prompts_per_step=4", "trainer.micro_batch_size=2",
