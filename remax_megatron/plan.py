@@ -347,11 +347,12 @@ def plan(args) -> tuple[int, str]:
         from remax_megatron.models.hf_config import read_hf_config
         from remax_megatron.data.builtin_models import resolve_model
 
-        model_dir = resolve_model(cfg.actor.model, "actor.model")
+        model_dir = resolve_model(cfg.actor.model, "actor.model", build=False)  # its config is enough
         arch = read_hf_config(model_dir)
         if arch.task != "causal_lm":
             raise ValueError(f"actor.model {model_dir} is a {arch.architecture}: the actor must be a *ForCausalLM")
-        rm_arch = read_hf_config(resolve_model(cfg.reward.model, "reward.model")) if cfg.reward.model else None
+        rm_dir = resolve_model(cfg.reward.model, "reward.model", build=False) if cfg.reward.model else None
+        rm_arch = read_hf_config(rm_dir) if rm_dir else None
     if rm_arch is not None and rm_arch.task != "reward":
         raise ValueError(f"reward.model {cfg.reward.model} is a {rm_arch.architecture}: "
                          "use a *ForSequenceClassification")

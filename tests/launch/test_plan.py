@@ -190,3 +190,14 @@ def test_reward_model_larger_than_the_actor_group(rm_config, capsys):
         (_llama3_8b_params() - 2 * vocab * d + padded * d + d) * 2 // 4
     plan.main(["--config", rm_config, "--gpus-per-node", "8", "reward.tp=4"])
     assert "reward model tp(4) * pp(1), one replica over 2 actor model-parallel groups" in capsys.readouterr().out
+
+
+def test_builtin_model_is_planned_from_its_config_without_building_it(tmp_path, monkeypatch, capsys):
+    """The planner reads the architecture only: a built-in model is not trained for a plan."""
+    from remax_megatron.data.builtin_models import builtin_model_path, is_built
+
+    monkeypatch.setenv("REMAX_CACHE", str(tmp_path / "cache"))
+    code, est = _plan_json(capsys, "--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"), "--nodes", "1",
+                           "--gpus-per-node", "2")
+    assert est["params"] > 0 and code == 0
+    assert not is_built(builtin_model_path("tiny-arith"))
