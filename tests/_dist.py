@@ -11,6 +11,9 @@ Usage inside a test:
 
 The body must be a module-level function (it is pickled by spawn). A failing
 assert in any rank fails the test with that rank's traceback.
+
+run_distributed_cases runs several such bodies (cases) in one launch, one process start per rank
+instead of one per case, and says which case failed.
 """
 
 import os
@@ -85,3 +88,35 @@ def run_distributed(fn, world_size: int, args: tuple = ()) -> None:
         raise AssertionError(f"rank {rank} failed:\n{tb}")
     bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
     assert not bad, f"processes exited non-zero: {bad}"
+
+
+def _cases_worker(rank, world_size, cases, done_dir):
+    """Run every case in order; after each, note it as done on this rank. The first failure stops the
+    launch (another rank may wait in a collective of that case) and names the case."""
+    for name, (fn, args) in cases.items():
+        try:
+            fn(rank, world_size, *args)
+        except BaseException as e:
+            raise RuntimeError(f"case {name!r} failed on rank {rank}") from e
+        with open(os.path.join(done_dir, f"rank{rank}.done"), "a") as f:
+            f.write(name + "\n")
+
+
+def run_distributed_cases(cases: dict, world_size: int, done_dir: str) -> dict:
+    """Several bodies in ONE launch of `world_size` processes (one process start, one import of torch
+    and megatron per rank, instead of one per case): `cases` is {name: (fn, args)} with `fn` as in
+    run_distributed. Returns {name: None if it completed on every rank, else why not (the failed case's
+    traceback, or the case that stopped the launch before this one)}."""
+    os.makedirs(done_dir, exist_ok=True)
+    try:
+        run_distributed(_cases_worker, world_size, args=(cases, done_dir))
+        failure = None
+    except AssertionError as e:
+        failure = str(e)
+    done = []
+    for rank in range(world_size):
+        path = os.path.join(done_dir, f"rank{rank}.done")
+        done.append(set(open(path).read().split("\n")) if os.path.exists(path) else set())
+    return {name: None if all(name in d for d in done) else
+            f"case {name!r} did not complete in its shared launch of {world_size} processes:\n{failure}"
+            for name in cases}

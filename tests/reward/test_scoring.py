@@ -104,31 +104,40 @@ def _scorer_body(rank, world, model_dir, actor_tok, rm_tok, chat_template, batch
     assert err < 1e-5, f"max |score - transformers| = {err}: {flat} vs {expected}"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mbs", [2, 8])
-def test_pad_equal_eos_scores_match_transformers(dirs, mbs):
-    """pad id == EOS: HF reads the token before the trailing EOS run; ours must too."""
+def _scorer_cases_body(rank, world, cases, out_path):
+    """Several single-process scorer cases in one launch; each case's failed assert is kept under its name."""
+    import traceback
+
+    failures = {}
+    for name, args in cases.items():
+        try:
+            _scorer_body(rank, world, *args)
+        except AssertionError:
+            failures[name] = traceback.format_exc()
+        except BaseException as e:
+            raise RuntimeError(f"scorer case {name} failed") from e
+    with open(out_path, "w") as f:
+        json.dump(failures, f)
+
+
+def _pad_eos_case(dirs, mbs):
+    """(sequences, the scorer's args): pad id == EOS."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(dirs["eos_rm"])
     batch = _actor_batch(tok, chat_template=False)
     prompt_ids, _, responses = batch
     sequences = [prompt_ids[i] + ids for i, row in enumerate(responses) for ids, _ in row]
-    assert any(s[-1] == tok.eos_token_id for s in sequences)
     expected = _hf_scores(dirs["eos_rm"], sequences)
-    run_distributed(_scorer_body, world_size=1,
-                    args=(dirs["eos_rm"], tok, tok, False, batch, mbs, expected, True))
+    return tok, sequences, (dirs["eos_rm"], tok, tok, False, batch, mbs, expected, True)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("chat_template", [True, False])
-def test_rm_with_own_tokenizer_scores_match_transformers(dirs, chat_template):
-    """Different ids for the same text: the scorer re-tokenizes with the RM's tokenizer (and template)."""
+def _own_tokenizer_case(dirs, chat_template):
+    """(actor tokenizer, RM tokenizer, the scorer's args): the RM has its own tokenizer (and template)."""
     from transformers import AutoTokenizer
 
     actor_tok = build_tokenizer()
     rm_tok = AutoTokenizer.from_pretrained(dirs["other_rm"])
-    assert actor_tok("2+3")["input_ids"] != rm_tok("2+3")["input_ids"]
     batch = _actor_batch(actor_tok, chat_template)
     _, _, responses = batch
     sequences = []
@@ -140,8 +149,38 @@ def test_rm_with_own_tokenizer_scores_match_transformers(dirs, chat_template):
             else:
                 sequences.append(rm_tok(prompt + text)["input_ids"])
     expected = _hf_scores(dirs["other_rm"], sequences)
-    run_distributed(_scorer_body, world_size=1,
-                    args=(dirs["other_rm"], actor_tok, rm_tok, chat_template, batch, 4, expected, False))
+    return actor_tok, rm_tok, (dirs["other_rm"], actor_tok, rm_tok, chat_template, batch, 4, expected, False)
+
+
+@pytest.fixture(scope="module")
+def scorer_runs(dirs, tmp_path_factory):
+    """The four single-process scorer cases below, prepared here and run in one launch:
+    {case: (what the case's test checks in this process, its failed assert or None)}."""
+    prepared = {f"pad_eos-{mbs}": _pad_eos_case(dirs, mbs) for mbs in (2, 8)}
+    prepared.update({f"own_tokenizer-{ct}": _own_tokenizer_case(dirs, ct) for ct in (True, False)})
+    out = str(tmp_path_factory.mktemp("scorer") / "failures.json")
+    run_distributed(_scorer_cases_body, world_size=1, args=({k: v[-1] for k, v in prepared.items()}, out))
+    with open(out) as f:
+        failures = json.load(f)
+    return {k: (v[:-1], failures.get(k)) for k, v in prepared.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mbs", [2, 8])
+def test_pad_equal_eos_scores_match_transformers(scorer_runs, mbs):
+    """pad id == EOS: HF reads the token before the trailing EOS run; ours must too."""
+    (tok, sequences), failure = scorer_runs[f"pad_eos-{mbs}"]
+    assert any(s[-1] == tok.eos_token_id for s in sequences)
+    assert failure is None, failure
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chat_template", [True, False])
+def test_rm_with_own_tokenizer_scores_match_transformers(scorer_runs, chat_template):
+    """Different ids for the same text: the scorer re-tokenizes with the RM's tokenizer (and template)."""
+    (actor_tok, rm_tok), failure = scorer_runs[f"own_tokenizer-{chat_template}"]
+    assert actor_tok("2+3")["input_ids"] != rm_tok("2+3")["input_ids"]
+    assert failure is None, failure
 
 
 def test_score_positions_follow_hf_rule():
@@ -155,7 +194,9 @@ def test_score_positions_follow_hf_rule():
         RewardModel.score_positions(ids, torch.tensor([4, 0, 1, 1]), 2)
 
 
-def _layout_body(rank, world, model_dir, actor_tp, actor_pp, rm_tp, rm_pp, sequences, expected):
+def _layout_body(rank, world, model_dir, layouts, sequences, out_dir):
+    """Every layout of this world size in one launch (one process start per rank, not one per layout):
+    this rank's scores and groups per layout, written for the test to check."""
     from megatron.core import parallel_state as ps
 
     from remax_megatron.models import build_reward_model, read_hf_config
@@ -163,22 +204,26 @@ def _layout_body(rank, world, model_dir, actor_tp, actor_pp, rm_tp, rm_pp, seque
     from remax_megatron.reward import RewardScorer
     from remax_megatron.weights import load_hf_weights
 
-    ParallelLayout(tp=actor_tp, pp=actor_pp, world_size=world).initialize()
-    model = build_reward_model(read_hf_config(model_dir), tp=rm_tp, pp=rm_pp, init_weights=False)
-    assert (model.tp_group.size(), model.pp_group.size()) == (rm_tp, rm_pp)
-    assert model.layout.replicas * model.layout.actor_replicas == actor_tp * actor_pp // (rm_tp * rm_pp) or \
-        model.layout.actor_replicas == rm_tp * rm_pp // (actor_tp * actor_pp)
-    load_hf_weights(model, model_dir)
-    scorer = RewardScorer(None, model, micro_batch_size=2)
-    # Each actor DP replica scores its own prompts (rows dp, dp + dp_size, ...); one prompt, many responses.
-    dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    mine = list(range(dp, len(sequences), dp_size))
-    scores, _ = scorer.score([[]], [""], [{}], [0], [[(sequences[i], "") for i in mine]])
-    err = max(abs(scores[0][j] - expected[i]) for j, i in enumerate(mine))
-    assert err < 1e-5, f"actor ({actor_tp}, {actor_pp}) rm ({rm_tp}, {rm_pp}): max |score - transformers| = {err}"
-    # One item: the other RM replicas have nothing to score and still join the sum.
-    single, _ = scorer.score([[]], [""], [{}], [0], [[(sequences[mine[-1]], "")]])
-    assert abs(single[0][0] - expected[mine[-1]]) < 1e-5
+    for actor_tp, actor_pp, rm_tp, rm_pp in layouts:
+        case = f"actor ({actor_tp}, {actor_pp}) rm ({rm_tp}, {rm_pp})"
+        try:
+            ParallelLayout(tp=actor_tp, pp=actor_pp, world_size=world).initialize()
+            model = build_reward_model(read_hf_config(model_dir), tp=rm_tp, pp=rm_pp, init_weights=False)
+            load_hf_weights(model, model_dir)
+            scorer = RewardScorer(None, model, micro_batch_size=2)
+            # Each actor DP replica scores its own prompts (rows dp, dp + dp_size, ...); one prompt, many responses.
+            dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+            mine = list(range(dp, len(sequences), dp_size))
+            scores, _ = scorer.score([[]], [""], [{}], [0], [[(sequences[i], "") for i in mine]])
+            # One item: the other RM replicas have nothing to score and still join the sum.
+            single, _ = scorer.score([[]], [""], [{}], [0], [[(sequences[mine[-1]], "")]])
+        except BaseException as e:
+            raise RuntimeError(f"{case} failed on rank {rank}") from e
+        result = {"groups": [model.tp_group.size(), model.pp_group.size()],
+                  "replicas": [model.layout.replicas, model.layout.actor_replicas],
+                  "mine": mine, "scores": scores[0], "single": single[0][0]}
+        with open(os.path.join(out_dir, f"{actor_tp}-{actor_pp}-{rm_tp}-{rm_pp}-rank{rank}.json"), "w") as f:
+            json.dump(result, f)
 
 
 def test_replicas_share_the_items():
@@ -189,16 +234,20 @@ def test_replicas_share_the_items():
     assert [len(NestedGroups(None, None, r, 2, 0, 0, 1, 1).share(1)) for r in range(2)] == [1, 0]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("actor_tp,actor_pp,rm_tp,rm_pp,world", [
+LAYOUTS = [  # actor_tp, actor_pp, rm_tp, rm_pp, world
     (2, 1, 1, 1, 2),   # actor TP=2, RM TP=1: two RM replicas split the items
     (1, 2, 1, 1, 2),   # actor PP=2, RM PP=1
     (2, 2, 1, 2, 4),   # RM pipeline (PP=2) on its own groups inside a TP=2 x PP=2 actor group
     (2, 1, 1, 1, 4),   # DP=2: each actor replica scores its own items
     (1, 1, 2, 1, 2),   # RM TP=2 over two actor DP replicas (TP=1): their items are gathered
     (1, 1, 1, 2, 2),   # RM PP=2 over two actor DP replicas
-])
-def test_reward_model_layout_independent_of_actor(dirs, actor_tp, actor_pp, rm_tp, rm_pp, world):
+]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(dirs, tmp_path_factory):
+    """The layout cases' sequences, transformers' scores and per-rank results; one launch per world size,
+    started by the first case of that world size that asks (a failed launch fails each of its cases)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(dirs["eos_rm"])
@@ -208,5 +257,38 @@ def test_reward_model_layout_independent_of_actor(dirs, actor_tp, actor_pp, rm_t
         ids = torch.randint(4, len(tok), (n,), generator=g).tolist()
         sequences.append(ids + [tok.eos_token_id] * (n % 3))  # trailing EOS (= the RM's pad id) runs
     expected = _hf_scores(dirs["eos_rm"], sequences)
-    run_distributed(_layout_body, world_size=world,
-                    args=(dirs["eos_rm"], actor_tp, actor_pp, rm_tp, rm_pp, sequences, expected))
+    out_dir = str(tmp_path_factory.mktemp("layouts"))
+    launched = {}
+
+    def results(world):
+        if world not in launched:
+            layouts = [case[:4] for case in LAYOUTS if case[4] == world]
+            try:
+                run_distributed(_layout_body, world_size=world, args=(dirs["eos_rm"], layouts, sequences, out_dir))
+                launched[world] = None
+            except AssertionError as e:
+                launched[world] = str(e)
+        assert launched[world] is None, f"the launch of world {world} failed:\n{launched[world]}"
+        return out_dir
+
+    return sequences, expected, results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("actor_tp,actor_pp,rm_tp,rm_pp,world", LAYOUTS)
+def test_reward_model_layout_independent_of_actor(layout_runs, actor_tp, actor_pp, rm_tp, rm_pp, world):
+    sequences, expected, results = layout_runs
+    out_dir = results(world)
+    case = f"actor ({actor_tp}, {actor_pp}) rm ({rm_tp}, {rm_pp})"
+    for rank in range(world):
+        with open(os.path.join(out_dir, f"{actor_tp}-{actor_pp}-{rm_tp}-{rm_pp}-rank{rank}.json")) as f:
+            r = json.load(f)
+        assert r["groups"] == [rm_tp, rm_pp], (case, rank, r["groups"])
+        replicas, actor_replicas = r["replicas"]
+        assert replicas * actor_replicas == actor_tp * actor_pp // (rm_tp * rm_pp) or \
+            actor_replicas == rm_tp * rm_pp // (actor_tp * actor_pp), (case, rank, r["replicas"])
+        mine = r["mine"]
+        err = max(abs(r["scores"][j] - expected[i]) for j, i in enumerate(mine))
+        assert err < 1e-5, f"{case} rank {rank}: max |score - transformers| = {err}"
+        # One item: the other RM replicas have nothing to score and still join the sum.
+        assert abs(r["single"] - expected[mine[-1]]) < 1e-5, (case, rank, r["single"], expected[mine[-1]])
