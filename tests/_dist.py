@@ -120,3 +120,20 @@ def run_distributed_cases(cases: dict, world_size: int, done_dir: str) -> dict:
     return {name: None if all(name in d for d in done) else
             f"case {name!r} did not complete in its shared launch of {world_size} processes:\n{failure}"
             for name in cases}
+
+
+class SharedLaunches:
+    """Cases of several tests, {world_size: {name: (fn, args)}}, run in one launch per world size: the
+    first test that asks for a case of a world size starts that launch (a module-scoped fixture holds
+    this object). `check(name)` fails with the case's own traceback, or names the case that stopped
+    the launch before it."""
+
+    def __init__(self, cases_by_world: dict, done_dir: str):
+        self.cases, self.done_dir, self.outcome = cases_by_world, done_dir, {}
+
+    def check(self, name: str) -> None:
+        world = next(w for w, cases in self.cases.items() if name in cases)
+        if world not in self.outcome:
+            self.outcome[world] = run_distributed_cases(self.cases[world], world,
+                                                        os.path.join(self.done_dir, f"world{world}"))
+        assert self.outcome[world][name] is None, self.outcome[world][name]

@@ -7,10 +7,12 @@
 - a non-finite loss skips the update and leaves the weights untouched
 """
 
+import os
+
 import pytest
 import torch
 
-from tests._dist import run_distributed
+from tests._dist import SharedLaunches
 from tools.make_tiny_model import make_tiny_model
 
 
@@ -72,37 +74,77 @@ def _update_body(rank, world, model_dir, tp, pp, micro_batch_size, poison, out_p
         torch.save({"stats": stats, "weights": weights, "skipped": trainer.skipped_updates}, out_path)
 
 
-def _run(model_dir, tmp_path, tp, pp, mbs=4, poison=False, sp=False, recompute=None):
-    out = str(tmp_path / f"u{tp}{pp}{mbs}{poison}{sp}{recompute}.pt")
-    run_distributed(_update_body, world_size=tp * pp, args=(model_dir, tp, pp, mbs, poison, out, sp, recompute))
-    return torch.load(out)
-
-
 def _max_rel(a, b):
     return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in b)
 
 
+LAYOUT_CASES = [(2, 1, 4, False, None), (1, 2, 4, False, None), (1, 1, 1, False, None), (1, 1, 8, False, None),
+                (2, 1, 4, True, None), (2, 1, 4, True, "selective"), (1, 2, 4, False, "full")]  # tp, pp, mbs, sp, rc
+
+
+def _cases(model_dir, top):
+    """{world: {case: (body, args)}}: every multi-process body of this module, one launch per world size
+    (process starts and imports are most of a small case's time on CPU). Bodies save to top/<case>.pt."""
+    cases = {1: {}, 2: {}, 4: {}}
+
+    def out(name):
+        return os.path.join(top, name + ".pt")
+
+    def update(tp, pp, mbs=4, poison=False, sp=False, recompute=None):
+        name = f"update-tp{tp}-pp{pp}-mbs{mbs}-poison{poison}-sp{sp}-rc{recompute}"
+        cases[tp * pp][name] = (_update_body, (model_dir, tp, pp, mbs, poison, out(name), sp, recompute))
+        return name
+
+    update(1, 1)
+    for tp, pp, mbs, sp, rc in LAYOUT_CASES:
+        update(tp, pp, mbs=mbs, sp=sp, recompute=rc)
+    update(1, 2, poison=True)
+    cases[2]["offload"] = (_offload_body, (model_dir, 2))
+    for tp, pp, dp, mbs in DP_LAYOUTS:
+        cases[tp * pp * dp][f"dp-{tp}{pp}{dp}"] = (_dp_update_body, (model_dir, tp, pp, mbs, out(f"dp-{tp}{pp}{dp}")))
+    for tp, pp in [(2, 1), (1, 2)]:
+        cases[2][f"saved-{tp}{pp}"] = (_saved_forward_body, (model_dir, tp, pp, out(f"saved-{tp}{pp}")))
+    cases[1]["recompute"] = (_recompute_body, (model_dir, out("recompute")))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def launched(model_dir, tmp_path_factory):
+    """result(case): that case's saved output (None if it saves none), from the one launch of its world size."""
+    top = str(tmp_path_factory.mktemp("update"))
+    launches = SharedLaunches(_cases(model_dir, top), top)
+
+    def result(name):
+        launches.check(name)
+        path = os.path.join(top, name + ".pt")
+        return torch.load(path) if os.path.exists(path) else None
+
+    return result
+
+
+def _update(launched, tp, pp, mbs=4, poison=False, sp=False, recompute=None):
+    return launched(f"update-tp{tp}-pp{pp}-mbs{mbs}-poison{poison}-sp{sp}-rc{recompute}")
+
+
 @pytest.mark.slow
-def test_update_matches_across_layouts_and_micro_batches(model_dir, tmp_path):
+def test_update_matches_across_layouts_and_micro_batches(model_dir, launched):
     from safetensors.torch import load_file
 
-    base = _run(model_dir, tmp_path, 1, 1, mbs=4)
+    base = _update(launched, 1, 1, mbs=4)
     initial = load_file(f"{model_dir}/model.safetensors")
     assert _max_rel(base["weights"], initial) > 1e-4  # the update moved the weights
-    for tp, pp, mbs, sp, rc in [(2, 1, 4, False, None), (1, 2, 4, False, None), (1, 1, 1, False, None),
-                                (1, 1, 8, False, None), (2, 1, 4, True, None), (2, 1, 4, True, "selective"),
-                                (1, 2, 4, False, "full")]:
-        other = _run(model_dir, tmp_path, tp, pp, mbs=mbs, sp=sp, recompute=rc)
+    for tp, pp, mbs, sp, rc in LAYOUT_CASES:
+        other = _update(launched, tp, pp, mbs=mbs, sp=sp, recompute=rc)
         assert abs(other["stats"]["loss"] - base["stats"]["loss"]) < 1e-5, (tp, pp, mbs, sp, rc)
         assert abs(other["stats"]["grad_norm"] - base["stats"]["grad_norm"]) < 1e-4 * base["stats"]["grad_norm"]
         assert _max_rel(other["weights"], base["weights"]) < 1e-4, (tp, pp, mbs, sp, rc)
 
 
 @pytest.mark.slow
-def test_nonfinite_loss_skips_update(model_dir, tmp_path):
+def test_nonfinite_loss_skips_update(model_dir, launched):
     from safetensors.torch import load_file
 
-    out = _run(model_dir, tmp_path, 1, 2, poison=True)
+    out = _update(launched, 1, 2, poison=True)
     assert out["skipped"] == 1
     initial = load_file(f"{model_dir}/model.safetensors")
     assert all(torch.equal(out["weights"][k], initial[k]) for k in initial)
@@ -139,11 +181,12 @@ def _offload_body(rank, world, model_dir, tp):
 
 
 @pytest.mark.slow
-def test_offload_reload_round_trip_is_bitwise(model_dir):
-    run_distributed(_offload_body, world_size=2, args=(model_dir, 2))
+def test_offload_reload_round_trip_is_bitwise(launched):
+    launched("offload")  # its checks run inside the processes
 
 
 LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+DP_LAYOUTS = [(1, 1, 1, 2), (2, 1, 2, 2), (1, 2, 2, 2), (1, 1, 4, 1)]  # tp, pp, dp, micro-batch size
 
 
 def _dp_update_body(rank, world, model_dir, tp, pp, micro_batch_size, out_path):
@@ -169,14 +212,10 @@ def _dp_update_body(rank, world, model_dir, tp, pp, micro_batch_size, out_path):
 
 
 @pytest.mark.slow
-def test_data_parallel_update_equals_one_replica(model_dir, tmp_path):
+def test_data_parallel_update_equals_one_replica(launched):
     """(tp2, dp2), (pp2, dp2) and dp4 each equal the DP=1 update on the same global batch, in every
     loss aggregation mode: loss, grad norm and weights within 1e-6 (fp32)."""
-    runs = {}
-    for tp, pp, dp, mbs in [(1, 1, 1, 2), (2, 1, 2, 2), (1, 2, 2, 2), (1, 1, 4, 1)]:
-        out = str(tmp_path / f"dp{tp}{pp}{dp}.pt")
-        run_distributed(_dp_update_body, world_size=tp * pp * dp, args=(model_dir, tp, pp, mbs, out))
-        runs[(tp, pp, dp)] = torch.load(out)
+    runs = {(tp, pp, dp): launched(f"dp-{tp}{pp}{dp}") for tp, pp, dp, _ in DP_LAYOUTS}
     base = runs.pop((1, 1, 1))
     for layout, result in runs.items():
         for mode in LOSS_AGG:
@@ -212,12 +251,10 @@ def _saved_forward_body(rank, world, model_dir, tp, pp, out_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_on_policy_update_without_the_separate_logprob_pass_is_unchanged(model_dir, tmp_path, tp, pp):
+def test_on_policy_update_without_the_separate_logprob_pass_is_unchanged(launched, tp, pp):
     """Issue 14: skipping the old-log-prob forward (on-policy) leaves the update as it was: advantages,
     loss, grad norm and weights within 1e-6 of the update that used a separate forward pass."""
-    out = tmp_path / "saved.pt"
-    run_distributed(_saved_forward_body, world_size=tp * pp, args=(model_dir, tp, pp, str(out)))
-    runs = torch.load(out)
+    runs = launched(f"saved-{tp}{pp}")
     before, after = runs[True], runs[False]
     mask = _batch()["response_mask"].bool()
     kl_part = (after["advantages"] - _batch()["rewards"][:, None])[mask]
@@ -256,12 +293,10 @@ def _recompute_body(rank, world, model_dir, out_path):
 
 
 @pytest.mark.slow
-def test_recompute_really_recomputes(model_dir, tmp_path):
+def test_recompute_really_recomputes(launched):
     """Recompute is proven by the forward calls, not by the config flag: full recompute runs every
     layer again in the backward, selective only the core attention."""
-    out = tmp_path / "recompute.pt"
-    run_distributed(_recompute_body, world_size=1, args=(model_dir, str(out)))
-    counts = torch.load(out)
+    counts = launched("recompute")
     layers, micro_batches = 2, 2
     once = layers * micro_batches
     assert counts["None"] == {"layer": once, "core_attention": once}, counts
