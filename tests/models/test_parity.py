@@ -4,10 +4,11 @@ with and without sequence parallel."""
 import pytest
 import torch
 
-from tests._dist import run_distributed
+from tests._dist import SharedLaunches
 from tools.make_tiny_model import make_tiny_model
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+SP_CASES = [("llama", 2, 1), ("qwen2", 2, 2)]  # family, tp, pp with sequence parallel
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +24,28 @@ def models(tmp_path_factory):
         "rm": make_tiny_model(str(root / "rm"), "qwen2", hidden=64, layers=4, heads=4, kv_heads=2,
                               ffn=96, vocab=300, reward=True, seed=3),
     }
+
+
+@pytest.fixture(scope="module")
+def launched(models, tmp_path_factory):
+    """check(case): every multi-process case of this module runs in one launch per world size (process
+    starts and imports are most of a small case's time on CPU); transformers' outputs computed once."""
+    logits = {family: _hf_logits(models[family]) for family in ("llama", "qwen2")}
+    rm = _hf_scores(models["rm"])
+    cases = {1: {}, 2: {}, 4: {}}
+    for family in ("llama", "qwen2"):
+        for tp, pp in LAYOUTS:
+            cases[tp * pp][f"actor-{family}-{tp}-{pp}"] = (_actor_body, (models[family], tp, pp, logits[family]))
+    for family, tp, pp in SP_CASES:
+        cases[tp * pp][f"actor-sp-{family}-{tp}-{pp}"] = (_actor_body, (models[family], tp, pp, logits[family], True))
+    cases[2]["odd-length"] = (_odd_length_body, (models["llama"],))
+    for tp, pp in LAYOUTS:
+        cases[tp * pp][f"rm-{tp}-{pp}"] = (_rm_body, (models["rm"], tp, pp, rm))
+    cases[2]["rm-sp"] = (_rm_body, (models["rm"], 2, 1, rm, True))
+    rope_path, ids, expected, moved = _llama3_rope_case(tmp_path_factory.mktemp("rope"))
+    cases[2]["rope"] = (_rope_body, (rope_path, ids, expected))
+    top = str(tmp_path_factory.mktemp("launches"))
+    return SharedLaunches(cases, top), moved
 
 
 def _inputs(vocab):
@@ -97,16 +120,14 @@ def _actor_body(rank, world, model_dir, tp, pp, expected, sp=False):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
-def test_actor_logits_match_transformers(models, family, tp, pp):
-    expected = _hf_logits(models[family])
-    run_distributed(_actor_body, world_size=tp * pp, args=(models[family], tp, pp, expected))
+def test_actor_logits_match_transformers(launched, family, tp, pp):
+    launched[0].check(f"actor-{family}-{tp}-{pp}")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,tp,pp", [("llama", 2, 1), ("qwen2", 2, 2)])
-def test_actor_sequence_parallel_matches_transformers(models, family, tp, pp):
-    expected = _hf_logits(models[family])
-    run_distributed(_actor_body, world_size=tp * pp, args=(models[family], tp, pp, expected, True))
+@pytest.mark.parametrize("family,tp,pp", SP_CASES)
+def test_actor_sequence_parallel_matches_transformers(launched, family, tp, pp):
+    launched[0].check(f"actor-sp-{family}-{tp}-{pp}")
 
 
 def _odd_length_body(rank, world, model_dir):
@@ -121,8 +142,8 @@ def _odd_length_body(rank, world, model_dir):
 
 
 @pytest.mark.slow
-def test_sequence_parallel_refuses_odd_length_on_every_rank(models):
-    run_distributed(_odd_length_body, world_size=2, args=(models["llama"],))
+def test_sequence_parallel_refuses_odd_length_on_every_rank(launched):
+    launched[0].check("odd-length")
 
 
 def _rm_body(rank, world, model_dir, tp, pp, expected, sp=False):
@@ -154,27 +175,24 @@ def _rm_inputs(vocab, pad):
     return ids, lengths
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("tp,pp", LAYOUTS)
-def test_reward_model_scores_match_transformers(models, tp, pp):
+def _hf_scores(model_dir):
     from transformers import AutoModelForSequenceClassification
 
-    hf = AutoModelForSequenceClassification.from_pretrained(models["rm"], dtype=torch.float32).eval()
+    hf = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids, _ = _rm_inputs(hf.config.vocab_size, hf.config.pad_token_id)
     with torch.no_grad():
-        expected = hf(ids).logits.view(-1).float()
-    run_distributed(_rm_body, world_size=tp * pp, args=(models["rm"], tp, pp, expected))
+        return hf(ids).logits.view(-1).float()
 
 
 @pytest.mark.slow
-def test_reward_model_sequence_parallel_matches_transformers(models):
-    from transformers import AutoModelForSequenceClassification
+@pytest.mark.parametrize("tp,pp", LAYOUTS)
+def test_reward_model_scores_match_transformers(launched, tp, pp):
+    launched[0].check(f"rm-{tp}-{pp}")
 
-    hf = AutoModelForSequenceClassification.from_pretrained(models["rm"], dtype=torch.float32).eval()
-    ids, _ = _rm_inputs(hf.config.vocab_size, hf.config.pad_token_id)
-    with torch.no_grad():
-        expected = hf(ids).logits.view(-1).float()
-    run_distributed(_rm_body, world_size=2, args=(models["rm"], 2, 1, expected, True))
+
+@pytest.mark.slow
+def test_reward_model_sequence_parallel_matches_transformers(launched):
+    launched[0].check("rm-sp")
 
 
 def _rope_body(rank, world, model_dir, ids, expected):
@@ -193,16 +211,13 @@ def _rope_body(rank, world, model_dir, ids, expected):
     assert err < 1e-5, f"llama3 RoPE scaling: max |logits - transformers| = {err}"
 
 
-@pytest.mark.slow
-def test_llama3_rope_scaling_matches_transformers(tmp_path):
-    """rope_type=llama3 (factor 8, megatron's fixed low/high frequency factors and 8192 original
-    length) gives transformers' logits over 1024 positions, where the scaling moves them far more
-    than the tolerance."""
+def _llama3_rope_case(top):
+    """(model dir, ids, transformers' logits, how far the scaling moved them) for the rope test."""
     import json
 
     from transformers import AutoModelForCausalLM
 
-    path = make_tiny_model(str(tmp_path / "llama3"), "llama", hidden=128, layers=2, heads=2, kv_heads=2, ffn=96,
+    path = make_tiny_model(str(top / "llama3"), "llama", hidden=128, layers=2, heads=2, kv_heads=2, ffn=96,
                            rope_theta=500000.0, max_positions=16384, seed=4)
     with open(f"{path}/config.json") as f:
         config = json.load(f)
@@ -216,11 +231,20 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     ids = torch.randint(4, config["vocab_size"], (1, 1024), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids).logits
-        unscaled_dir = str(tmp_path / "plain")
+        unscaled_dir = str(top / "plain")
         AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).save_pretrained(unscaled_dir)
         with open(f"{unscaled_dir}/config.json", "w") as f:
             json.dump(plain, f)
         unscaled = AutoModelForCausalLM.from_pretrained(unscaled_dir, dtype=torch.float32).eval()(ids).logits
     moved = (expected - unscaled).abs().max().item()
+    return path, ids, expected, moved
+
+
+@pytest.mark.slow
+def test_llama3_rope_scaling_matches_transformers(launched):
+    """rope_type=llama3 (factor 8, megatron's fixed low/high frequency factors and 8192 original
+    length) gives transformers' logits over 1024 positions, where the scaling moves them far more
+    than the tolerance."""
+    moved = launched[1]
     assert moved > 1e-3, f"the scaling must matter at these positions (moved the logits by {moved})"
-    run_distributed(_rope_body, world_size=2, args=(path, ids, expected))
+    launched[0].check("rope")

@@ -10,7 +10,7 @@ The engine is built with uninitialised weights, so any agreement comes from the 
 import pytest
 import torch
 
-from tests._dist import run_distributed
+from tests._dist import SharedLaunches
 from tools.make_tiny_model import make_tiny_model
 
 TEMPERATURE = 0.7
@@ -108,8 +108,15 @@ def qwen2(tmp_path_factory):
                            layers=2, heads=4, kv_heads=2, ffn=96, vocab=300, seed=9)
 
 
+@pytest.fixture(scope="module")
+def launched(tiny_llama, qwen2, tmp_path_factory):
+    """Both families in one launch of 4 processes (process starts and imports dominate on CPU)."""
+    cases = {f"{family}-tp2-pp2": (_body, (model_dir, 2, 2)) for family, model_dir in
+             [("llama", tiny_llama), ("qwen2", qwen2)]}
+    return SharedLaunches({4: cases}, str(tmp_path_factory.mktemp("launches")))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_engine_matches_actor_tp2_pp2(family, tiny_llama, qwen2):
-    model_dir = tiny_llama if family == "llama" else qwen2
-    run_distributed(_body, world_size=4, args=(model_dir, 2, 2))
+def test_engine_matches_actor_tp2_pp2(family, launched):
+    launched.check(f"{family}-tp2-pp2")
