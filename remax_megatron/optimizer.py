@@ -92,8 +92,9 @@ class CpuAdamW:
         if not math.isfinite(norm):
             return False, norm
         scale = min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0
-        for p, main in zip(self.params, self.main_params):
-            main.grad = p.main_grad.float() * scale
+        grads = [p.main_grad if p.main_grad.dtype == torch.float32 else p.main_grad.float() for p in self.params]
+        for main, grad in zip(self.main_params, grads):
+            main.grad = grad.mul_(scale) if scale < 1.0 else grad  # in place: DDP zeroes its buffers after the step
         self.optimizer.step()
         for p, main in zip(self.params, self.main_params):
             if main is not p:

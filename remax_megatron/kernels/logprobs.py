@@ -158,6 +158,9 @@ class _FusedLogprobsFn(torch.autograd.Function):
         logp = torch.clamp((t - m) - log_s, max=0.0) * valid
         ent = torch.clamp(log_s - mean_rel, min=0.0) * valid
         ctx.save_for_backward(hidden, weight, local, valid, m, log_s, mean_rel)
+        # An output the loss does not use (the entropy, a metric) gets None, not zeros: no entropy term
+        # in the backward tiles.
+        ctx.set_materialize_grads(False)
         ctx.scale, ctx.group, ctx.with_entropy = scale, group, with_entropy
         ctx.backend, ctx.reduce_hidden_grad = backend, reduce_hidden_grad
         assert logp.shape == (n,)
