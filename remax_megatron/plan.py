@@ -345,7 +345,7 @@ def plan(args) -> tuple[int, str]:
     with warnings.catch_warnings():   # megatron/transformers import-time notices are not for the user here
         warnings.simplefilter("ignore")
         from remax_megatron.models.hf_config import read_hf_config
-        from remax_megatron.data.builtin_models import resolve_model
+        from remax_megatron.builtin.models import resolve_model
 
         model_dir = resolve_model(cfg.actor.model, "actor.model", build=False)  # its config is enough
         arch = read_hf_config(model_dir)

@@ -5,7 +5,7 @@
     python tools/make_tiny_model.py --family llama --tie --out /tmp/tiny-llama
     python tools/make_tiny_model.py --family llama --reward --out /tmp/tiny-rm
 
-The tokenizer is character level (remax_megatron.data.tiny_tokenizer); --vocab
+The tokenizer is character level (remax_megatron.builtin.tokenizer); --vocab
 adds filler tokens so sizes such as "not a multiple of 128*TP" can be tested.
 """
 
@@ -26,7 +26,7 @@ def make_tiny_model(out: str, family: str = "llama", hidden: int = 64, layers: i
     import torch
     import transformers
 
-    from remax_megatron.data.tiny_tokenizer import build_tokenizer
+    from remax_megatron.builtin.tokenizer import build_tokenizer
     from remax_megatron.weights.hf_io import holds_checkpoint
 
     if family not in ("llama", "qwen2"):

@@ -1,4 +1,4 @@
-"""Build a built-in warm-started tiny model (see remax_megatron/data/builtin_models.py) and print its metrics.
+"""Build a built-in warm-started tiny model (see remax_megatron/builtin/models.py) and print its metrics.
 
     python tools/warm_start_tiny.py --name tiny-arith --out /tmp/tiny-arith
     python tools/warm_start_tiny.py --name tiny-arith-rm --out /tmp/tiny-arith-rm
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None):
-    from remax_megatron.data import builtin_models as bm
+    from remax_megatron.builtin import models as bm
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--name", required=True, choices=[*bm.RECIPES, "all"])

@@ -14,6 +14,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from remax_megatron.builtin.tasks import builtin_task
+
 
 @dataclass
 class Prompt:
@@ -59,8 +61,6 @@ def read_records(source: str) -> list[dict]:
 
 def _split_sources(cfg) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]], str]:
     if cfg.train.startswith("builtin:"):
-        from remax_megatron.data.builtin import builtin_task
-
         task = builtin_task(cfg.train.split(":", 1)[1])
         return ([(f"{cfg.train} train row {i}", r) for i, r in enumerate(task["train"])],
                 [(f"{cfg.train} eval row {i}", r) for i, r in enumerate(task["eval"])], cfg.train)

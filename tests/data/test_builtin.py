@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from remax_megatron.data.builtin import builtin_task
-from remax_megatron.data import builtin_models as bm
+from remax_megatron.builtin.tasks import builtin_task
+from remax_megatron.builtin import models as bm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -106,7 +106,7 @@ def test_second_call_reuses_the_cache(built, monkeypatch):
 
 _CONCURRENT = """
 import sys
-from remax_megatron.data import builtin_models as bm
+from remax_megatron.builtin import models as bm
 bm.RECIPES["tiny-arith"] = dict(bm.RECIPES["tiny-arith"], steps=3)  # same (cheap) recipe in both processes
 print(bm.ensure_builtin_model("tiny-arith", sys.argv[1]))
 """

@@ -6,7 +6,7 @@ import pytest
 
 from remax_megatron.config import DataConfig
 from remax_megatron.data.prompts import PromptSampler, load_prompts
-from remax_megatron.data.tiny_tokenizer import build_tokenizer
+from remax_megatron.builtin.tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -194,7 +194,7 @@ def test_reward_model_larger_than_the_actor_group(rm_config, capsys):
 
 def test_builtin_model_is_planned_from_its_config_without_building_it(tmp_path, monkeypatch, capsys):
     """The planner reads the architecture only: a built-in model is not trained for a plan."""
-    from remax_megatron.data.builtin_models import builtin_model_path, is_built
+    from remax_megatron.builtin.models import builtin_model_path, is_built
 
     monkeypatch.setenv("REMAX_CACHE", str(tmp_path / "cache"))
     code, est = _plan_json(capsys, "--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"), "--nodes", "1",

@@ -30,7 +30,7 @@ TORCHRUN = [os.path.join(os.path.dirname(sys.executable), "torchrun")]
 def builtin_model():
     """The tiny default's model built before any job: its one-time build writes to stderr, which
     these tests require to be empty (so each passes alone too)."""
-    from remax_megatron.data.builtin_models import ensure_builtin_model
+    from remax_megatron.builtin.models import ensure_builtin_model
 
     ensure_builtin_model("tiny-arith", verbose=False)
 

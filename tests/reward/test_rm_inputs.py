@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from remax_megatron.data.tiny_tokenizer import build_tokenizer
+from remax_megatron.builtin.tokenizer import build_tokenizer
 from remax_megatron.reward.rm_inputs import RewardModelInputs, TemplateFrame, same_tokenizer
 from tests.reward.test_scoring import other_tokenizer
 

@@ -9,7 +9,7 @@ import string
 import pytest
 import torch
 
-from remax_megatron.data.tiny_tokenizer import build_tokenizer
+from remax_megatron.builtin.tokenizer import build_tokenizer
 from remax_megatron.models.gpt import RewardModel
 from tests._dist import run_distributed
 from tools.make_tiny_model import make_tiny_model

@@ -160,7 +160,7 @@ def _config_and_tokenizer(recipe: dict):
     makes for these arguments (inlined so an installed package, which lacks tools/, can build it)."""
     import transformers
 
-    from remax_megatron.data.tiny_tokenizer import build_tokenizer
+    from remax_megatron.builtin.tokenizer import build_tokenizer
 
     a = recipe["arch"]
     assert a["family"] == "llama"
@@ -267,7 +267,7 @@ def response_logprobs(model, tok, prompts: list[str], responses: list[str]):
 
 
 def _train_actor(out: str, recipe: dict):
-    from remax_megatron.data.builtin import builtin_task
+    from remax_megatron.builtin.tasks import builtin_task
 
     model, tok = _load(out, "LlamaForCausalLM")
     model.train()
@@ -331,7 +331,7 @@ def _train_reward(out: str, recipe: dict):
     import torch
     import torch.nn.functional as F
 
-    from remax_megatron.data.builtin import builtin_task
+    from remax_megatron.builtin.tasks import builtin_task
 
     model, tok = _load(out, "LlamaForSequenceClassification")
     model.train()
@@ -412,7 +412,7 @@ def evaluate_actor(model, tok, task: str = "arith", split: str = "eval") -> dict
     """greedy exact match, exact P(correct answer + </s>) (= expected T=1 sampled accuracy), P(a+b+1)."""
     import torch
 
-    from remax_megatron.data.builtin import builtin_task
+    from remax_megatron.builtin.tasks import builtin_task
 
     recs = builtin_task(task)[split]
     prompts, answers = [r["prompt"] for r in recs], [r["answer"] for r in recs]
@@ -437,7 +437,7 @@ def evaluate_reward(model, tok, task: str = "arith", split: str = "eval", max_an
     """Mean score of correct vs wrong (every other 0..max_answer) and off-by-one answers, and pair ranking."""
     import torch
 
-    from remax_megatron.data.builtin import builtin_task
+    from remax_megatron.builtin.tasks import builtin_task
 
     recs = builtin_task(task)[split]
     vals = list(range(max_answer + 1))

@@ -1,0 +1,1 @@
+"""Prompt data: JSONL / Parquet / built-in task rows -> tokenized prompts, split, and the resumable sampler."""
