@@ -90,36 +90,47 @@ def run_distributed(fn, world_size: int, args: tuple = ()) -> None:
     assert not bad, f"processes exited non-zero: {bad}"
 
 
-def _cases_worker(rank, world_size, cases, done_dir):
-    """Run every case in order; after each, note it as done on this rank. The first failure stops the
+def _cases_worker(rank, world_size, cases, done_path):
+    """Run the cases in order; after each, note it as done on this rank. The first failure stops this
     launch (another rank may wait in a collective of that case) and names the case."""
     for name, (fn, args) in cases.items():
         try:
             fn(rank, world_size, *args)
         except BaseException as e:
             raise RuntimeError(f"case {name!r} failed on rank {rank}") from e
-        with open(os.path.join(done_dir, f"rank{rank}.done"), "a") as f:
+        with open(f"{done_path}.rank{rank}", "a") as f:
             f.write(name + "\n")
 
 
 def run_distributed_cases(cases: dict, world_size: int, done_dir: str) -> dict:
     """Several bodies in ONE launch of `world_size` processes (one process start, one import of torch
     and megatron per rank, instead of one per case): `cases` is {name: (fn, args)} with `fn` as in
-    run_distributed. Returns {name: None if it completed on every rank, else why not (the failed case's
-    traceback, or the case that stopped the launch before this one)}."""
+    run_distributed. Returns {name: None if it completed on every rank, else its failure}. A failed
+    case stops its launch; the cases after it then run in a new launch, so every case still runs and
+    each failure is reported under its own name."""
     os.makedirs(done_dir, exist_ok=True)
-    try:
-        run_distributed(_cases_worker, world_size, args=(cases, done_dir))
-        failure = None
-    except AssertionError as e:
-        failure = str(e)
-    done = []
-    for rank in range(world_size):
-        path = os.path.join(done_dir, f"rank{rank}.done")
-        done.append(set(open(path).read().split("\n")) if os.path.exists(path) else set())
-    return {name: None if all(name in d for d in done) else
-            f"case {name!r} did not complete in its shared launch of {world_size} processes:\n{failure}"
-            for name in cases}
+    outcome, todo, attempt = {}, list(cases), 0
+    while todo:
+        done_path = os.path.join(done_dir, f"launch{attempt}")
+        try:
+            run_distributed(_cases_worker, world_size, args=({n: cases[n] for n in todo}, done_path))
+            failure = None
+        except AssertionError as e:
+            failure = str(e)
+        done = []
+        for rank in range(world_size):
+            path = f"{done_path}.rank{rank}"
+            done.append(set(open(path).read().split("\n")) if os.path.exists(path) else set())
+        for name in list(todo):
+            if not all(name in d for d in done):
+                break
+            outcome[name] = None
+            todo.remove(name)
+        if todo:  # the first case not done everywhere is the one that stopped the launch
+            assert failure is not None, f"launch ended without error but {todo[0]!r} is not done on every rank"
+            outcome[todo.pop(0)] = f"case failed in its shared launch of {world_size} processes:\n{failure}"
+        attempt += 1
+    return outcome
 
 
 class SharedLaunches:
