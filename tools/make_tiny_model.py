@@ -5,8 +5,9 @@
     python tools/make_tiny_model.py --family llama --tie --out /tmp/tiny-llama
     python tools/make_tiny_model.py --family llama --reward --out /tmp/tiny-rm
 
-The tokenizer is character level (remax_megatron.builtin.tokenizer); --vocab
-adds filler tokens so sizes such as "not a multiple of 128*TP" can be tested.
+The model code is remax_megatron.builtin.tiny; the tokenizer is character level
+(remax_megatron.builtin.tokenizer); --vocab adds filler tokens so sizes such as
+"not a multiple of 128*TP" can be tested.
 """
 
 from __future__ import annotations
@@ -17,50 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def make_tiny_model(out: str, family: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4,
-                    kv_heads: int = 2, ffn: int = 128, vocab: int | None = None, tie: bool = False,
-                    reward: bool = False, qkv_bias: bool | None = None, rope_theta: float = 10000.0,
-                    max_positions: int = 512, dtype: str = "float32", seed: int = 0,
-                    overwrite: bool = False) -> str:
-    import torch
-    import transformers
-
-    from remax_megatron.builtin.tokenizer import build_tokenizer
-    from remax_megatron.weights.hf_io import holds_checkpoint
-
-    if family not in ("llama", "qwen2"):
-        raise ValueError(f"--family {family!r} is not supported: use llama or qwen2")
-    if holds_checkpoint(out) and not overwrite:
-        raise FileExistsError(f"{out} already holds a model: choose a new --out or pass --overwrite")
-    tokenizer = build_tokenizer(vocab)
-    common = dict(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-        rms_norm_eps=1e-6, tie_word_embeddings=tie and not reward,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    if family == "llama":
-        config = transformers.LlamaConfig(attention_bias=bool(qkv_bias), **common)
-    else:
-        config = transformers.Qwen2Config(**common)
-    if reward:
-        config.num_labels = 1
-        cls = transformers.LlamaForSequenceClassification if family == "llama" \
-            else transformers.Qwen2ForSequenceClassification
-    else:
-        cls = transformers.LlamaForCausalLM if family == "llama" else transformers.Qwen2ForCausalLM
-    torch.manual_seed(seed)
-    model = cls(config).to(getattr(torch, dtype))
-    with torch.no_grad():  # HF inits norms to 1 and biases to 0: perturb so parity tests see them
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+from remax_megatron.builtin.tiny import make_tiny_model  # noqa: E402  (tests import it from here too)
 
 
 def main(argv=None):

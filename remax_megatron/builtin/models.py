@@ -46,6 +46,13 @@ import sys
 import tempfile
 import time
 
+import torch
+import torch.nn.functional as F
+import transformers
+
+from remax_megatron.builtin.tasks import builtin_task
+from remax_megatron.builtin.tiny import make_tiny_model, tiny_config
+
 BUILTIN_VERSION = "2"
 MARKER = "remax_builtin.json"  # written last inside the directory: its presence marks a complete build
 
@@ -121,8 +128,6 @@ def read_build_info(path: str) -> dict:
 
 @contextlib.contextmanager
 def _torch_threads(n: int):
-    import torch
-
     old = torch.get_num_threads()
     torch.set_num_threads(max(1, min(n, os.cpu_count() or 1)))
     try:
@@ -133,13 +138,11 @@ def _torch_threads(n: int):
 
 def build_model(name: str, out: str) -> dict:
     """Build ``name`` into the existing empty directory ``out``; returns the info written to MARKER."""
-    import torch
-
     recipe = RECIPES[name]
     t0 = time.time()
     with _torch_threads(BUILD_THREADS), torch.random.fork_rng(devices=[]):
         torch.manual_seed(recipe["seed"])
-        _make_random(out, recipe)
+        make_tiny_model(out, seed=recipe["seed"], **_tiny_args(recipe))
         if recipe["kind"] == "actor":
             model, tok = _train_actor(out, recipe)
             metrics = evaluate_actor(model, tok, recipe["task"])
@@ -155,44 +158,11 @@ def build_model(name: str, out: str) -> dict:
     return info
 
 
-def _config_and_tokenizer(recipe: dict):
-    """(HF config, character tokenizer, model class) of a recipe: the same as tools/make_tiny_model.py
-    makes for these arguments (inlined so an installed package, which lacks tools/, can build it)."""
-    import transformers
-
-    from remax_megatron.builtin.tokenizer import build_tokenizer
-
+def _tiny_args(recipe: dict) -> dict:
+    """remax_megatron.builtin.tiny's arguments for a recipe's architecture."""
     a = recipe["arch"]
-    assert a["family"] == "llama"
-    reward = recipe["kind"] == "reward"
-    tok = build_tokenizer()
-    config = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=a["hidden"], intermediate_size=a["ffn"], num_hidden_layers=a["layers"],
-        num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"], max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=a["tie"] and not reward,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attention_bias=False,
-        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        dtype="float32")
-    if reward:
-        config.num_labels = 1
-    cls = transformers.LlamaForSequenceClassification if reward else transformers.LlamaForCausalLM
-    config.architectures = [cls.__name__]
-    return config, tok, cls
-
-
-def _make_random(out: str, recipe: dict) -> None:
-    """A random-init model of the recipe with its tokenizer, saved into `out`."""
-    import torch
-
-    config, tok, cls = _config_and_tokenizer(recipe)
-    torch.manual_seed(recipe["seed"])
-    model = cls(config).to(torch.float32)
-    with torch.no_grad():  # as make_tiny_model: perturb the norms (HF inits them to 1)
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+    return dict(family=a["family"], hidden=a["hidden"], layers=a["layers"], heads=a["heads"], kv_heads=a["kv_heads"],
+                ffn=a["ffn"], tie=a["tie"], reward=recipe["kind"] == "reward")
 
 
 def builtin_model_spec(name: str, cache_dir: str | None = None) -> str:
@@ -206,7 +176,7 @@ def builtin_model_spec(name: str, cache_dir: str | None = None) -> str:
     if not os.path.isfile(os.path.join(spec, "config.json")):
         os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(final), prefix=f".{os.path.basename(spec)}.tmp-")
-        config, tok, _ = _config_and_tokenizer(RECIPES[name])
+        config, tok, _ = tiny_config(**_tiny_args(RECIPES[name]))
         config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         try:
@@ -217,8 +187,6 @@ def builtin_model_spec(name: str, cache_dir: str | None = None) -> str:
 
 
 def _load(out: str, cls_name: str):
-    import transformers
-
     model = getattr(transformers, cls_name).from_pretrained(out)
     tok = transformers.AutoTokenizer.from_pretrained(out)
     return model, tok
@@ -229,8 +197,6 @@ def _encode(tok, text: str) -> list[int]:
 
 
 def _pad(rows: list[list[int]], value: int):
-    import torch
-
     width = max(map(len, rows))
     return torch.tensor([r + [value] * (width - len(r)) for r in rows])
 
@@ -243,15 +209,11 @@ def _lr_at(step: int, recipe: dict) -> float:
 
 
 def _optimizer(model, recipe):
-    import torch
-
     return torch.optim.AdamW(model.parameters(), lr=recipe["lr"], betas=tuple(recipe["betas"]), weight_decay=0.0)
 
 
 def response_logprobs(model, tok, prompts: list[str], responses: list[str]):
     """Sum of log-probs of ``response + </s>`` after each prompt (a tensor, one per pair)."""
-    import torch
-
     eos = tok.eos_token_id
     ids, labels = [], []
     for p, r in zip(prompts, responses):
@@ -267,8 +229,6 @@ def response_logprobs(model, tok, prompts: list[str], responses: list[str]):
 
 
 def _train_actor(out: str, recipe: dict):
-    from remax_megatron.builtin.tasks import builtin_task
-
     model, tok = _load(out, "LlamaForCausalLM")
     model.train()
     train = builtin_task(recipe["task"])["train"]
@@ -288,8 +248,6 @@ def _train_actor(out: str, recipe: dict):
 
 def _fit(model, recipe: dict, loss_fn) -> None:
     """The warm-start loop of both built-in models: per-step LR, loss_fn(), clipped AdamW step."""
-    import torch
-
     opt = _optimizer(model, recipe)
     for step in range(recipe["steps"]):
         for g in opt.param_groups:
@@ -304,8 +262,6 @@ def _fit(model, recipe: dict, loss_fn) -> None:
 
 def _reward_scores(model, ids):
     """(scores at the last non-pad token, hidden states), as LlamaForSequenceClassification scores."""
-    import torch
-
     attn = (ids != model.config.pad_token_id).long()
     h = model.model(input_ids=ids, attention_mask=attn).last_hidden_state
     last = (torch.arange(ids.shape[1]) * attn).argmax(-1)
@@ -313,8 +269,6 @@ def _reward_scores(model, ids):
 
 
 def _wrong_answer(a: int, gen, max_answer: int) -> int:
-    import torch
-
     u = torch.rand((), generator=gen).item()
     side = torch.rand((), generator=gen).item() < 0.5
     if u < 0.5:
@@ -328,11 +282,6 @@ def _wrong_answer(a: int, gen, max_answer: int) -> int:
 
 
 def _train_reward(out: str, recipe: dict):
-    import torch
-    import torch.nn.functional as F
-
-    from remax_megatron.builtin.tasks import builtin_task
-
     model, tok = _load(out, "LlamaForSequenceClassification")
     model.train()
     train = builtin_task(recipe["task"])["train"]
@@ -364,8 +313,6 @@ def _train_reward(out: str, recipe: dict):
 
 def greedy_answers(model, tok, prompts: list[str], max_new_tokens: int = 4) -> list[str | None]:
     """Greedy continuation of each prompt; the text before </s>, or None if no </s> within the budget."""
-    import torch
-
     out = []
     with torch.no_grad():
         for p in prompts:
@@ -386,8 +333,6 @@ def greedy_answers(model, tok, prompts: list[str], max_new_tokens: int = 4) -> l
 def sample_answers(model, tok, prompts: list[str], seed: int = 0, temperature: float = 1.0,
                    max_new_tokens: int = 4) -> list[str | None]:
     """One temperature sample per prompt (batched, seeded), as greedy_answers."""
-    import torch
-
     gen = torch.Generator().manual_seed(seed)
     rows = [_encode(tok, p) for p in prompts]
     assert len({len(r) for r in rows}) == 1, "sample_answers needs prompts of one length"
@@ -410,10 +355,6 @@ def sample_answers(model, tok, prompts: list[str], seed: int = 0, temperature: f
 
 def evaluate_actor(model, tok, task: str = "arith", split: str = "eval") -> dict:
     """greedy exact match, exact P(correct answer + </s>) (= expected T=1 sampled accuracy), P(a+b+1)."""
-    import torch
-
-    from remax_megatron.builtin.tasks import builtin_task
-
     recs = builtin_task(task)[split]
     prompts, answers = [r["prompt"] for r in recs], [r["answer"] for r in recs]
     greedy = greedy_answers(model, tok, prompts)
@@ -426,8 +367,6 @@ def evaluate_actor(model, tok, task: str = "arith", split: str = "eval") -> dict
 
 def reward_scores(model, tok, prompts: list[str], responses: list[str]):
     """RM scores of ``prompt + response + </s>`` through the model's own HF forward."""
-    import torch
-
     ids = _pad([_encode(tok, p + r) + [tok.eos_token_id] for p, r in zip(prompts, responses)], tok.pad_token_id)
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long()).logits[:, 0].float()
@@ -435,10 +374,6 @@ def reward_scores(model, tok, prompts: list[str], responses: list[str]):
 
 def evaluate_reward(model, tok, task: str = "arith", split: str = "eval", max_answer: int = 19) -> dict:
     """Mean score of correct vs wrong (every other 0..max_answer) and off-by-one answers, and pair ranking."""
-    import torch
-
-    from remax_megatron.builtin.tasks import builtin_task
-
     recs = builtin_task(task)[split]
     vals = list(range(max_answer + 1))
     prompts = [r["prompt"] for r in recs for _ in vals]

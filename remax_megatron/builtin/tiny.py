@@ -1,0 +1,71 @@
+"""Tiny Hugging Face Llama / Qwen2 models, offline: random weights and the character tokenizer.
+
+    make_tiny_model("/tmp/tiny-qwen2", "qwen2", hidden=64, layers=4, heads=4, kv_heads=2, ffn=128, vocab=300)
+
+The built-in models start from one of these (remax_megatron.builtin.models); tests and benchmarks
+make their own shapes (tools/make_tiny_model.py is the command line).
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from remax_megatron.builtin.tokenizer import build_tokenizer
+
+FAMILIES = ("llama", "qwen2")
+
+
+def tiny_config(family: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                ffn: int = 128, vocab: int | None = None, tie: bool = False, reward: bool = False,
+                qkv_bias: bool | None = None, rope_theta: float = 10000.0, max_positions: int = 512,
+                dtype: str = "float32"):
+    """(HF config, character tokenizer, model class). vocab: total size with filler tokens (None: the
+    characters only); reward: a *ForSequenceClassification with one label (never tied)."""
+    if family not in FAMILIES:
+        raise ValueError(f"--family {family!r} is not supported: use llama or qwen2")
+    tokenizer = build_tokenizer(vocab)
+    common = dict(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+        rms_norm_eps=1e-6, tie_word_embeddings=tie and not reward,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, dtype=dtype,
+    )
+    if family == "llama":
+        config = transformers.LlamaConfig(attention_bias=bool(qkv_bias), **common)
+    else:
+        config = transformers.Qwen2Config(**common)  # Qwen2 always has q/k/v biases
+    if reward:
+        config.num_labels = 1
+        cls = transformers.LlamaForSequenceClassification if family == "llama" \
+            else transformers.Qwen2ForSequenceClassification
+    else:
+        cls = transformers.LlamaForCausalLM if family == "llama" else transformers.Qwen2ForCausalLM
+    config.architectures = [cls.__name__]
+    return config, tokenizer, cls
+
+
+def make_tiny_model(out: str, family: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4,
+                    kv_heads: int = 2, ffn: int = 128, vocab: int | None = None, tie: bool = False,
+                    reward: bool = False, qkv_bias: bool | None = None, rope_theta: float = 10000.0,
+                    max_positions: int = 512, dtype: str = "float32", seed: int = 0,
+                    overwrite: bool = False) -> str:
+    """Write a random tiny model and its tokenizer into `out`; returns `out`."""
+    # Here, not at the top: the weights package imports megatron-core, which building a model never needs.
+    from remax_megatron.weights.hf_io import holds_checkpoint
+
+    if holds_checkpoint(out) and not overwrite:
+        raise FileExistsError(f"{out} already holds a model: choose a new --out or pass --overwrite")
+    config, tokenizer, cls = tiny_config(family, hidden, layers, heads, kv_heads, ffn, vocab, tie, reward, qkv_bias,
+                                         rope_theta, max_positions, dtype)
+    torch.manual_seed(seed)
+    model = cls(config).to(getattr(torch, dtype))
+    with torch.no_grad():  # HF inits norms to 1 and biases to 0: perturb so parity tests see them
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
