@@ -2,7 +2,7 @@
 
     ddp_model = wrap_ddp(actor, use_distributed_optimizer)   # megatron DDP (grad buffers, DP reduce)
     opt = build_optimizer(ddp_model, cfg.optim, total_updates)
-    model.config.grad_scale_func = opt.scale_loss   # the schedule scales the loss (fp16 on GPU)
+    attach_to_schedule(ddp_model, opt)   # what megatron's schedule calls: grad finalisation, loss scaling, no_sync
     ok, grad_norm = opt.step()      # skips (ok=False) when the grad norm is not finite
     opt.zero_grad()
 
@@ -42,6 +42,16 @@ def finalize_grads(model_chunks, num_tokens=None, **kwargs):
     from megatron.core.distributed import finalize_model_grads
 
     return finalize_model_grads(model_chunks, None, **{k: v for k, v in kwargs.items() if k == "pg_collection"})
+
+
+def attach_to_schedule(ddp_model, optimizer) -> None:
+    """Set what megatron's forward-backward schedule reads from the model config: grad finalisation
+    (the DP / TP / PP reductions, finalize_grads), the loss scaling of `optimizer` (fp16 on GPU) and
+    DDP's no_sync (one grad reduction per step, not per micro-batch)."""
+    config = ddp_model.module.config
+    config.finalize_model_grads_func = finalize_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = ddp_model.no_sync
 
 
 class CpuAdamW:

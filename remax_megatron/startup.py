@@ -22,7 +22,7 @@ from remax_megatron.data.prompts import Prompt, PromptSampler, load_prompts
 from remax_megatron.models import build_policy, build_reward_model, check_layout, read_hf_config
 from remax_megatron.models.gpt import params_dtype_of
 from remax_megatron.models.hf_config import ModelArch
-from remax_megatron.optimizer import build_optimizer, build_scheduler, wrap_ddp
+from remax_megatron.optimizer import attach_to_schedule, build_optimizer, build_scheduler, wrap_ddp
 from remax_megatron.parallel import ParallelLayout, init_distributed
 from remax_megatron.reward import RewardFunctions, RewardScorer
 from remax_megatron.reward.rm_inputs import RewardModelInputs, load_rm_tokenizer
@@ -144,6 +144,7 @@ def build(cfg, checked: CheckedInputs):
         load_hf_weights(reward_model, rm_dir)
     ddp = wrap_ddp(actor, cfg.optim.distributed_optimizer)
     optimizer = build_optimizer(ddp, cfg.optim, dtype, groups)
+    attach_to_schedule(ddp, optimizer)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.steps * cfg.trainer.mini_batches)
     engine = build_engine(cfg.rollout, hf_dir=actor_dir, arch=checked.arch, seed=cfg.trainer.seed,
                           dtype=dtype, max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)

@@ -45,7 +45,7 @@ from remax_megatron.metrics import MetricsLogger, count_weighted, global_mean, p
 from remax_megatron.models.forward import broadcast_from_last_stage, forward_only, run_schedule, to_model_device
 from remax_megatron.data.prompts import Prompt, PromptSampler
 from remax_megatron.models.gpt import PolicyModel, sequence_multiple
-from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer, finalize_grads
+from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer
 from remax_megatron.parallel import ProcessGroups, all_reduce_cpu
 from remax_megatron.reward.scoring import RewardScorer
 from remax_megatron.rollout import RolloutEngine, SamplingParams, WeightSync, logprob_mismatch, pack_sequences, \
@@ -78,9 +78,6 @@ class Trainer:
     def __init__(self, parts: Components, logger: MetricsLogger):
         self.parts, self.cfg, self.groups, self.log = parts, parts.cfg, parts.groups, logger
         self.actor_module = parts.actor.module
-        self.actor_module.config.finalize_model_grads_func = finalize_grads
-        self.actor_module.config.grad_scale_func = parts.optimizer.scale_loss  # fp16 loss scaling on GPU
-        self.actor_module.config.no_sync_func = parts.actor.no_sync
         self.step = 0
         self.skipped_updates = 0
         self._decoded_tokens = 0  # tokens this rank's engine decoded in the step's rollout

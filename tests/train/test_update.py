@@ -40,7 +40,7 @@ def _trainer(world, model_dir, tp, pp, overrides, **build_kw):
 
     from remax_megatron.config import load_config
     from remax_megatron.models import build_policy, read_hf_config
-    from remax_megatron.optimizer import build_optimizer, build_scheduler, wrap_ddp
+    from remax_megatron.optimizer import attach_to_schedule, build_optimizer, build_scheduler, wrap_ddp
     from remax_megatron.parallel import ParallelLayout
     from remax_megatron.trainer import Trainer
     from remax_megatron.weights import load_hf_weights
@@ -51,6 +51,7 @@ def _trainer(world, model_dir, tp, pp, overrides, **build_kw):
     load_hf_weights(actor, model_dir)
     ddp = wrap_ddp(actor, False)
     opt = build_optimizer(ddp, cfg.optim)
+    attach_to_schedule(ddp, opt)
     parts = SimpleNamespace(cfg=cfg, groups=groups, actor=ddp, optimizer=opt,
                             scheduler=build_scheduler(opt, cfg.optim, 10), kl=SimpleNamespace(coef=0.0))
     return Trainer(parts, logger=None), actor, ddp, opt
