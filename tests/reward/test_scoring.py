@@ -11,7 +11,7 @@ import torch
 
 from remax_megatron.builtin.tokenizer import build_tokenizer
 from remax_megatron.models.gpt import RewardModel
-from tests._dist import run_distributed
+from tests._dist import SharedLaunches
 from tools.make_tiny_model import make_tiny_model
 
 PROMPTS = ["2+3=", "what is 7*6?", "say hi"]
@@ -104,22 +104,6 @@ def _scorer_body(rank, world, model_dir, actor_tok, rm_tok, chat_template, batch
     assert err < 1e-5, f"max |score - transformers| = {err}: {flat} vs {expected}"
 
 
-def _scorer_cases_body(rank, world, cases, out_path):
-    """Several single-process scorer cases in one launch; each case's failed assert is kept under its name."""
-    import traceback
-
-    failures = {}
-    for name, args in cases.items():
-        try:
-            _scorer_body(rank, world, *args)
-        except AssertionError:
-            failures[name] = traceback.format_exc()
-        except BaseException as e:
-            raise RuntimeError(f"scorer case {name} failed") from e
-    with open(out_path, "w") as f:
-        json.dump(failures, f)
-
-
 def _pad_eos_case(dirs, mbs):
     """(sequences, the scorer's args): pad id == EOS."""
     from transformers import AutoTokenizer
@@ -154,33 +138,31 @@ def _own_tokenizer_case(dirs, chat_template):
 
 @pytest.fixture(scope="module")
 def scorer_runs(dirs, tmp_path_factory):
-    """The four single-process scorer cases below, prepared here and run in one launch:
-    {case: (what the case's test checks in this process, its failed assert or None)}."""
+    """The four single-process scorer cases below, prepared here and run in one launch: ({case: what
+    the case's test checks in this process}, the launch)."""
     prepared = {f"pad_eos-{mbs}": _pad_eos_case(dirs, mbs) for mbs in (2, 8)}
     prepared.update({f"own_tokenizer-{ct}": _own_tokenizer_case(dirs, ct) for ct in (True, False)})
-    out = str(tmp_path_factory.mktemp("scorer") / "failures.json")
-    run_distributed(_scorer_cases_body, world_size=1, args=({k: v[-1] for k, v in prepared.items()}, out))
-    with open(out) as f:
-        failures = json.load(f)
-    return {k: (v[:-1], failures.get(k)) for k, v in prepared.items()}
+    launches = SharedLaunches({1: {k: (_scorer_body, v[-1]) for k, v in prepared.items()}},
+                              str(tmp_path_factory.mktemp("scorer")))
+    return {k: v[:-1] for k, v in prepared.items()}, launches
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mbs", [2, 8])
 def test_pad_equal_eos_scores_match_transformers(scorer_runs, mbs):
     """pad id == EOS: HF reads the token before the trailing EOS run; ours must too."""
-    (tok, sequences), failure = scorer_runs[f"pad_eos-{mbs}"]
+    (tok, sequences), launches = scorer_runs[0][f"pad_eos-{mbs}"], scorer_runs[1]
     assert any(s[-1] == tok.eos_token_id for s in sequences)
-    assert failure is None, failure
+    launches.check(f"pad_eos-{mbs}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("chat_template", [True, False])
 def test_rm_with_own_tokenizer_scores_match_transformers(scorer_runs, chat_template):
     """Different ids for the same text: the scorer re-tokenizes with the RM's tokenizer (and template)."""
-    (actor_tok, rm_tok), failure = scorer_runs[f"own_tokenizer-{chat_template}"]
+    (actor_tok, rm_tok), launches = scorer_runs[0][f"own_tokenizer-{chat_template}"], scorer_runs[1]
     assert actor_tok("2+3")["input_ids"] != rm_tok("2+3")["input_ids"]
-    assert failure is None, failure
+    launches.check(f"own_tokenizer-{chat_template}")
 
 
 def test_score_positions_follow_hf_rule():
@@ -194,9 +176,8 @@ def test_score_positions_follow_hf_rule():
         RewardModel.score_positions(ids, torch.tensor([4, 0, 1, 1]), 2)
 
 
-def _layout_body(rank, world, model_dir, layouts, sequences, out_dir):
-    """Every layout of this world size in one launch (one process start per rank, not one per layout):
-    this rank's scores and groups per layout, written for the test to check."""
+def _layout_body(rank, world, model_dir, actor_tp, actor_pp, rm_tp, rm_pp, sequences, out_path):
+    """One layout: this rank's groups and scores, written to out_path.rank<r> for the test to check."""
     from megatron.core import parallel_state as ps
 
     from remax_megatron.models import build_reward_model, read_hf_config
@@ -204,26 +185,21 @@ def _layout_body(rank, world, model_dir, layouts, sequences, out_dir):
     from remax_megatron.reward import RewardScorer
     from remax_megatron.weights import load_hf_weights
 
-    for actor_tp, actor_pp, rm_tp, rm_pp in layouts:
-        case = f"actor ({actor_tp}, {actor_pp}) rm ({rm_tp}, {rm_pp})"
-        try:
-            ParallelLayout(tp=actor_tp, pp=actor_pp, world_size=world).initialize()
-            model = build_reward_model(read_hf_config(model_dir), tp=rm_tp, pp=rm_pp, init_weights=False)
-            load_hf_weights(model, model_dir)
-            scorer = RewardScorer(None, model, micro_batch_size=2)
-            # Each actor DP replica scores its own prompts (rows dp, dp + dp_size, ...); one prompt, many responses.
-            dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-            mine = list(range(dp, len(sequences), dp_size))
-            scores, _ = scorer.score([[]], [""], [{}], [0], [[(sequences[i], "") for i in mine]])
-            # One item: the other RM replicas have nothing to score and still join the sum.
-            single, _ = scorer.score([[]], [""], [{}], [0], [[(sequences[mine[-1]], "")]])
-        except BaseException as e:
-            raise RuntimeError(f"{case} failed on rank {rank}") from e
-        result = {"groups": [model.tp_group.size(), model.pp_group.size()],
-                  "replicas": [model.layout.replicas, model.layout.actor_replicas],
-                  "mine": mine, "scores": scores[0], "single": single[0][0]}
-        with open(os.path.join(out_dir, f"{actor_tp}-{actor_pp}-{rm_tp}-{rm_pp}-rank{rank}.json"), "w") as f:
-            json.dump(result, f)
+    ParallelLayout(tp=actor_tp, pp=actor_pp, world_size=world).initialize()
+    model = build_reward_model(read_hf_config(model_dir), tp=rm_tp, pp=rm_pp, init_weights=False)
+    load_hf_weights(model, model_dir)
+    scorer = RewardScorer(None, model, micro_batch_size=2)
+    # Each actor DP replica scores its own prompts (rows dp, dp + dp_size, ...); one prompt, many responses.
+    dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    mine = list(range(dp, len(sequences), dp_size))
+    scores, _ = scorer.score([[]], [""], [{}], [0], [[(sequences[i], "") for i in mine]])
+    # One item: the other RM replicas have nothing to score and still join the sum.
+    single, _ = scorer.score([[]], [""], [{}], [0], [[(sequences[mine[-1]], "")]])
+    result = {"groups": [model.tp_group.size(), model.pp_group.size()],
+              "replicas": [model.layout.replicas, model.layout.actor_replicas],
+              "mine": mine, "scores": scores[0], "single": single[0][0]}
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump(result, f)
 
 
 def test_replicas_share_the_items():
@@ -246,8 +222,8 @@ LAYOUTS = [  # actor_tp, actor_pp, rm_tp, rm_pp, world
 
 @pytest.fixture(scope="module")
 def layout_runs(dirs, tmp_path_factory):
-    """The layout cases' sequences, transformers' scores and per-rank results; one launch per world size,
-    started by the first case of that world size that asks (a failed launch fails each of its cases)."""
+    """The layout cases' sequences, transformers' scores, the launches (one per world size: process
+    starts and imports are most of a case's time on CPU) and where each case's results lie."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(dirs["eos_rm"])
@@ -257,31 +233,23 @@ def layout_runs(dirs, tmp_path_factory):
         ids = torch.randint(4, len(tok), (n,), generator=g).tolist()
         sequences.append(ids + [tok.eos_token_id] * (n % 3))  # trailing EOS (= the RM's pad id) runs
     expected = _hf_scores(dirs["eos_rm"], sequences)
-    out_dir = str(tmp_path_factory.mktemp("layouts"))
-    launched = {}
-
-    def results(world):
-        if world not in launched:
-            layouts = [case[:4] for case in LAYOUTS if case[4] == world]
-            try:
-                run_distributed(_layout_body, world_size=world, args=(dirs["eos_rm"], layouts, sequences, out_dir))
-                launched[world] = None
-            except AssertionError as e:
-                launched[world] = str(e)
-        assert launched[world] is None, f"the launch of world {world} failed:\n{launched[world]}"
-        return out_dir
-
-    return sequences, expected, results
+    top = str(tmp_path_factory.mktemp("layouts"))
+    cases = {2: {}, 4: {}}
+    for *layout, world in LAYOUTS:
+        name = "-".join(map(str, layout))
+        cases[world][name] = (_layout_body, (dirs["eos_rm"], *layout, sequences, os.path.join(top, name)))
+    return expected, SharedLaunches(cases, top), top
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("actor_tp,actor_pp,rm_tp,rm_pp,world", LAYOUTS)
 def test_reward_model_layout_independent_of_actor(layout_runs, actor_tp, actor_pp, rm_tp, rm_pp, world):
-    sequences, expected, results = layout_runs
-    out_dir = results(world)
+    expected, launches, top = layout_runs
+    name = f"{actor_tp}-{actor_pp}-{rm_tp}-{rm_pp}"
+    launches.check(name)
     case = f"actor ({actor_tp}, {actor_pp}) rm ({rm_tp}, {rm_pp})"
     for rank in range(world):
-        with open(os.path.join(out_dir, f"{actor_tp}-{actor_pp}-{rm_tp}-{rm_pp}-rank{rank}.json")) as f:
+        with open(os.path.join(top, f"{name}.rank{rank}")) as f:
             r = json.load(f)
         assert r["groups"] == [rm_tp, rm_pp], (case, rank, r["groups"])
         replicas, actor_replicas = r["replicas"]
