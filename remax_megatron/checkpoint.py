@@ -31,6 +31,9 @@ import zlib
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from torch.distributed.checkpoint.api import CheckpointException
 
 from remax_megatron.parallel.layout import all_reduce_cpu
 from remax_megatron.weights.megatron_ckpt import load_model, save_model
@@ -109,9 +112,6 @@ def preemption_save_refusal(signal_name: str, save_seconds: float, environ=None,
 
 def _write(tmp: str, final: str, root: str, step: int, model, optimizer, trainer_state: dict, hf_dir: str) -> None:
     """The collective body of save_checkpoint: preflight, shards, checksums, manifest, rename."""
-    from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import CheckpointException
-
     rank, error = dist.get_rank(), None
     # Every rank checks it can write and that the disk holds the whole checkpoint before any
     # collective write starts: a rank that failed inside dist_checkpointing.save would leave the
@@ -229,8 +229,6 @@ def _size(n: float) -> str:
 def _one_line(error: BaseException) -> str:
     """`Type: first line` of an error. torch's CheckpointException: `rank r: ...` of the first rank
     it names as failed, or "" when it names none (that rank tells its own)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     if isinstance(error, CheckpointException):
         failures = sorted(error.failures.items(), key=lambda kv: kv[0])
         if not failures:
@@ -383,9 +381,6 @@ def find_resume_checkpoint(root: str, resume: str) -> str | None:
 
 def load_checkpoint(path: str, model, optimizer) -> dict:
     """Collective: load weights and optimizer state (any TP/PP layout); returns the trainer state."""
-    from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import CheckpointException
-
     try:
         load_model(model, path)
     except ValueError as e:   # a checkpoint of another model (shapes named)
@@ -406,8 +401,6 @@ def load_checkpoint(path: str, model, optimizer) -> dict:
 
 
 def rng_state() -> dict:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              "tracker": get_cuda_rng_tracker().get_states(), "cuda_present": torch.cuda.is_available()}
     if torch.cuda.is_available():
@@ -416,8 +409,6 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if state.get("cuda_present", False) != torch.cuda.is_available():

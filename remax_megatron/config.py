@@ -19,6 +19,9 @@ from typing import Literal
 
 import yaml
 
+from remax_megatron.parallel import ParallelLayout
+from remax_megatron.parallel.nested import check_nested
+
 # Fixed choices: the type is the one source of the allowed values (checked on load, listed by --help).
 Recompute = Literal["none", "selective", "full"]
 KlMode = Literal["reward", "loss"]
@@ -267,8 +270,6 @@ class Config:
 
     def check_world(self, world_size: int) -> None:
         """Layout checks that need the launched world size (one line, every factor named)."""
-        from remax_megatron.parallel import ParallelLayout
-
         try:
             ParallelLayout(tp=self.actor.tp, pp=self.actor.pp, world_size=world_size)
         except ValueError as e:
@@ -282,8 +283,6 @@ class Config:
             raise ValueError(f"{local} sequences per DP rank (prompts_per_step/dp * rollout.n) are not divisible by "
                              f"trainer.mini_batches({t.mini_batches}) * trainer.micro_batch_size({t.micro_batch_size})")
         if self.reward.model:
-            from remax_megatron.parallel.nested import check_nested
-
             check_nested(self.reward.tp, self.reward.pp, self.actor.tp, self.actor.pp, dp)
 
 

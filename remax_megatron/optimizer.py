@@ -21,13 +21,18 @@ import math
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
+
 from remax_megatron.parallel import ProcessGroups
 
 
 def wrap_ddp(model, use_distributed_optimizer: bool):
     """megatron DistributedDataParallel: grads in fp32 buffers, summed over DP (loss is globally normalised)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
     model.config.calculate_per_token_loss = True  # DDP sums over DP; the loss carries the global 1/N
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -39,8 +44,6 @@ def wrap_ddp(model, use_distributed_optimizer: bool):
 
 def finalize_grads(model_chunks, num_tokens=None, **kwargs):
     """megatron's finalize_model_grads without its 1/num_tokens scaling (our loss already has it)."""
-    from megatron.core.distributed import finalize_model_grads
-
     return finalize_model_grads(model_chunks, None, **{k: v for k, v in kwargs.items() if k == "pg_collection"})
 
 
@@ -86,9 +89,6 @@ class CpuAdamW:
 
     @torch.no_grad()
     def grad_norm(self) -> float:
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-        from megatron.core.transformer.module import param_is_not_shared
-
         total = torch.zeros((), dtype=torch.float64)
         for p in self.params:
             if p.main_grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
@@ -129,11 +129,6 @@ class CpuAdamW:
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False) -> dict:
         """Adam moments (and fp32 main weights) as ShardedTensors laid out like their parameters:
         reshardable across TP/PP."""
-        from megatron.core.dist_checkpointing.optimizer import (
-            get_param_id_to_sharded_param_map,
-            optim_state_to_sharding_state,
-        )
-
         for main in self.main_params:
             # torch creates Adam state lazily; zeros at step 0 behave exactly like no state yet.
             if is_loading or not self.optimizer.state[main]:
@@ -165,8 +160,6 @@ class MegatronOptimizer:
     """megatron-core's optimizer (GPU), with the same step()/zero_grad() as CpuAdamW."""
 
     def __init__(self, ddp_model, cfg, params_dtype: torch.dtype):
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
         config = OptimizerConfig(
             optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.beta1, adam_beta2=cfg.beta2, adam_eps=cfg.eps, clip_grad=cfg.grad_clip,
@@ -236,8 +229,6 @@ def build_optimizer(ddp_model, cfg, params_dtype: torch.dtype = torch.float32, g
 
 def build_scheduler(optimizer, cfg, total_updates: int):
     """megatron's OptimizerParamScheduler: linear warmup, then constant / linear / cosine to min_lr."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     warmup = min(cfg.warmup_steps, max(0, total_updates - 1))
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0 if warmup else cfg.lr, max_lr=cfg.lr,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from remax_megatron.builtin.tasks import builtin_task
+from remax_megatron.reward.functions import resolve
 
 
 @dataclass
@@ -78,8 +79,6 @@ def _split_sources(cfg) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]],
 def required_columns(reward_functions: Sequence[str]) -> dict[str, list[str]]:
     """{column: [reward functions that need it]}: the parameters after (prompts, responses) that a
     function's signature requires (no default). The `answer` parameter is data.answer_key's column."""
-    from remax_megatron.reward.functions import resolve
-
     needed: dict[str, list[str]] = {}
     for spec in reward_functions:
         try:

@@ -7,6 +7,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from remax_megatron.models.gpt import check_sequence_length
 from remax_megatron.parallel import cpu_compat
@@ -56,8 +58,6 @@ def forward_only(model, micro_batches: list[dict], head: Callable[[object, torch
 
 def schedule_groups(model) -> dict:
     """The schedule's process groups: those the model was built on (megatron's global ones or its own layout)."""
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
     return dict(p2p_communicator=P2PCommunicator(pp_group=model.pp_group, config=model.config),
                 pg_collection=model.pg_collection)
 
@@ -70,8 +70,6 @@ def to_model_device(batch: dict, model) -> dict:
 
 def broadcast_from_last_stage(tensor: torch.Tensor | None, shape, dtype, device="cpu") -> torch.Tensor:
     """Give every pipeline stage the last stage's `tensor` (others pass None and get it on `device`)."""
-    from megatron.core import parallel_state as ps
-
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return tensor
     group = ps.get_pipeline_model_parallel_group()

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
-from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt import GPTModel, gpt_layer_specs
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from torch import nn
 
+from remax_megatron.kernels import fused_logprobs
+from remax_megatron.models.hf_config import DTYPES, ModelArch, padded_vocab_size, transformer_config
 from remax_megatron.parallel import cpu_compat
 from remax_megatron.parallel.nested import NestedGroups, nested_groups
-from remax_megatron.models.hf_config import DTYPES, ModelArch, padded_vocab_size, transformer_config
 
 
 def transformer_engine_usable() -> bool:
@@ -65,9 +68,6 @@ def layer_spec(config, pp_rank: int | None = None):
     Returns the block spec of pipeline stage `pp_rank` (default: megatron's global PP rank): its
     layers and the final norm.
     """
-    from megatron.core.models.gpt import gpt_layer_specs
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
     if transformer_engine_usable():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
@@ -79,8 +79,6 @@ def layer_spec(config, pp_rank: int | None = None):
 
 def _gpt_kwargs(arch: ModelArch, config, tp: int, divisible_by: int, layout: NestedGroups | None = None) -> dict:
     """GPTModel arguments; `layout` places the model on explicit groups (None: megatron's global ones)."""
-    from megatron.core import parallel_state as ps
-
     pp_rank, pp = (layout.pp_rank, layout.pp_size) if layout is not None else \
         (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size())
     return dict(
@@ -174,8 +172,6 @@ class PolicyModel(GPTModel):
         Vocab padding rows are left out of the softmax (valid_vocab), so these equal
         the HF model's / rollout engine's log-probs.
         """
-        from remax_megatron.kernels import fused_logprobs
-
         b, s, h = hidden.shape
         logprobs, entropy = fused_logprobs(
             hidden.reshape(b * s, h), self.output_weight(), labels.reshape(b * s),

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+from transformers import AutoConfig
 
 SUPPORTED = {
     "LlamaForCausalLM": ("llama", "causal_lm"),
@@ -69,7 +71,6 @@ def read_hf_config(model_dir: str) -> ModelArch:
             f"unsupported architecture {archs or raw.get('model_type')!r} in {path}: "
             f"remax-megatron supports {', '.join(sorted(SUPPORTED))}"
         )
-    from transformers import AutoConfig
 
     try:
         cfg = AutoConfig.from_pretrained(model_dir)
@@ -155,8 +156,6 @@ def transformer_config(
     init_weights: bool = True,
 ):
     """The megatron TransformerConfig of `arch` at this layout (see PITFALLS: TP/PP sizes must be set)."""
-    from megatron.core.transformer import TransformerConfig
-
     check_layout(arch, tp, pp)
     cuda = torch.cuda.is_available()
     return TransformerConfig(

@@ -23,13 +23,13 @@ from __future__ import annotations
 import json
 import os
 
+from transformers import AutoTokenizer
+
 MARKER = "\x00remax-prompt\x00"  # stands for the user message while a template is rendered
 
 
 def load_rm_tokenizer(rm_dir: str):
     """The reward model's own tokenizer; FileNotFoundError when its directory has none."""
-    from transformers import AutoTokenizer
-
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     if not any(os.path.isfile(os.path.join(rm_dir, n)) for n in names):
         raise FileNotFoundError(f"reward.model {rm_dir} has no tokenizer ({', '.join(names)}): copy the tokenizer "

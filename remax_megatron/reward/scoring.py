@@ -7,17 +7,14 @@ sample equal to the greedy one) is scored once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
+from remax_megatron.models.forward import forward_only
+from remax_megatron.models.gpt import RewardModel, sequence_multiple
+from remax_megatron.parallel import all_reduce_cpu
 from remax_megatron.reward.functions import RewardError, RewardFunctions
 from remax_megatron.reward.rm_inputs import RewardModelInputs
-
-if TYPE_CHECKING:
-    from remax_megatron.models.gpt import RewardModel
-
 
 class RewardScorer:
     """reward = sum_k w_k * f_k(response) + model_weight * RM(prompt + response)."""
@@ -81,10 +78,6 @@ class RewardScorer:
         their sequences are gathered first. Each replica of the reward model there scores its
         share, and a sum over the group (one contributor per item) hands every rank all scores.
         """
-        from remax_megatron.models.forward import forward_only
-        from remax_megatron.models.gpt import sequence_multiple
-        from remax_megatron.parallel import all_reduce_cpu
-
         model = self.reward_model
         layout = model.layout
         first, count = 0, len(sequences)  # this rank's items within the scored list
@@ -128,7 +121,6 @@ def _stop_together(error: RewardError | None) -> None:
         if error is not None:
             raise error
         return
-    from remax_megatron.parallel import all_reduce_cpu
 
     rank, world = dist.get_rank(), dist.get_world_size()
     first = int(all_reduce_cpu(torch.tensor([rank if error is not None else world], dtype=torch.int64),

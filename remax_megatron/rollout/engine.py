@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 
 
 def stream_seed(*keys: int) -> int:
@@ -181,8 +182,6 @@ def check_generate_args(prompt_token_ids, n: int, sampling) -> None:
 
 
 def world_size_and_rank() -> tuple[int, int]:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0

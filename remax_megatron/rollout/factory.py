@@ -17,6 +17,7 @@ import importlib
 
 import torch
 
+from remax_megatron.models import read_hf_config
 from remax_megatron.rollout.engine import RolloutEngine, world_size_and_rank
 
 # name -> "module:Class" (imported on use) or the class itself
@@ -76,8 +77,6 @@ def build_engine(cfg, *, hf_dir: str, arch=None, seed: int = 0, dtype: torch.dty
     max_model_len: longest prompt + completion the engine must hold (None: the model's limit).
     """
     if arch is None:
-        from remax_megatron.models import read_hf_config
-
         arch = read_hf_config(hf_dir)
     check_rollout(cfg, arch, world_size_and_rank()[0])
     return engine_class(cfg.engine)(cfg, hf_dir=hf_dir, seed=seed, dtype=dtype, max_model_len=max_model_len)

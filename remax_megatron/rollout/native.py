@@ -25,6 +25,8 @@ no-ops (there is no separate device memory to free).
 from __future__ import annotations
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.initialization import no_init_weights
 
 from remax_megatron.rollout.engine import Completion, PromptRollout, RolloutEngine, SamplingParams
 from remax_megatron.rollout.sequences import left_pad
@@ -75,8 +77,6 @@ def sample_next(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.T
 def _eos_ids(hf_dir: str, config) -> set[int]:
     ids = []
     try:
-        from transformers import GenerationConfig
-
         ids.append(GenerationConfig.from_pretrained(hf_dir).eos_token_id)
     except OSError:
         pass
@@ -98,8 +98,6 @@ class NativeEngine(RolloutEngine):
     def __init__(self, cfg=None, *, hf_dir: str, seed: int = 0, dtype: torch.dtype = torch.float32,
                  max_model_len: int | None = None, device: str | torch.device | None = None):
         super().__init__(seed)
-        from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.initialization import no_init_weights
 
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -125,8 +123,6 @@ class NativeEngine(RolloutEngine):
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
             self._tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
         return self._tokenizer
 

@@ -25,6 +25,7 @@ from typing import Iterable, Iterator
 import torch
 
 from remax_megatron.rollout.engine import RolloutEngine
+from remax_megatron.weights.export import HFExporter
 
 _ALIGN_BYTES = 256  # each view starts on a 256-byte boundary (vectorised copies on GPU)
 
@@ -141,8 +142,6 @@ class WeightSync:
     """
 
     def __init__(self, engine: RolloutEngine, model, bucket_mb: float, groups=None):
-        from remax_megatron.weights.export import HFExporter
-
         self.engine, self.bucket_mb = engine, bucket_mb
         self.exporter = HFExporter(model, dtype=engine.dtype, bucket_mb=bucket_mb, groups=groups)
         self.packer = BucketPacker(int(bucket_mb * 2**20), engine.dtype, engine.device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from remax_megatron.models.hf_config import padded_vocab_size
 from remax_megatron.weights.hf_io import HFCheckpointReader
 from remax_megatron.weights.mapping import WeightMapping
 
@@ -25,7 +26,6 @@ def mapping_for(model) -> WeightMapping:
 def _padded_rows_from_output(model) -> int:
     if model.arch.task == "reward" or model.output_layer.weight is None:
         # Reward models / tied PP=1 have no vocab-parallel tensor on this stage; nothing uses the size.
-        from remax_megatron.models.hf_config import padded_vocab_size
 
         tp = model.tp_group.size()
         return padded_vocab_size(model.arch.vocab_size, tp) // tp

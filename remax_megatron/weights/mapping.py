@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from remax_megatron.models.hf_config import ModelArch
+from remax_megatron.models.hf_config import DTYPES, ModelArch
 
 # Split kinds.
 REPLICATED, VOCAB, ROW, QKV, FC1 = "replicated", "vocab", "row", "qkv", "fc1"
@@ -207,8 +207,6 @@ class WeightMapping:
 
 
 def _dtype(mapping: WeightMapping) -> torch.dtype:
-    from remax_megatron.models.hf_config import DTYPES
-
     return DTYPES.get(mapping.arch.torch_dtype, torch.float32)
 
 

@@ -15,6 +15,10 @@ import shutil
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import load_tensors_metadata
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
 from remax_megatron.models import build_policy, build_reward_model, read_hf_config
 from remax_megatron.models.hf_config import DTYPES, ModelArch
@@ -39,8 +43,6 @@ def save_model(model, ckpt_dir: str, hf_dir: str) -> None:
     ckpt_dir must exist and be empty of a previous checkpoint (callers write into a
     temporary directory and rename it into place).
     """
-    from megatron.core import dist_checkpointing
-
     model_dir = os.path.join(ckpt_dir, "model")
     if dist.get_rank() == 0:
         os.makedirs(model_dir, exist_ok=True)
@@ -101,8 +103,6 @@ def model_checkpoint_entries(path: str) -> list[str] | None:
 
 def load_model(model, ckpt_dir: str) -> None:
     """Collective: fill `model` (any TP/PP layout) from ckpt_dir/model."""
-    from megatron.core import dist_checkpointing
-
     check_shapes(model, ckpt_dir)
     state = dist_checkpointing.load(model.sharded_state_dict(), os.path.join(ckpt_dir, "model"))
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -118,10 +118,6 @@ def check_shapes(model, ckpt_dir: str) -> None:
     allow_shape_mismatch: the padding depends on TP) are compared without their vocab dim, and the
     vocab sizes through the saved config.json.
     """
-    from megatron.core.dist_checkpointing import load_tensors_metadata
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
     saved = load_tensors_metadata(os.path.join(ckpt_dir, "model"))
     ours = model.sharded_state_dict()
     apply_factories(ours)
