@@ -5,11 +5,15 @@ The SLURM script runs here under plain bash with the SLURM_* variables of a
 fallback is tested); fake ones on PATH stand in for the real-run path.
 """
 
+import atexit
+import functools
 import os
 import shlex
+import shutil
 import signal
 import stat
 import subprocess
+import tempfile
 import time
 
 import pytest
@@ -31,10 +35,37 @@ def config(tmp_path):
     return str(path)
 
 
+# The machine a test describes has exactly the cluster tools its fakes provide: a SLURM login node or
+# a GPU box that runs the suite must not leak its own scontrol / srun / nvidia-smi into a test.
+CLUSTER_TOOLS = ("scontrol", "srun", "sbatch", "squeue", "scancel", "nvidia-smi")
+
+
+@functools.lru_cache(maxsize=None)
+def _path_without_cluster_tools() -> str:
+    """$PATH with every directory that holds a cluster tool replaced by a directory of links to its other
+    programs."""
+    dirs = []
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        if d and any(os.path.exists(os.path.join(d, tool)) for tool in CLUSTER_TOOLS):
+            shadow = tempfile.mkdtemp(prefix="remax-path-")
+            atexit.register(shutil.rmtree, shadow, True)
+            for name in os.listdir(d):
+                if name not in CLUSTER_TOOLS:
+                    os.symlink(os.path.join(d, name), os.path.join(shadow, name))
+            d = shadow
+        dirs.append(d)
+    return os.pathsep.join(dirs)
+
+
+def _clean_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in SLURM_KEYS}
+    env["PATH"] = _path_without_cluster_tools()
+    return env
+
+
 def _run(script, args, path_dirs=(), **env):
-    base = {k: v for k, v in os.environ.items() if k not in SLURM_KEYS}
-    # fakes first; /usr/bin etc. have no scontrol/srun/nvidia-smi here (checked below)
-    base["PATH"] = os.pathsep.join([*path_dirs, base.get("PATH", "")])
+    base = _clean_env()
+    base["PATH"] = os.pathsep.join([*path_dirs, base["PATH"]])  # the test's fakes first
     base.update(env)
     return subprocess.run(["bash", script, *args], cwd=REPO, env=base, capture_output=True, text=True, timeout=60)
 
@@ -54,7 +85,8 @@ def _fake(dirpath, name, body):
 
 
 def _no_slurm_tools():
-    r = subprocess.run(["bash", "-c", "command -v scontrol || command -v srun"], capture_output=True)
+    r = subprocess.run(["bash", "-c", "command -v scontrol || command -v srun"], env=_clean_env(),
+                       capture_output=True)
     return r.returncode != 0
 
 
@@ -165,7 +197,7 @@ def test_sbatch_real_path_runs_one_torchrun_per_node(config, tmp_path):
 
 def test_usr1_requeues_the_job(config, tmp_path):
     bindir, log = _fake_cluster(tmp_path, srun_sleep=5)
-    env = {k: v for k, v in os.environ.items() if k not in SLURM_KEYS}
+    env = _clean_env()
     env.update(PATH=bindir + os.pathsep + env["PATH"], SLURM_JOB_NODELIST="h[1-2]", SLURM_JOB_ID="99",
                GPUS_PER_NODE="8", LOG_DIR=str(tmp_path / "logs"))
     p = subprocess.Popen(["bash", SBATCH, config], cwd=REPO, env=env, stdout=subprocess.PIPE,
