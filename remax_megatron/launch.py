@@ -13,7 +13,9 @@ with three differences, each a fix of what plain torchrun does to a job that mus
   (`--shutdown-timeout`) whether their checkpoint is written or not, then exits 1 with a traceback.
 - The exit code is the workers': the first failed rank's (2 when the input was refused), and a
   worker that printed its own one-line error is not followed by torchrun's ~35-line report. A
-  worker killed by a signal is named in one line (exit 128 + the signal's number).
+  worker killed by a signal is named in one line (exit 128 + the signal's number); it is the
+  cause even when its peers also failed (their "Connection reset by peer" comes from its death),
+  and the workers the agent itself stopped after the first failure are never named.
 - The workers get REMAX_LAUNCHER=1, so they know no kill grace is running after a stop signal.
 
 SIGINT, SIGHUP and SIGQUIT keep torchrun's handling (forwarded; workers killed after the grace).
@@ -58,6 +60,42 @@ def _without_ours(signals: str) -> str:
     return ",".join(s.strip() for s in signals.split(",") if s.strip() and s.strip() not in ours)
 
 
+def job_exit(failures: dict, stopped_by_agent: set[int] = frozenset()) -> tuple[int, str | None]:
+    """(exit code, line to print) for torchrun's failures {global rank: ProcessFailure}.
+
+    The agent records the workers it stopped after the first failure (its SIGTERM, SIGKILL after the
+    grace) as failures too; the cause is among the others. There a rank killed by a signal comes
+    first: its peers' errors are its consequence (gloo's "Connection reset by peer") and may be
+    collected in the same poll. Otherwise the lowest failed rank's exit code; that worker printed
+    its own one-line error.
+    """
+    first = {r: f for r, f in failures.items() if f.pid not in stopped_by_agent} or failures
+    killed = {r: f for r, f in first.items() if f.exitcode < 0}
+    if killed:
+        rank, failure = min(killed.items())
+        return 128 - failure.exitcode, f"error: rank {rank} (pid {failure.pid}) died from {failure.signal_name()}"
+    failed = {r: f for r, f in first.items() if f.exitcode > 0}
+    return (failed[min(failed)].exitcode if failed else 1), None
+
+
+def _remember_agent_stops() -> set[int]:
+    """The pids torchrun's agent signals when it closes the workers (the only caller of
+    SubprocessHandler.close); a torch without that class leaves the set empty."""
+    stopped: set[int] = set()
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+    except ImportError:
+        return stopped
+    close = SubprocessHandler.close
+
+    def close_and_remember(self, death_sig=None):
+        stopped.add(self.proc.pid)
+        return close(self, death_sig)
+
+    SubprocessHandler.close = close_and_remember
+    return stopped
+
+
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -77,16 +115,14 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["OMP_NUM_THREADS"] = "1"  # what torchrun sets (without its banner)
     for sig in FORWARDED:
         signal.signal(sig, _forward)
+    stopped_by_agent = _remember_agent_stops()
     try:
         torchrun.run(args)
     except ChildFailedError as e:
-        failed = {r: f for r, f in e.failures.items() if f.exitcode > 0}
-        if failed:  # the worker said why in its own line
-            sys.exit(failed[min(failed)].exitcode)
-        rank, failure = e.get_first_failure()
-        print(f"error: rank {rank} (pid {failure.pid}) died from {failure.signal_name()}", file=sys.stderr,
-              flush=True)
-        sys.exit(128 - failure.exitcode if failure.exitcode < 0 else 1)
+        code, line = job_exit(e.failures, stopped_by_agent)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        sys.exit(code)
     except SignalException as e:
         print(f"error: launcher stopped by {e.sigval.name}; the workers were stopped", file=sys.stderr,
               flush=True)

@@ -19,7 +19,9 @@ import time
 
 import pytest
 
-from remax_megatron.launch import _without_ours
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from remax_megatron.launch import _without_ours, job_exit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH = [sys.executable, "-m", "remax_megatron.launch"]
@@ -169,3 +171,21 @@ def test_launcher_keeps_sigterm_and_sigusr1_for_itself():
     assert _without_ours("SIGTERM,SIGINT,SIGHUP,SIGQUIT") == "SIGINT,SIGHUP,SIGQUIT"
     assert _without_ours("SIGUSR1, SIGUSR2,SIGTERM") == "SIGUSR2"
 
+
+
+def test_a_killed_rank_is_the_cause_even_when_its_peer_failed_in_the_same_poll(tmp_path):
+    """The race CI hit once: rank 1 SIGKILLed, rank 0 exits 1 on "Connection reset by peer", and
+    torchrun collects both; the job names the killed rank (exit 137), not the peer's exit 1."""
+    def failure(rank, pid, exitcode):
+        return ProcessFailure(local_rank=rank, pid=pid, exitcode=exitcode, error_file=str(tmp_path / "none"))
+
+    both = {0: failure(0, 100, 1), 1: failure(1, 101, -signal.SIGKILL)}
+    assert job_exit(both) == (137, "error: rank 1 (pid 101) died from SIGKILL")
+    assert job_exit({0: failure(0, 100, 2), 1: failure(1, 101, 2)}) == (2, None)  # the workers' own line
+    assert job_exit({1: failure(1, 101, 1), 3: failure(3, 103, 2)}) == (1, None)  # the lowest failed rank
+    # rank 1 killed; the agent then stopped rank 0 (SIGTERM, or SIGKILL after its grace): rank 1 is named
+    for stop in (-signal.SIGTERM, -signal.SIGKILL):
+        assert job_exit({1: failure(1, 101, -signal.SIGKILL), 0: failure(0, 100, stop)}, {100}) == \
+            (137, "error: rank 1 (pid 101) died from SIGKILL")
+    # rank 0 failed on its own; rank 1, stuck in a collective, was SIGKILLed by the agent: exit 1, rank 0's line
+    assert job_exit({0: failure(0, 100, 1), 1: failure(1, 101, -signal.SIGKILL)}, {101}) == (1, None)
