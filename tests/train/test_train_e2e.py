@@ -154,42 +154,66 @@ def _refused(env, tmp_path, *overrides, world=1):
     return lines[0]
 
 
-@pytest.mark.slow
-def test_bad_input_is_refused_before_any_work(env, tmp_path):
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    nocol = tmp_path / "nocol.jsonl"
-    nocol.write_text('{"question": "1+1=", "answer": "2"}\n' * 3)
-    assert "has no rows" in _refused(env, tmp_path, f"data.train={empty}")
-    assert "data.prompt_key='prompt' is not a column" in _refused(env, tmp_path, f"data.train={nocol}")
-    assert "are longer than data.max_prompt_tokens=2" in _refused(env, tmp_path, "data.max_prompt_tokens=2")
-    assert "cannot import no_such_pkg" in _refused(env, tmp_path, "reward.functions=[no_such_pkg.mod:fn]")
-    assert "did you mean actor.tp" in _refused(env, tmp_path, "actor.tpp=2")
-    assert "tp(2) * pp(1) = 2 does not divide world(1)" in _refused(env, tmp_path, "actor.tp=2")
-    assert "actor.tp=3 does not divide num_attention_heads=4" in _refused(env, tmp_path, "actor.tp=3", world=3)
-    assert "no such directory" in _refused(env, tmp_path, "actor.model=/no/such/model")
+def _built(cache) -> list[str]:
+    return [p for p in os.listdir(cache) if os.path.isfile(os.path.join(cache, p, "remax_builtin.json"))]
 
 
-@pytest.mark.slow
-def test_vllm_bad_input_is_refused_before_any_work(env, tmp_path):
-    """vLLM (the default engine) on this machine: a KV cache that does not fit, a head size its CPU
-    attention refuses, and prompt + completion beyond the model's positions."""
-    assert "rollout.kv_cache_gib=1000.0" in _refused(env, tmp_path, "rollout.kv_cache_gib=1000")
-    from tools.make_tiny_model import make_tiny_model
-
-    head16 = make_tiny_model(str(tmp_path / "head16"), "llama", hidden=64, heads=4, kv_heads=2)
-    assert "head_dim=16" in _refused(env, tmp_path, f"actor.model={head16}")
-    assert "exceeds the actor's max_position_embeddings=512" in _refused(
-        env, tmp_path, "data.max_prompt_tokens=500", "rollout.max_new_tokens=64")
-
-
-def test_bad_input_is_refused_before_a_builtin_model_is_built(env, tmp_path):
-    """The built-in model's config and tokenizer are enough for every check: nothing is trained for a
-    run that is refused (a fresh cache stays without a built model)."""
+def test_bad_input_is_one_line_exit_2_before_a_builtin_model_is_built(env, tmp_path):
+    """The command line: a config mistake (refused before the stack is imported) and an input check
+    (after it): exit 2, one line, nothing written, and a fresh built-in model cache stays without a
+    built model (the built-in model's config and tokenizer are enough for every check)."""
     cache = tmp_path / "cache"
-    line = _refused(dict(env, REMAX_CACHE=str(cache)), tmp_path, "actor.tpp=2")
-    assert "did you mean actor.tp" in line
-    line = _refused(dict(env, REMAX_CACHE=str(cache)), tmp_path, "data.max_prompt_tokens=2")
-    assert "are longer than data.max_prompt_tokens=2" in line
-    built = [p for p in os.listdir(cache) if os.path.isfile(os.path.join(cache, p, "remax_builtin.json"))]
-    assert built == [], built
+    assert "did you mean actor.tp" in _refused(dict(env, REMAX_CACHE=str(cache)), tmp_path, "actor.tpp=2")
+    assert "actor.tp=3 does not divide num_attention_heads=4" in _refused(
+        dict(env, REMAX_CACHE=str(cache)), tmp_path, "actor.tp=3", world=3)
+    assert _built(cache) == []
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+# (overrides, world, part of the one-line error); {tmp} is the test's directory
+BAD_INPUT = [
+    (["data.train={tmp}/empty.jsonl"], 1, "has no rows"),
+    (["data.train={tmp}/nocol.jsonl"], 1, "data.prompt_key='prompt' is not a column"),
+    (["data.max_prompt_tokens=2"], 1, "are longer than data.max_prompt_tokens=2"),
+    (["reward.functions=[no_such_pkg.mod:fn]"], 1, "cannot import no_such_pkg"),
+    (["actor.tpp=2"], 1, "did you mean actor.tp"),
+    (["actor.tp=2"], 1, "tp(2) * pp(1) = 2 does not divide world(1)"),
+    (["actor.tp=3"], 3, "actor.tp=3 does not divide num_attention_heads=4"),
+    (["actor.model=/no/such/model"], 1, "no such directory"),
+    # vLLM (the default engine) on this machine: a KV cache that does not fit, a head size its CPU
+    # attention refuses, prompt + completion beyond the model's positions
+    (["rollout.kv_cache_gib=1000"], 1, "rollout.kv_cache_gib=1000.0"),
+    (["actor.model={tmp}/head16"], 1, "head_dim=16"),
+    (["data.max_prompt_tokens=500", "rollout.max_new_tokens=64"], 1,
+     "exceeds the actor's max_position_embeddings=512"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,message", BAD_INPUT, ids=[case[2] for case in BAD_INPUT])
+def test_bad_input_is_refused_by_the_checks(tmp_path_factory, monkeypatch, overrides, world, message):
+    """What train.py runs before anything else (load_config, check_inputs), in this process: one
+    line naming the bad value, nothing written, no built-in model built (a fresh cache per test)."""
+    from remax_megatron.config import load_config
+    from remax_megatron.startup import check_inputs
+
+    tmp = tmp_path_factory.mktemp("bad")
+    _write(tmp / "empty.jsonl", "")
+    _write(tmp / "nocol.jsonl", '{"question": "1+1=", "answer": "2"}\n' * 3)
+    if "head16" in " ".join(overrides):
+        from remax_megatron.builtin.tiny import make_tiny_model
+
+        make_tiny_model(str(tmp / "head16"), "llama", hidden=64, heads=4, kv_heads=2)
+    monkeypatch.setenv("REMAX_CACHE", str(tmp / "cache"))
+    out = tmp / "out"
+    with pytest.raises((ValueError, FileNotFoundError)) as refused:
+        cfg = load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml"), [
+            f"trainer.output_dir={out}", "actor.tp=1", *[o.format(tmp=tmp) for o in overrides]])
+        check_inputs(cfg, world)
+    line = str(refused.value)
+    assert message in line and "\n" not in line, line
+    assert not out.exists()
+    assert not (tmp / "cache").exists() or _built(tmp / "cache") == []
