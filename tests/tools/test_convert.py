@@ -1,5 +1,6 @@
 """HF -> megatron checkpoint -> HF at TP=2, PP=2 under torchrun: bitwise round trip; bad input refused."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -89,6 +90,20 @@ def _one_error_line(r):
     return lines[0]
 
 
+def _refused(tool, args, capsys):
+    """The tool's main() in this process (a refusal comes before any process group): exit 2, one line
+    on stderr; test_converter_refuses_unsupported_architecture runs the same path as a real process."""
+    main = importlib.import_module(f"tools.convert_{tool}").main
+    capsys.readouterr()  # what came before (make_tiny_model's progress bar) is not the tool's
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    captured = capsys.readouterr()
+    assert exited.value.code == 2, captured.err[-3000:]
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    return lines[0]
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """A tiny HF model and the model checkpoint convert_hf_to_megatron.py wrote from it."""
@@ -117,7 +132,7 @@ def _run_dir(path):
 @pytest.mark.slow
 @pytest.mark.parametrize("tool", ["hf_to_megatron", "megatron_to_hf"])
 @pytest.mark.parametrize("target,overwrite", [("run_dir", False), ("run_dir", True), ("file", True)])
-def test_converter_refuses_an_existing_out_and_leaves_it_byte_identical(converted, tmp_path, tool, target,
+def test_converter_refuses_an_existing_out_and_leaves_it_byte_identical(converted, tmp_path, capsys, tool, target,
                                                                          overwrite):
     """A training run's directory or a file at --out: one line, exit 2, not a byte changed, nothing
     added beside it; --overwrite does not change that (it replaces only what the tool wrote)."""
@@ -126,8 +141,7 @@ def test_converter_refuses_an_existing_out_and_leaves_it_byte_identical(converte
     parent = os.path.dirname(out)
     before, beside = _tree(out), sorted(os.listdir(parent))
     src = ["--hf-dir", hf] if tool == "hf_to_megatron" else ["--ckpt", ckpt]
-    r = _run([PY, f"tools/convert_{tool}.py", *src, "--out", out] + (["--overwrite"] if overwrite else []))
-    line = _one_error_line(r)
+    line = _refused(tool, [*src, "--out", out] + (["--overwrite"] if overwrite else []), capsys)
     assert out in line
     assert ("is an existing file" if target == "file" else "is not empty and is not") in line, line
     assert _tree(out) == before
@@ -136,14 +150,14 @@ def test_converter_refuses_an_existing_out_and_leaves_it_byte_identical(converte
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tool", ["hf_to_megatron", "megatron_to_hf"])
-def test_overwrite_replaces_only_what_the_tool_wrote(converted, tmp_path, tool):
+def test_overwrite_replaces_only_what_the_tool_wrote(converted, tmp_path, capsys, tool):
     hf, ckpt = converted
     out = str(tmp_path / "out")
-    cmd = [PY, f"tools/convert_{tool}.py", *(["--hf-dir", hf] if tool == "hf_to_megatron" else ["--ckpt", ckpt]),
-           "--out", out]
+    args = [*(["--hf-dir", hf] if tool == "hf_to_megatron" else ["--ckpt", ckpt]), "--out", out]
+    cmd = [PY, f"tools/convert_{tool}.py", *args]
     assert _run(cmd).returncode == 0
     first = _tree(out)
-    line = _one_error_line(_run(cmd))                       # without --overwrite: refused, untouched
+    line = _refused(tool, args, capsys)                     # without --overwrite: refused, untouched
     assert "already holds" in line and "--overwrite" in line
     assert _tree(out) == first
     r = _run(cmd + ["--overwrite"])                         # the tool's own output: replaced, and said so
@@ -157,37 +171,33 @@ def test_overwrite_replaces_only_what_the_tool_wrote(converted, tmp_path, tool):
     with open(os.path.join(out, "notes.txt"), "w") as f:   # a user's file added: no longer only the tool's
         f.write("keep me\n")
     before = _tree(out)
-    line = _one_error_line(_run(cmd + ["--overwrite"]))
+    line = _refused(tool, args + ["--overwrite"], capsys)
     assert "notes.txt" in line and "does not replace it either" in line, line
     assert _tree(out) == before
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
 
 
 @pytest.mark.slow
-def test_converter_names_a_missing_out_parent(converted, tmp_path):
+def test_converter_names_a_missing_out_parent(converted, tmp_path, capsys):
     hf, _ = converted
     out = str(tmp_path / "no" / "such" / "ckpt")
-    line = _one_error_line(_run([PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf, "--out", out]))
+    line = _refused("hf_to_megatron", ["--hf-dir", hf, "--out", out], capsys)
     assert f"parent directory {tmp_path / 'no' / 'such'} does not exist" in line and ".tmp" not in line, line
     assert not os.path.exists(tmp_path / "no")
 
 
-@pytest.mark.slow
-def test_converter_names_a_bad_config_json(tmp_path):
+def test_converter_names_a_bad_config_json(tmp_path, capsys):
     hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=32, layers=2, heads=2, kv_heads=1, ffn=64)
     with open(os.path.join(hf, "config.json"), "w") as f:
         f.write('{"architectures": ["LlamaForCausalLM"], ')
-    line = _one_error_line(_run([PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf,
-                                 "--out", str(tmp_path / "c")]))
+    line = _refused("hf_to_megatron", ["--hf-dir", hf, "--out", str(tmp_path / "c")], capsys)
     assert os.path.join(hf, "config.json") in line and "not valid JSON" in line, line
     assert not os.path.exists(tmp_path / "c")
 
 
-@pytest.mark.slow
-def test_converter_refuses_tp_not_dividing_heads(tmp_path):
+def test_converter_refuses_tp_not_dividing_heads(tmp_path, capsys):
     hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=48, layers=2, heads=3, kv_heads=3, ffn=64)
-    r = _run([PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf, "--out", str(tmp_path / "c"), "--tp", "2"])
-    line = _one_error_line(r)
+    line = _refused("hf_to_megatron", ["--hf-dir", hf, "--out", str(tmp_path / "c"), "--tp", "2"], capsys)
     assert "--tp=2 does not divide num_attention_heads=3" in line, line
     assert not os.path.exists(tmp_path / "c")
 
@@ -200,7 +210,6 @@ def test_converter_refuses_unsupported_architecture(tmp_path):
     cfg["architectures"] = ["MixtralForCausalLM"]
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
-    r = _run([PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf, "--out", str(tmp_path / "c")])
-    assert r.returncode != 0 and "unsupported architecture ['MixtralForCausalLM']" in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    line = _one_error_line(_run([PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf, "--out", str(tmp_path / "c")]))
+    assert "unsupported architecture ['MixtralForCausalLM']" in line, line
     assert not os.path.exists(tmp_path / "c")
