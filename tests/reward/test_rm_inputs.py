@@ -60,3 +60,29 @@ def test_template_that_drops_the_message_is_refused():
     actor.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
     with pytest.raises(ValueError, match="data.chat_template=false"):
         RewardModelInputs(actor, other_tokenizer(), chat_template=True)
+
+
+def _bos_adding(tokenizer):
+    """The tokenizer with a post-processor that puts BOS first (as Llama's does)."""
+    from tokenizers import processors
+
+    bos = tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)])
+    assert tokenizer("ab")["input_ids"][0] == bos
+    return tokenizer
+
+
+@pytest.mark.parametrize("chat_template", [False, True])
+def test_the_rm_gets_its_special_tokens_exactly_once(chat_template):
+    """Re-tokenized text carries the RM's BOS once: added by its tokenizer on the plain path, written
+    by its template on the chat path (where adding it again would double it)."""
+    actor, rm = build_tokenizer(), _bos_adding(other_tokenizer())
+    inputs = RewardModelInputs(actor, rm, chat_template=chat_template)
+    assert not inputs.passthrough
+    prompt = actor.apply_chat_template([{"role": "user", "content": "2+3= ?"}], tokenize=False,
+                                       add_generation_prompt=True) if chat_template else "2+3= ?"
+    [ids] = inputs.sequences([actor(prompt)["input_ids"]], [prompt], [(0, actor("5")["input_ids"], "5")])
+    body = "[user]2+3= ?[assistant]5</s>" if chat_template else "2+3= ?5"
+    # the reference: the RM's ids of the text without any special token added, BOS in front by hand
+    assert ids == [rm.bos_token_id] + rm(body, add_special_tokens=False)["input_ids"], rm.convert_ids_to_tokens(ids)
