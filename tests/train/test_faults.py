@@ -56,16 +56,21 @@ def _metrics_steps(out):
     ("checkpoint.dir=/sys/remax-checkpoints", "checkpoint.dir=/sys/remax-checkpoints cannot be created "
                                               "(PermissionError: Operation not permitted)"),
 ])
-def test_unwritable_output_is_refused_at_start_up(tmp_path, override, message):
+def test_unwritable_output_is_refused_at_start_up(tmp_path, monkeypatch, override, message):
+    """The start-up checks (load_config + check_inputs, what train.py runs first; its exit 2 and one
+    line: tests/train/test_train_e2e.py) in this process: nothing written, no built-in model built."""
+    from remax_megatron.config import load_config
+    from remax_megatron.startup import check_inputs
+
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory\n")
     out, cache = tmp_path / "out", tmp_path / "cache"
-    override = override.format(file=blocker)
-    r = _run([sys.executable, "-m", "remax_megatron.train", "--config", "configs/tiny_cpu.yaml", "actor.tp=1",
-              f"trainer.output_dir={out}", *SHORT, "trainer.steps=1", override],
-             env=_env(WORLD_SIZE="1", REMAX_CACHE=str(cache)))
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert r.stderr.splitlines() == [f"error: {message.format(file=blocker)}: point it at a writable directory"]
+    monkeypatch.setenv("REMAX_CACHE", str(cache))
+    with pytest.raises(ValueError) as refused:
+        cfg = load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml"), [
+            "actor.tp=1", f"trainer.output_dir={out}", *SHORT, "trainer.steps=1", override.format(file=blocker)])
+        check_inputs(cfg, 1)
+    assert str(refused.value) == f"{message.format(file=blocker)}: point it at a writable directory"
     assert not out.exists() and blocker.read_text() == "not a directory\n"
     assert not [p for p in os.listdir(cache) if os.path.isfile(os.path.join(cache, p, "remax_builtin.json"))] \
         if cache.exists() else True   # no built-in model was built
