@@ -11,9 +11,9 @@ with three differences, each a fix of what plain torchrun does to a job that mus
   its step, saves a checkpoint and exits 0, and so does the job. Plain torchrun dies on SIGUSR1
   (exit 138) leaving its workers training, and on SIGTERM kills the workers 30 s later
   (`--shutdown-timeout`) whether their checkpoint is written or not, then exits 1 with a traceback.
-- The exit code is the workers': the first failed rank's (2 when the input was refused), and a
-  worker that printed its own one-line error is not followed by torchrun's ~35-line report. A
-  worker killed by a signal is named in one line (exit 128 + the signal's number); it is the
+- The exit code is the workers': the first failed rank's (2 when the input was refused), and the
+  launcher prints that worker's one-line error (`report_error`, through torch's per-worker reply
+  file) instead of torchrun's ~35-line report. A worker killed by a signal is named in one line (exit 128 + the signal's number); it is the
   cause even when its peers also failed (their "Connection reset by peer" comes from its death),
   and the workers the agent itself stopped after the first failure are never named.
 - The workers get REMAX_LAUNCHER=1, so they know no kill grace is running after a stop signal.
@@ -24,13 +24,34 @@ Torch's own launcher log lines are hidden unless LOGLEVEL is set (e.g. LOGLEVEL=
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import sys
+import time
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
 LAUNCHER_ENV = "REMAX_LAUNCHER"
+ONE_LINE = "remax_one_line"  # marks a reply file written by report_error
+
+
+def report_error(line: str, printer: bool, same_on_every_rank: bool) -> None:
+    """A worker's one-line error, shown once for the job.
+
+    Under this launcher the worker leaves it in torch's per-worker reply file
+    (TORCHELASTIC_ERROR_FILE) and the launcher prints the failed rank's line: the first rank to exit
+    gets its peers stopped by the agent, perhaps before the `printer` rank got to print (a CI run saw
+    exit 2 and no line). Every rank holding the line writes it. Elsewhere (python, plain torchrun)
+    the `printer` rank prints it.
+    """
+    reply_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if os.environ.get(LAUNCHER_ENV) == "1" and reply_file:
+        if printer or same_on_every_rank:
+            with open(reply_file, "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time()), ONE_LINE: True}, f)
+    elif printer:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _workers() -> list[int]:
@@ -66,8 +87,8 @@ def job_exit(failures: dict, stopped_by_agent: set[int] = frozenset()) -> tuple[
     The agent records the workers it stopped after the first failure (its SIGTERM, SIGKILL after the
     grace) as failures too; the cause is among the others. There a rank killed by a signal comes
     first: its peers' errors are its consequence (gloo's "Connection reset by peer") and may be
-    collected in the same poll. Otherwise the lowest failed rank's exit code; that worker printed
-    its own one-line error.
+    collected in the same poll. Otherwise the lowest failed rank's exit code and the line left by
+    `report_error` (None if no rank left one: the traceback is on stderr).
     """
     first = {r: f for r, f in failures.items() if f.pid not in stopped_by_agent} or failures
     killed = {r: f for r, f in first.items() if f.exitcode < 0}
@@ -75,7 +96,11 @@ def job_exit(failures: dict, stopped_by_agent: set[int] = frozenset()) -> tuple[
         rank, failure = min(killed.items())
         return 128 - failure.exitcode, f"error: rank {rank} (pid {failure.pid}) died from {failure.signal_name()}"
     failed = {r: f for r, f in first.items() if f.exitcode > 0}
-    return (failed[min(failed)].exitcode if failed else 1), None
+    # a rank the agent stopped may have written its line before (the reporting rank of a reward
+    # error, whose peers exit at once): the first failures' lines come first, then theirs
+    lines = [f.message for group in (first, failures) for _, f in sorted(group.items())
+             if f.error_file_data.get(ONE_LINE)]
+    return (failed[min(failed)].exitcode if failed else 1), (lines[0] if lines else None)
 
 
 def _remember_agent_stops() -> set[int]:

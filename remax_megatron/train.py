@@ -21,6 +21,7 @@ import signal
 import sys
 
 from remax_megatron.config import config_help, load_config, save_config
+from remax_megatron.launch import report_error
 from remax_megatron.metrics import MetricsLogger, is_rank0, print0, quiet_library_warnings
 
 
@@ -60,8 +61,7 @@ def _stop_with_launcher() -> None:
 
 def _refuse(error: Exception) -> None:
     """Bad input: one line on stderr (rank 0), exit 2."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {error}", file=sys.stderr)
+    report_error(f"error: {error}", printer=int(os.environ.get("RANK", "0")) == 0, same_on_every_rank=True)
     sys.exit(2)
 
 
@@ -109,15 +109,13 @@ def main(argv=None) -> None:
     try:
         finished = trainer.fit()
     except CheckpointError as e:  # every rank raises the same one line: print it once
-        if is_rank0():
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        report_error(f"error: {e}", printer=is_rank0(), same_on_every_rank=True)
         sys.exit(1)
     except RewardError as e:  # every rank raises it; the first rank that saw it prints it
-        if e.report:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        report_error(f"error: {e}", printer=e.report, same_on_every_rank=False)
         sys.exit(1)
     except StageError as e:  # names the rank that saw the failure
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        report_error(f"error: {e}", printer=True, same_on_every_rank=False)
         sys.exit(1)
     finally:
         logger.close()

@@ -21,7 +21,7 @@ import pytest
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from remax_megatron.launch import _without_ours, job_exit
+from remax_megatron.launch import LAUNCHER_ENV, _without_ours, job_exit, report_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH = [sys.executable, "-m", "remax_megatron.launch"]
@@ -181,7 +181,7 @@ def test_a_killed_rank_is_the_cause_even_when_its_peer_failed_in_the_same_poll(t
 
     both = {0: failure(0, 100, 1), 1: failure(1, 101, -signal.SIGKILL)}
     assert job_exit(both) == (137, "error: rank 1 (pid 101) died from SIGKILL")
-    assert job_exit({0: failure(0, 100, 2), 1: failure(1, 101, 2)}) == (2, None)  # the workers' own line
+    assert job_exit({0: failure(0, 100, 2), 1: failure(1, 101, 2)}) == (2, None)  # no line left by a worker
     assert job_exit({1: failure(1, 101, 1), 3: failure(3, 103, 2)}) == (1, None)  # the lowest failed rank
     # rank 1 killed; the agent then stopped rank 0 (SIGTERM, or SIGKILL after its grace): rank 1 is named
     for stop in (-signal.SIGTERM, -signal.SIGKILL):
@@ -189,3 +189,35 @@ def test_a_killed_rank_is_the_cause_even_when_its_peer_failed_in_the_same_poll(t
             (137, "error: rank 1 (pid 101) died from SIGKILL")
     # rank 0 failed on its own; rank 1, stuck in a collective, was SIGKILLed by the agent: exit 1, rank 0's line
     assert job_exit({0: failure(0, 100, 1), 1: failure(1, 101, -signal.SIGKILL)}, {101}) == (1, None)
+
+
+def test_the_line_comes_from_a_rank_that_left_it_even_when_the_printing_rank_was_stopped(tmp_path, monkeypatch):
+    """The race CI hit once (exit 2, no line): rank 1 refused the input and exited while rank 0 was
+    still importing; the agent stopped rank 0 before it printed. Every rank holding the line leaves
+    it in its reply file; the launcher prints the lowest failed rank's one."""
+    line = "error: unknown config key 'actor.tpp'; did you mean actor.tp?"
+    monkeypatch.setenv(LAUNCHER_ENV, "1")
+    for rank, printer, same in ((1, False, True), (2, False, False), (3, True, False)):
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"{rank}.json"))
+        report_error(f"{line} (from {rank})", printer=printer, same_on_every_rank=same)
+    assert not (tmp_path / "2.json").exists()  # a rank whose line is not the report leaves none
+
+    def failure(rank, exitcode):
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(tmp_path / f"{rank}.json"))
+
+    stopped = {0: failure(0, -signal.SIGTERM), 1: failure(1, 2)}
+    assert job_exit(stopped, {100}) == (2, f"{line} (from 1)")
+    assert job_exit({2: failure(2, 1), 3: failure(3, 1)}) == (1, f"{line} (from 3)")
+    assert job_exit({2: failure(2, 1)}) == (1, None)  # no line left: its traceback is on stderr
+    # a reward error: rank 2 exits at once ("failed on another rank", no line), the agent stops
+    # rank 3, which had written the report and exits 1 itself
+    assert job_exit({2: failure(2, 1), 3: failure(3, 1)}, {103}) == (1, f"{line} (from 3)")
+
+
+def test_outside_the_launcher_only_the_printing_rank_prints(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "reply.json"))  # plain torchrun sets it too
+    report_error("error: a", printer=False, same_on_every_rank=True)
+    report_error("error: b", printer=True, same_on_every_rank=True)
+    assert capsys.readouterr().err == "error: b\n"
+    assert not (tmp_path / "reply.json").exists()
