@@ -83,6 +83,7 @@ def main(argv=None) -> None:
     # megatron-core warns while it is imported: these imports come after the line above decided what
     # shows (and after the config, so a mistyped key is refused in a second).
     from remax_megatron.checkpoint import CheckpointError
+    from remax_megatron.memory import keep_freed_host_memory
     from remax_megatron.reward import RewardError
     from remax_megatron.startup import build, check_inputs
     from remax_megatron.trainer import StageError, Trainer
@@ -98,6 +99,7 @@ def main(argv=None) -> None:
               f"{checked.arch.architecture} from {cfg.actor.model}, {cfg.actor.tp}x{cfg.actor.pp}x{dp} "
               f"(tp x pp x dp), {len(checked.train)} train / {len(checked.eval)} eval prompts "
               f"{checked.data_counts}", flush=True)
+    keep_freed_host_memory()  # CPU: no page faults on every step's big tensors (remax_megatron.memory)
     parts = build(cfg, checked)
     # config.yaml, metrics.jsonl and TensorBoard events appear with the first record: a run that fails
     # before it has trained or evaluated anything leaves an existing run's files as they were.

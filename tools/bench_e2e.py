@@ -67,6 +67,7 @@ def run_ours(args, overrides: list[str]) -> tuple[dict, object, dict]:
     quiet_library_warnings()  # before megatron-core is imported
     import torch
 
+    from remax_megatron.memory import keep_freed_host_memory
     from remax_megatron.metrics import MetricsLogger
     from remax_megatron.startup import build, check_inputs
     from remax_megatron.trainer import Trainer
@@ -85,6 +86,7 @@ def run_ours(args, overrides: list[str]) -> tuple[dict, object, dict]:
         sys.exit(2)
 
     t0 = time.perf_counter()
+    keep_freed_host_memory()  # as remax_megatron.train does
     parts = build(cfg, checked)
     build_s = time.perf_counter() - t0
     logger = MetricsLogger(output_dir, cfg.trainer.steps, tensorboard=False, progress_bar=False)
