@@ -65,7 +65,8 @@ def fused_logprobs(
     """Fused per-token log-probs (and entropy) of ``labels``.
 
     hidden [N, D], weight [V_local, D] (this rank's vocab shard), labels [N]
-    global vocab ids (``-100`` = ignore: logprob 0, entropy 0, no gradient).
+    global vocab ids (``-100`` = ignore: logprob 0, entropy 0, no gradient; ignored rows (prompt,
+    padding) are left out before the output layer, at the cost of one host sync for their count).
     Returns ``(logprobs [N] fp32, entropy [N] fp32 or None)``.
 
     impl: ``"torch"`` (chunked, any device), ``"triton"`` or ``None`` = the env
@@ -86,10 +87,18 @@ def fused_logprobs(
     if chunk_elems is not None:
         backend = backend.with_chunk(int(chunk_elems))
     scale = 1.0 / float(temperature)
+    # Only the rows with a label reach the output layer: prompt and padding positions cost no
+    # logits (every TP rank holds the same labels, so the same rows).
+    rows = torch.nonzero(labels != IGNORE_INDEX).squeeze(1)  # [M]
+    every_row = rows.numel() == labels.numel()
     logp, ent = _FusedLogprobsFn.apply(
-        hidden, weight, labels, scale, tp_group, bool(with_entropy), start, backend,
-        bool(reduce_hidden_grad),
+        hidden if every_row else hidden.index_select(0, rows), weight,
+        labels if every_row else labels.index_select(0, rows), scale, tp_group, bool(with_entropy), start,
+        backend, bool(reduce_hidden_grad),
     )
+    if not every_row:  # back to [N]: 0 on the ignored rows
+        logp = logp.new_zeros(labels.shape[0]).index_copy(0, rows, logp)
+        ent = ent.new_zeros(labels.shape[0]).index_copy(0, rows, ent) if with_entropy else None
     return logp, (ent if with_entropy else None)
 
 

@@ -71,6 +71,31 @@ def test_nothing_of_size_tokens_by_vocab_is_saved():
     (lp.sum() + ent.sum()).backward()
 
 
+def test_ignored_rows_never_reach_the_output_layer(monkeypatch):
+    """Prompt and padding positions (label -100) cost no logits: the backend's GEMMs see only the
+    labelled rows, forward and backward, and the result (zeros there, grads included) is the oracle's."""
+    from remax_megatron.kernels.logprobs_torch import TorchBackend
+
+    seen = []
+    for name in ("forward_stats", "backward_grads"):
+        original = getattr(TorchBackend, name)
+        monkeypatch.setattr(TorchBackend, name, lambda self, x, *a, _f=original, _n=name: seen.append((_n, x.shape[0]))
+                            or _f(self, x, *a))
+    h, w, labels, temp, g_lp, g_ent = make_inputs("ignored_rows")
+    labelled = int((labels != -100).sum())
+    assert 0 < labelled < labels.numel()
+    lp, ent, gh, gw = run_fused(h, w, labels, temp, g_lp, g_ent, impl="torch", chunk_elems=64)
+    assert seen == [("forward_stats", labelled), ("backward_grads", labelled)]
+    rlp, rent, rh, rw, _ = oracle(h, w, labels, temp)
+    ((rlp * g_lp).sum() + (rent * g_ent).sum()).backward()
+    ignored = labels == -100
+    assert lp[ignored].abs().max() == 0 and ent[ignored].abs().max() == 0 and gh[ignored].abs().max() == 0
+    torch.testing.assert_close(lp.double(), rlp)
+    torch.testing.assert_close(ent.double(), rent)
+    torch.testing.assert_close(gh.double(), rh.grad)
+    torch.testing.assert_close(gw.double(), rw.grad)
+
+
 def test_valid_vocab_drops_padding_rows():
     h, w, labels, temp, g_lp, g_ent = make_inputs("basic")
     keep = 90
