@@ -7,6 +7,7 @@ processes, where one vLLM engine spans two data-parallel ranks. The engine is bu
 load_format="dummy", so any agreement comes from the sync.
 """
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -36,6 +37,11 @@ def test_requests_pair_sampled_and_greedy_with_real_sampling_params():
     # vLLM's own greedy normalisation: temperature 0 turns top-k / top-p off.
     assert greedy.n == 1 and greedy.temperature == 0.0 and greedy.top_k == 0 and greedy.top_p == 1.0
     assert sampled.include_stop_str_in_output
+    # text only where stop strings need it: without them vLLM detokenizes nothing
+    assert sampled.detokenize and greedy.detokenize
+    _, plain = build_requests([[1, 2]], 2, dataclasses.replace(SAMPLING, stop=()), seeds=[7],
+                              params_cls=vllm.SamplingParams)
+    assert not plain[0].detokenize and not plain[1].detokenize and plain[0].stop == []
     # n = 0 (greedy-only eval): vLLM refuses SamplingParams(n=0), so only the greedy entries go out.
     prompts, params = build_requests([[1, 2], [3]], 0, SAMPLING, seeds=[1, 2], params_cls=vllm.SamplingParams)
     assert [p["prompt_token_ids"] for p in prompts] == [[1, 2], [3]]
