@@ -226,6 +226,8 @@ def run_peer(args, spec: dict) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                         "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
+    if args.peer_malloc == "ours":  # glibc's environment names for what keep_freed_host_memory sets
+        env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(2**30))
     failures = {}
     with tempfile.TemporaryDirectory(prefix="bench-e2e-trl-") as tmp:
         spec_path = os.path.join(tmp, "spec.json")
@@ -246,6 +248,8 @@ def run_peer(args, spec: dict) -> dict:
                 with open(out) as f:
                     peer = json.load(f)
                 peer["fallback_from"] = failures
+                peer["malloc"] = {"default": "glibc default", "ours": "no mmap, trim above 1 GiB (as ours)"}[
+                    args.peer_malloc]
                 return peer
             tail = [line for line in proc.stdout.strip().splitlines() if line.strip()][-3:]
             failures[mode] = f"exit {proc.returncode}: " + " | ".join(tail)
@@ -266,6 +270,9 @@ def main(argv=None) -> None:
     p.add_argument("--peer-generation", choices=["auto", "vllm", "transformers"], default="auto",
                    help="TRL's generation backend; auto: vLLM colocate, else transformers generate")
     p.add_argument("--peer-timeout", type=int, default=3600, help="seconds per TRL attempt")
+    p.add_argument("--peer-malloc", choices=["default", "ours"], default="default",
+                   help="TRL's host allocator: glibc's default, or ours (freed memory kept for reuse, as "
+                        "remax_megatron.train sets on CPU)")
     p.add_argument("--peer-log-dir", default=None, help="keep the TRL subprocesses' output here")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. actor.tp=1 rollout.n=2")
     args = p.parse_args(argv)
