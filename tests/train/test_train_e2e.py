@@ -3,7 +3,6 @@
 - configs/tiny_cpu.yaml (vLLM's CPU build, actor TP=2, 30 steps) lifts greedy eval from <= 0.3 to >= 0.9,
   engine and actor agree to 1e-5 every step, every DESIGN.md metric is logged, and resuming its
   step-20 checkpoint repeats steps 21-30 exactly
-- configs/tiny_cpu_rm.yaml (shortened) raises the reward-model score of greedy eval answers
 - the same seed and layout give identical metrics; the first step's loss agrees between TP=2, PP=2
   and TP=2 with sequence parallel; offloading the training state during rollouts changes nothing
 - actor.dtype=bfloat16 trains (fp32 main weights)
@@ -105,15 +104,6 @@ def test_vllm_runs_without_torchrun(env, tmp_path):
         train = [json.loads(line) for line in f]
     assert [t["step"] for t in train] == [1, 2]
     assert all(t["logprob/engine_vs_actor_max_diff"] <= 1e-5 for t in train), train
-
-
-@pytest.mark.slow
-def test_tiny_reward_model_default_learns(env, tmp_path):
-    records = _train(env, "configs/tiny_cpu_rm.yaml", str(tmp_path / "rm"), "trainer.steps=15",
-                     "trainer.eval_every=15")
-    evals = [r for r in records if "eval/reward_mean" in r]
-    assert evals[-1]["eval/reward_mean"] - evals[0]["eval/reward_mean"] >= 0.2, evals
-    assert all("reward/model_mean" in r for r in records if "loss" in r)
 
 
 @pytest.mark.slow
