@@ -15,10 +15,10 @@ kept = keep_freed_host_memory() if sys.argv[1] == "keep" else False
 def faults(): return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def step():  # big temporaries (64 and 32 MiB: above glibc's largest mmap threshold), freed at its end
     a = torch.ones(1 << 24); b = torch.ones(1 << 23); c = a[: 1 << 23] * b; return float(c[0])
-for _ in range(3):
+for _ in range(8):  # the heap settles into its layout (after 3 steps it sometimes still grew by a block)
     step()
 before = faults()
-for _ in range(3):
+for _ in range(8):
     step()
 print(kept, faults() - before)
 """
@@ -34,6 +34,6 @@ def _faults(mode: str) -> tuple[str, int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_a_steps_freed_temporaries_are_reused_without_page_faults():
     kept, faults = _faults("default")
-    assert kept == "False" and faults > 3 * (64 + 32 + 32) * 256 * 0.9  # every step maps its 128 MiB in again
+    assert kept == "False" and faults > 8 * (64 + 32 + 32) * 256 * 0.9  # every step maps its 128 MiB in again
     kept, faults = _faults("keep")
-    assert kept == "True" and faults < 100
+    assert kept == "True" and faults < 32 * 256  # 8 steps: less than one 32 MiB block faulted in again
