@@ -13,7 +13,8 @@ with three differences, each a fix of what plain torchrun does to a job that mus
   (`--shutdown-timeout`) whether their checkpoint is written or not, then exits 1 with a traceback.
 - The exit code is the workers': the first failed rank's (2 when the input was refused), and the
   launcher prints that worker's one-line error (`report_error`, through torch's per-worker reply
-  file) instead of torchrun's ~35-line report. A worker killed by a signal is named in one line (exit 128 + the signal's number); it is the
+  file) instead of torchrun's ~35-line report. A worker killed by a signal is named in one line
+  (exit 128 + the signal's number); it is the
   cause even when its peers also failed (their "Connection reset by peer" comes from its death),
   and the workers the agent itself stopped after the first failure are never named.
 - The workers get REMAX_LAUNCHER=1, so they know no kill grace is running after a stop signal.

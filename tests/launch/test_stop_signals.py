@@ -203,7 +203,8 @@ def test_the_line_comes_from_a_rank_that_left_it_even_when_the_printing_rank_was
     assert not (tmp_path / "2.json").exists()  # a rank whose line is not the report leaves none
 
     def failure(rank, exitcode):
-        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(tmp_path / f"{rank}.json"))
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode,
+                              error_file=str(tmp_path / f"{rank}.json"))
 
     stopped = {0: failure(0, -signal.SIGTERM), 1: failure(1, 2)}
     assert job_exit(stopped, {100}) == (2, f"{line} (from 1)")
