@@ -1,5 +1,5 @@
-"""configs/tiny_cpu_rm.yaml end to end under torchrun (shortened to 15 steps): the reward model's score
-of greedy eval answers rises. A file of its own: the suite's longest test, so pytest-xdist's
+"""configs/tiny_cpu_rm.yaml end to end under torchrun, as the README runs it (30 steps): the reward
+model's score of greedy eval answers rises as the README says (measured 0.09 -> 0.82). A file of its own: the suite's longest test, so pytest-xdist's
 per-file scheduling (--dist loadfile) can run it beside tests/train/test_train_e2e.py."""
 
 import pytest
@@ -9,8 +9,8 @@ from tests.train.test_train_e2e import _train, env  # noqa: F401 (env: the fixtu
 
 @pytest.mark.slow
 def test_tiny_reward_model_default_learns(env, tmp_path):  # noqa: F811
-    records = _train(env, "configs/tiny_cpu_rm.yaml", str(tmp_path / "rm"), "trainer.steps=15",
-                     "trainer.eval_every=15")
+    records = _train(env, "configs/tiny_cpu_rm.yaml", str(tmp_path / "rm"), "trainer.eval_every=30")
     evals = [r for r in records if "eval/reward_mean" in r]
-    assert evals[-1]["eval/reward_mean"] - evals[0]["eval/reward_mean"] >= 0.2, evals
+    assert [r["step"] for r in evals] == [0, 30]
+    assert evals[0]["eval/reward_mean"] <= 0.2 and evals[-1]["eval/reward_mean"] >= 0.7, evals
     assert all("reward/model_mean" in r for r in records if "loss" in r)
