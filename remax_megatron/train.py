@@ -65,6 +65,16 @@ def _refuse(error: Exception) -> None:
     sys.exit(2)
 
 
+def _exit_at_once(code: int) -> None:
+    """Exit after a failure without running C++ destructors: a peer rank may already be gone, and
+    tearing down the process group's threads then can abort the process ("terminate called without
+    an active exception", SIGABRT, exit 134 instead of the one line's exit code; seen once in the
+    reward-error test at dp2). Files are closed and the error line is out before this."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, epilog=config_help(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,14 +121,17 @@ def main(argv=None) -> None:
     try:
         finished = trainer.fit()
     except CheckpointError as e:  # every rank raises the same one line: print it once
+        logger.close()
         report_error(f"error: {e}", printer=is_rank0(), same_on_every_rank=True)
-        sys.exit(1)
+        _exit_at_once(1)
     except RewardError as e:  # every rank raises it; the first rank that saw it prints it
+        logger.close()
         report_error(f"error: {e}", printer=e.report, same_on_every_rank=False)
-        sys.exit(1)
+        _exit_at_once(1)
     except StageError as e:  # names the rank that saw the failure
+        logger.close()
         report_error(f"error: {e}", printer=True, same_on_every_rank=False)
-        sys.exit(1)
+        _exit_at_once(1)
     finally:
         logger.close()
     if trainer.step > cfg.trainer.steps:  # resumed past the end: the loop had nothing to do
