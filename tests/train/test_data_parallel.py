@@ -2,7 +2,9 @@
 
 - every logged metric is global: tp1 x dp2 and tp2 x dp2 log what dp1 logs for the same global
   batch (per-prompt sampling streams make the rollouts independent of the layout), which also
-  shows each DP rank trains on its own prompts (duplicated prompts would change the means);
+  shows each DP rank trains on its own prompts (duplicated prompts would change the means); with
+  a reference model and the adaptive KL controller, whose coefficient moves by (sequences /
+  kl_horizon) per step: the global batch's sequences (counting one rank's would halve the rate);
 - a checkpoint saved at dp2 resumes at dp1 and at dp4, and the next 3 steps equal the straight
   dp2 run's (every metric, and the weights after them within 1e-6);
 - the tiny default learns at tp1 x dp2 and tp2 x dp2.
@@ -47,13 +49,20 @@ def _assert_same(got, want, what, rel=1e-6):
             assert abs(a - b) <= tol, f"{what}: step {w['step']} {k}: {a} vs {b}"
 
 
+# the adaptive KL controller with a reference model: the KL enters the reward and kl/coef moves each step
+ADAPTIVE_KL = ["reference.enabled=true", "algo.kl_coef=0.1", "algo.kl_target=1e-4", "algo.kl_horizon=100"]
+
+
 @pytest.mark.slow
 def test_metrics_at_dp2_equal_dp1_and_resume_across_dp(tmp_path):
-    dp1 = _train(tmp_path / "dp1", "trainer.steps=3", "checkpoint.save_every=0", nproc=1)
+    dp1 = _train(tmp_path / "dp1", "trainer.steps=3", "checkpoint.save_every=0", *ADAPTIVE_KL, nproc=1)
     assert dp1[0]["reward/sampled_mean"] != dp1[1]["reward/sampled_mean"] or dp1[0]["loss"] != dp1[1]["loss"]
-    straight = _train(tmp_path / "dp2", "trainer.steps=6", "checkpoint.save_every=3", "checkpoint.keep=3", nproc=2)
+    assert dp1[0]["kl/coef"] != 0.1 and dp1[1]["kl/coef"] != dp1[0]["kl/coef"], "the controller did not move"
+    straight = _train(tmp_path / "dp2", "trainer.steps=6", "checkpoint.save_every=3", "checkpoint.keep=3",
+                      *ADAPTIVE_KL, nproc=2)
     _assert_same(straight[:3], dp1, "tp1 x dp2 vs dp1")
-    tp2dp2 = _train(tmp_path / "tp2dp2", "trainer.steps=3", "checkpoint.save_every=0", "actor.tp=2", nproc=4)
+    tp2dp2 = _train(tmp_path / "tp2dp2", "trainer.steps=3", "checkpoint.save_every=0", "actor.tp=2", *ADAPTIVE_KL,
+                    nproc=4)
     _assert_same(tp2dp2, dp1, "tp2 x dp2 vs dp1")
 
     ckpt = tmp_path / "dp2" / "checkpoints" / "step_000003"
@@ -61,7 +70,8 @@ def test_metrics_at_dp2_equal_dp1_and_resume_across_dp(tmp_path):
     final = saved_weights(tmp_path / "dp2" / "checkpoints" / "step_000006")
     assert max_difference(final, saved_weights(ckpt)) > 1e-4  # the 3 steps after the checkpoint moved them
     for nproc in (1, 4):
-        resumed = _train(tmp_path / f"resume{nproc}", "trainer.steps=6", f"checkpoint.resume={ckpt}", nproc=nproc)
+        resumed = _train(tmp_path / f"resume{nproc}", "trainer.steps=6", f"checkpoint.resume={ckpt}", *ADAPTIVE_KL,
+                         nproc=nproc)
         _assert_same(resumed, straight[3:], f"saved at dp2, resumed at dp{nproc}")
         worst = max_difference(saved_weights(tmp_path / f"resume{nproc}" / "checkpoints" / "step_000006"), final)
         assert worst < 1e-6, f"weights after 3 resumed steps at dp{nproc} differ by {worst}"
@@ -75,15 +85,3 @@ def test_tiny_default_learns_at_dp2(tmp_path, tp):
     evals = [r for r in records if "eval/reward_mean" in r]
     assert [r["step"] for r in evals] == [0, 30]
     assert evals[0]["eval/reward_mean"] <= 0.3 and evals[-1]["eval/reward_mean"] >= 0.9, evals
-
-
-@pytest.mark.slow
-def test_adaptive_kl_counts_global_sequences(tmp_path):
-    """The adaptive KL coefficient moves by (sequences / kl_horizon) per step: the global batch's
-    sequences, so dp2 moves it exactly as dp1 (counting one rank's would halve the rate)."""
-    kl = ["trainer.steps=2", "checkpoint.save_every=0", "reference.enabled=true", "algo.kl_coef=0.1",
-          "algo.kl_target=1e-4", "algo.kl_horizon=100"]
-    dp1 = _train(tmp_path / "dp1", *kl, nproc=1)
-    dp2 = _train(tmp_path / "dp2", *kl, nproc=2)
-    assert dp1[-1]["kl/coef"] != 0.1, "the controller did not move"
-    _assert_same(dp2, dp1, "adaptive KL at dp2 vs dp1")
