@@ -152,8 +152,9 @@ def _body(rank, world, model_dir, tp, pp, rollout_tp, compile_mode="auto"):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp,rollout_tp,world,compile_mode", [
-    (1, 1, 1, 1, "auto"), (2, 1, 1, 2, "auto"), (2, 1, 2, 2, "auto"), (1, 2, 1, 2, "auto"), (1, 1, 2, 2, "auto"),
-    (1, 1, 1, 1, "always")])
+    # eager engines of rollout.tp 1 (one per rank) and 2 (spanning DP ranks) at actor TP2, PP2, DP2; one
+    # compiled engine at world 1 (world 1 eager: the same engine path as the rollout.tp=1 cases)
+    (2, 1, 1, 2, "auto"), (2, 1, 2, 2, "auto"), (1, 2, 1, 2, "auto"), (1, 1, 2, 2, "auto"), (1, 1, 1, 1, "always")])
 def test_vllm_matches_the_actor(tp, pp, rollout_tp, world, compile_mode, tiny_llama):
     run_distributed(_body, world_size=world, args=(tiny_llama, tp, pp, rollout_tp, compile_mode))
 
