@@ -36,7 +36,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from torch.distributed.checkpoint.api import CheckpointException
 
 from remax_megatron.parallel.layout import all_reduce_cpu
-from remax_megatron.weights.megatron_ckpt import load_model, save_model
+from remax_megatron.weights.megatron_ckpt import load_model, save_model, save_sharded
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 MANIFEST, LATEST, TRAINER_STATE = "manifest.json", "latest", "trainer_state.json"
@@ -128,7 +128,7 @@ def _write(tmp: str, final: str, root: str, step: int, model, optimizer, trainer
         if rank == 0:
             os.makedirs(optim_dir, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(optimizer.sharded_state_dict(model.sharded_state_dict()), optim_dir)
+        save_sharded(optimizer.sharded_state_dict(model.sharded_state_dict()), optim_dir)
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
         torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
         if rank == 0:

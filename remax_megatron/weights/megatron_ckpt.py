@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import load_tensors_metadata
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
@@ -55,8 +57,22 @@ def save_model(model, ckpt_dir: str, hf_dir: str) -> None:
             json.dump({"format_version": FORMAT_VERSION, "architecture": model.arch.architecture,
                        "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}, f, indent=2)
     dist.barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), model_dir)
+    save_sharded(model.sharded_state_dict(), model_dir)
     dist.barrier()
+
+
+def save_sharded(sharded_state_dict: dict, directory: str) -> None:
+    """dist_checkpointing.save (torch_dist), synchronously, without megatron's results Manager.
+
+    megatron's torch_dist writer hands its write results through a queue that it creates on first
+    use from a multiprocessing Manager started with "spawn": a new interpreter that imports torch
+    to unpickle them, 2-4 s of CPU before each rank's first checkpoint (every short run, every
+    test launch). A synchronous save never lets the results leave this process, so an in-process
+    queue serves; megatron creates its own only while `filesystem_async._results_queue` is None.
+    (An asynchronous save would need megatron's queue; this project saves synchronously.)"""
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+    dist_checkpointing.save(sharded_state_dict, directory)
 
 
 def read_checkpoint_meta(ckpt_dir: str) -> tuple[ModelArch, torch.dtype]:
