@@ -65,14 +65,17 @@ def _refuse(error: Exception) -> None:
     sys.exit(2)
 
 
-def _exit_at_once(code: int) -> None:
-    """Exit after a failure without running C++ destructors: a peer rank may already be gone, and
-    tearing down the process group's threads then can abort the process ("terminate called without
-    an active exception", SIGABRT, exit 134 instead of the one line's exit code; seen once in the
-    reward-error test at dp2). Files are closed and the error line is out before this."""
+def _fail(logger, error: Exception, printer: bool, same_on_every_rank: bool) -> None:
+    """A failure after start-up: close the run's files, the one line (`report_error`), exit 1 at once.
+
+    os._exit skips C++ destructors: a peer rank may already be gone, and tearing down the process
+    group's threads then can abort the process ("terminate called without an active exception",
+    SIGABRT, exit 134 instead of 1; seen once in the reward-error test at dp2)."""
+    logger.close()
+    report_error(f"error: {error}", printer=printer, same_on_every_rank=same_on_every_rank)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(1)
 
 
 def main(argv=None) -> None:
@@ -121,17 +124,11 @@ def main(argv=None) -> None:
     try:
         finished = trainer.fit()
     except CheckpointError as e:  # every rank raises the same one line: print it once
-        logger.close()
-        report_error(f"error: {e}", printer=is_rank0(), same_on_every_rank=True)
-        _exit_at_once(1)
+        _fail(logger, e, printer=is_rank0(), same_on_every_rank=True)
     except RewardError as e:  # every rank raises it; the first rank that saw it prints it
-        logger.close()
-        report_error(f"error: {e}", printer=e.report, same_on_every_rank=False)
-        _exit_at_once(1)
+        _fail(logger, e, printer=e.report, same_on_every_rank=False)
     except StageError as e:  # names the rank that saw the failure
-        logger.close()
-        report_error(f"error: {e}", printer=True, same_on_every_rank=False)
-        _exit_at_once(1)
+        _fail(logger, e, printer=True, same_on_every_rank=False)
     finally:
         logger.close()
     if trainer.step > cfg.trainer.steps:  # resumed past the end: the loop had nothing to do

@@ -1,6 +1,6 @@
 """configs/tiny_cpu_rm.yaml end to end under torchrun, as the README runs it (30 steps): the reward
-model's score of greedy eval answers rises as the README says (measured 0.09 -> 0.82). A file of its own: the suite's longest test, so pytest-xdist's
-per-file scheduling (--dist loadfile) can run it beside tests/train/test_train_e2e.py."""
+model's score of greedy eval answers rises as the README says (measured 0.09 -> 0.82). A file of its
+own, so pytest-xdist's per-file scheduling (--dist loadfile) can run it beside test_train_e2e.py."""
 
 import pytest
 
