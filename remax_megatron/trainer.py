@@ -38,7 +38,7 @@ from remax_megatron.algo.kl_controller import KLController
 from remax_megatron.checkpoint import find_resume_checkpoint, load_checkpoint, preemption_save_refusal, \
     save_checkpoint
 from remax_megatron.config import Config
-from remax_megatron.kernels import compute_advantages, remax_loss
+from remax_megatron.kernels import compute_advantages, logprob_gradient, remax_loss
 from remax_megatron.flops import forward_flops, peak_tflops
 from remax_megatron.memory import TrainStateOffload, phase_memory
 from remax_megatron.metrics import MetricsLogger, count_weighted, global_mean, print0, reduce_totals
@@ -285,19 +285,26 @@ class Trainer:
             hidden = ddp_model(mb["input_ids"], _positions(mb["input_ids"]), attention_mask=None)
 
             def loss_fn(output):
-                logprobs, entropy = model.token_logprobs(output, mb["labels"], temperature=cfg.rollout.temperature,
-                                                         with_entropy=True)
                 old, ref = mb.get("old_logprobs"), mb.get("ref_logprobs")
-                rollout_policy = old if old is not None else logprobs.detach()  # [b, S]
                 kl_in_reward = ref is not None and not kl_in_loss
-                adv = compute_advantages(mb["rewards"], mb["baseline"], mb["response_mask"], rollout_policy, ref,
-                                         kl_coef=self.parts.kl.coef if kl_in_reward else 0.0,
-                                         clip=cfg.algo.advantage_clip or None)  # [b, S]
+                agg = dict(loss_agg_mode=cfg.algo.loss_agg, global_num_tokens=num_tokens, global_num_seqs=num_seqs)
+                clip = cfg.algo.advantage_clip or None
+                # Without a KL in the reward the advantages need no log-probs [b, S].
+                adv = None if kl_in_reward else compute_advantages(mb["rewards"], mb["baseline"],
+                                                                   mb["response_mask"], clip=clip)
+                # On-policy without KL the loss is linear in the log-probs: its gradient is known before the
+                # output layer runs, and the fused kernel takes it in its forward pass (no logits recomputed).
+                hint = logprob_gradient(adv, mb["response_mask"], **agg) if old is None and ref is None else None
+                logprobs, entropy = model.token_logprobs(output, mb["labels"], temperature=cfg.rollout.temperature,
+                                                         with_entropy=True, grad_hint=hint)
+                rollout_policy = old if old is not None else logprobs.detach()  # [b, S]
+                if kl_in_reward:
+                    adv = compute_advantages(mb["rewards"], mb["baseline"], mb["response_mask"], rollout_policy,
+                                             ref, kl_coef=self.parts.kl.coef, clip=clip)  # [b, S]
                 behaviour.append(rollout_policy)  # stays on the device: one copy to the host per update
                 advantages.append(adv)
                 loss, stats = remax_loss(
-                    logprobs, adv, mb["response_mask"], loss_agg_mode=cfg.algo.loss_agg,
-                    global_num_tokens=num_tokens, global_num_seqs=num_seqs,
+                    logprobs, adv, mb["response_mask"], **agg,
                     old_logprobs=old if off_policy else None, clip_eps=cfg.algo.clip_ratio,
                     ref_logprobs=ref if kl_in_loss else None, kl_coef=self.parts.kl.coef,
                     kl_estimator=cfg.algo.kl_estimator, entropy=entropy)

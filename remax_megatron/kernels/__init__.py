@@ -14,7 +14,7 @@ from remax_megatron.kernels.logprobs import (
     fused_logprobs_reference,
     vocab_parallel_logprobs,
 )
-from remax_megatron.kernels.loss import remax_loss
+from remax_megatron.kernels.loss import logprob_gradient, remax_loss
 
 __all__ = [
     "IGNORE_INDEX",
@@ -22,6 +22,7 @@ __all__ = [
     "compute_advantages_reference",
     "fused_logprobs",
     "fused_logprobs_reference",
+    "logprob_gradient",
     "remax_loss",
     "vocab_parallel_logprobs",
 ]

@@ -35,6 +35,16 @@ then only its shard's partial sum, so backward ALL-REDUCES ``grad_hidden`` over
 rank returns the full gradient. Pass ``reduce_hidden_grad=False`` when the
 caller already reduces it (e.g. hidden was gathered from a sequence-parallel
 region whose backward reduce-scatters). ``grad_weight`` is this rank's shard.
+
+Gradient in the forward (``grad_hint``). When the caller's loss is linear in the log-probs
+(on-policy ReMax without KL: ``loss = sum_i c_i logprob_i``), the gradient ``c`` it will send
+back is known before the output layer runs. The torch backend then takes the gradients in the
+forward's own pass over the logits (whole-vocab row tiles, so a tile's softmax is complete once
+its statistics are merged over TP): three GEMMs over the output weight instead of four, the
+backward's recomputation of the logit tiles is gone. The backward checks that the gradient
+that arrives is ``k * c`` for one scalar ``k`` (a loss scale) and scales the saved gradients;
+anything else (an entropy gradient, a loss that was not linear after all) recomputes as
+without the hint, so the hint can cost time, never correctness.
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ def fused_logprobs(
     valid_vocab: int | None = None,
     reduce_hidden_grad: bool = True,
     chunk_elems: int | None = None,
+    grad_hint: torch.Tensor | None = None,
 ):
     """Fused per-token log-probs (and entropy) of ``labels``.
 
@@ -74,6 +85,9 @@ def fused_logprobs(
     valid_vocab: global ids ``>= valid_vocab`` (megatron's vocab padding) are
     left out of the softmax, as the HF model / rollout engine does.
     chunk_elems: torch path tile budget in elements of ``[rows, vocab]``.
+    grad_hint: ``[N]``, the gradient the caller's loss will send into the log-probs, up to one
+    scalar factor (module docstring); the torch backend then computes the gradients in the
+    forward. Ignored by the Triton backend and when no gradient is needed.
     """
     _check_tensors(hidden, weight, labels, temperature)
     start, total = vocab_layout(weight.shape[0], tp_group, weight.device)
@@ -91,10 +105,14 @@ def fused_logprobs(
     # logits (every TP rank holds the same labels, so the same rows).
     rows = torch.nonzero(labels != IGNORE_INDEX).squeeze(1)  # [M]
     every_row = rows.numel() == labels.numel()
+    if grad_hint is not None:
+        if grad_hint.shape != labels.shape:
+            raise ValueError(f"grad_hint: shape {tuple(grad_hint.shape)} must be {tuple(labels.shape)} (one per label)")
+        grad_hint = (grad_hint if every_row else grad_hint.index_select(0, rows)).detach()
     logp, ent = _FusedLogprobsFn.apply(
         hidden if every_row else hidden.index_select(0, rows), weight,
         labels if every_row else labels.index_select(0, rows), scale, tp_group, bool(with_entropy), start,
-        backend, bool(reduce_hidden_grad),
+        backend, bool(reduce_hidden_grad), grad_hint, total,
     )
     if not every_row:  # back to [N]: 0 on the ignored rows
         logp = logp.new_zeros(labels.shape[0]).index_copy(0, rows, logp)
@@ -151,22 +169,32 @@ def fused_logprobs_reference(
 class _FusedLogprobsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, scale, group, with_entropy, start, backend,
-                reduce_hidden_grad):
+                reduce_hidden_grad, hint, total_vocab):
         n, v_local = hidden.shape[0], weight.shape[0]
         valid = labels != IGNORE_INDEX  # [N]
         local = labels.long() - start
         local = torch.where(valid & (local >= 0) & (local < v_local), local,
                             torch.full_like(local, -1))  # [N], -1 = not in this shard
-        m, s, a, t = backend.forward_stats(hidden, weight, local, scale, with_entropy)  # [K, N]
-        m, s, a, t = merge_stats(m, s, a, t)  # [N]
-        if group is not None:
-            m, s, a, t = _merge_across(m, s, a, t, group)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.hinted = (hint is not None and (need_x or need_w) and hasattr(backend, "forward_with_grads"))
+        saved_x = saved_w = None
+        if ctx.hinted:
+            hint = hint.to(hidden.device, _compute_dtype(hidden)) * valid  # [N]
+            merge = (lambda *stats: _merge_across(*stats, group)) if group is not None else (lambda *stats: stats)
+            (m, s, a, t), saved_x, saved_w = backend.forward_with_grads(
+                hidden, weight, local, scale, with_entropy, hint, total_vocab, merge, need_x, need_w)
+        else:
+            hint = None
+            m, s, a, t = backend.forward_stats(hidden, weight, local, scale, with_entropy)  # [K, N]
+            m, s, a, t = merge_stats(m, s, a, t)  # [N]
+            if group is not None:
+                m, s, a, t = _merge_across(m, s, a, t, group)
         # keep m and log s apart: m + log s rounded at |m| ~ 1e3 would cost ~1e-4
         log_s = torch.log(s)  # [N]
         mean_rel = a / s  # [N], E_p[l] - m
         logp = torch.clamp((t - m) - log_s, max=0.0) * valid
         ent = torch.clamp(log_s - mean_rel, min=0.0) * valid
-        ctx.save_for_backward(hidden, weight, local, valid, m, log_s, mean_rel)
+        ctx.save_for_backward(hidden, weight, local, valid, m, log_s, mean_rel, hint, saved_x, saved_w)
         # An output the loss does not use (the entropy, a metric) gets None, not zeros: no entropy term
         # in the backward tiles.
         ctx.set_materialize_grads(False)
@@ -177,21 +205,37 @@ class _FusedLogprobsFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
-        hidden, weight, local, valid, m, log_s, mean_rel = ctx.saved_tensors
+        hidden, weight, local, valid, m, log_s, mean_rel, hint, saved_x, saved_w = ctx.saved_tensors
         vf = valid.to(m.dtype)
         g = (grad_logp.to(m.dtype) * vf if grad_logp is not None
              else torch.zeros_like(m))  # [N]
         h = None
         if ctx.with_entropy and grad_ent is not None:
             h = grad_ent.to(m.dtype) * vf  # [N]
-        grad_x, grad_w = ctx.backend.backward_grads(
-            hidden, weight, local, ctx.scale, m, log_s, mean_rel, g, h,
-            ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        k = scalar_multiple(g, hint) if ctx.hinted and h is None else None
+        if k is not None:  # the gradients were taken in the forward for `hint`: g = k * hint
+            grad_x = saved_x if saved_x is None or k == 1.0 else saved_x.mul_(k)
+            grad_w = saved_w if saved_w is None or k == 1.0 else saved_w.mul_(k)
+            grad_w = grad_w if grad_w is None else grad_w.to(weight.dtype)
+        else:
+            grad_x, grad_w = ctx.backend.backward_grads(
+                hidden, weight, local, ctx.scale, m, log_s, mean_rel, g, h,
+                ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         if grad_x is not None:
             if ctx.group is not None and ctx.reduce_hidden_grad:
                 dist.all_reduce(grad_x, group=ctx.group)
             grad_x = grad_x.to(hidden.dtype)
-        return grad_x, grad_w, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
+
+
+def scalar_multiple(g: torch.Tensor, hint: torch.Tensor, rtol: float = 1e-6) -> float | None:
+    """``k`` with ``g == k * hint`` (within ``rtol`` of ``max |g|``), else None; [N] each. One host sync."""
+    i = int(hint.abs().argmax()) if hint.numel() else 0
+    if hint.numel() == 0 or float(hint[i]) == 0.0:
+        return 0.0 if not bool(g.any()) else None
+    k = float(g[i]) / float(hint[i])
+    off = float((g - k * hint).abs().max())
+    return k if off <= rtol * float(g.abs().max()) else None
 
 
 def merge_stats(m, s, a, t):
@@ -289,6 +333,10 @@ def _backend(impl, hidden):
 
         return TritonBackend()
     raise ValueError(f"impl: unknown value {choice!r}; use 'torch', 'triton' or None")
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _triton_available() -> bool:

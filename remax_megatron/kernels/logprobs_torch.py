@@ -17,6 +17,10 @@ Backend protocol (shared with the Triton backend):
   ``E_p[l] = m + mean_rel``) -> (grad_x fp32 [N, D] partial over this shard, grad_w [V_local, D]
   in w's dtype)``, where ``g``/``h`` are the upstream gradients of logprob and
   entropy (already zero on ignored rows; ``h`` may be None).
+- optional ``forward_with_grads(x, w, local_labels, scale, with_entropy, g, total_vocab, merge,
+  need_x, need_w) -> ((m, s, a, t) merged [N], grad_x, grad_w)`` (grads in the compute dtype): both at once for an
+  incoming log-prob gradient ``g`` known in advance (``grad_hint``); ``merge(m, s, a, t)``
+  merges one row tile's states over TP (a collective: every rank calls it equally often).
 """
 
 from __future__ import annotations
@@ -112,6 +116,62 @@ class TorchBackend:
             if need_w and gw.data_ptr() != grad_w[c0:c1].data_ptr():
                 grad_w[c0:c1].copy_(gw)
         return grad_x, grad_w
+
+    def forward_with_grads(self, x, w, local_labels, scale, with_entropy, g, total_vocab, merge,
+                           need_x, need_w):
+        """Statistics and gradients in one pass over the logits, for the log-prob gradient ``g`` [N].
+
+        Row tiles span this rank's whole vocab shard, so after ``merge`` a tile's softmax is final
+        and its gradient ``g (onehot(y) - p)`` is taken from the tile in hand: the forward GEMM,
+        then the two gradient GEMMs, and no recomputation. The tile height comes from the global
+        vocab (the same on every TP rank, so every rank merges equally often).
+        """
+        n, d = x.shape
+        v = w.shape[0]
+        ct = _compute_dtype(x)
+        m = torch.empty(n, dtype=ct, device=x.device)
+        s, a, t = torch.empty_like(m), torch.zeros_like(m), torch.zeros_like(m)
+        grad_x = torch.empty(n, d, dtype=ct, device=x.device) if need_x else None
+        grad_w = torch.zeros(v, d, dtype=ct, device=x.device) if need_w else None
+        rows = max(1, min(n, self.chunk_elems // max(total_vocab, 1)))
+        x32, w32 = x.to(ct), w.to(ct)  # no copy for fp32 (bf16: one fp32 copy of the shard)
+        gs = g.to(ct) * scale  # [N], 1/temperature folded into the chain rule
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            xr, lab, gr = x32[r0:r1], local_labels[r0:r1], gs[r0:r1]
+            z = torch.matmul(xr, w32.T).mul_(scale)  # [rows, V] logits
+            tr = t[r0:r1]
+            _gather_target(z, lab, 0, v, tr)
+            if v:
+                mr = z.amax(dim=1)  # [rows]
+                z.sub_(mr[:, None])
+                if with_entropy:
+                    e = torch.exp(z)
+                    ar = torch.einsum("ij,ij->i", e, z)
+                else:
+                    e, ar = z.exp_(), a[r0:r1]
+                sr = e.sum(dim=1)
+            else:  # an empty shard (all vocab padding): no logits here
+                mr = torch.full((r1 - r0,), float("-inf"), dtype=ct, device=x.device)
+                sr, ar, e = torch.zeros_like(mr), torch.zeros_like(mr), z
+            m_local = mr
+            mr, sr, ar, tr = merge(mr, sr, ar, tr)  # this tile's rows over the whole vocab
+            m[r0:r1], s[r0:r1], a[r0:r1], t[r0:r1] = mr, sr, ar, tr
+            if not v:
+                if need_x:
+                    grad_x[r0:r1].zero_()
+                continue
+            # e = exp(l - m_local), so p = e * exp(m_local - m) / s; dz = g (onehot(y) - p): [rows, V]
+            dz = e.mul_((torch.exp(m_local - mr) / sr * -gr)[:, None])
+            hit = lab >= 0
+            if bool(hit.any()):
+                idx = torch.nonzero(hit).squeeze(1)
+                dz[idx, lab[idx]] += gr[idx]
+            if need_x:
+                torch.matmul(dz, w32, out=grad_x[r0:r1])
+            if need_w:
+                grad_w.addmm_(dz.T, xr)
+        return (m, s, a, t), grad_x, grad_w  # grads in the compute dtype: the backward scales, then casts
 
     @staticmethod
     def _dlogits(xr, wc, lab, c0, c1, scale, m, log_s, mean_rel, gs, hs):

@@ -94,6 +94,19 @@ def remax_loss(
     return loss, stats
 
 
+def logprob_gradient(advantages: torch.Tensor, mask: torch.Tensor, *, loss_agg_mode: str = "token-mean",
+                     global_num_tokens=None, global_num_seqs=None) -> torch.Tensor:
+    """d loss / d logprobs ``[B, T]`` of :func:`remax_loss` on-policy without KL or entropy bonus
+    (no old or reference log-probs): that loss is linear in the log-probs, so its gradient is the
+    same wherever they lie and is known before they are computed (``fused_logprobs``'s
+    ``grad_hint``). Taken by autograd through ``remax_loss`` itself, so every aggregation mode agrees."""
+    x = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device, requires_grad=True)
+    with torch.enable_grad():
+        loss, _ = remax_loss(x, advantages, mask, loss_agg_mode=loss_agg_mode,
+                             global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs)
+    return torch.autograd.grad(loss, x)[0]
+
+
 def _check(logprobs, advantages, mask, old, ref, entropy, mode, kl_estimator, eps, eps_high):
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs: shape {tuple(logprobs.shape)} must be [B, T]")

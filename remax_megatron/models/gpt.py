@@ -166,17 +166,19 @@ class PolicyModel(GPTModel):
                 else self.output_layer.weight)
 
     def token_logprobs(self, hidden: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
-                       with_entropy: bool = False):
+                       with_entropy: bool = False, grad_hint: torch.Tensor | None = None):
         """hidden [b, s, h], labels [b, s] (-100 ignored) -> (logprobs [b, s], entropy [b, s] | None).
 
         Vocab padding rows are left out of the softmax (valid_vocab), so these equal
-        the HF model's / rollout engine's log-probs.
+        the HF model's / rollout engine's log-probs. grad_hint [b, s]: the loss's gradient w.r.t.
+        the log-probs when known in advance (fused_logprobs).
         """
         b, s, h = hidden.shape
         logprobs, entropy = fused_logprobs(
             hidden.reshape(b * s, h), self.output_weight(), labels.reshape(b * s),
             temperature=temperature, tp_group=self.tp_group, with_entropy=with_entropy,
             valid_vocab=self.arch.vocab_size,
+            grad_hint=grad_hint.reshape(b * s) if grad_hint is not None else None,
         )
         return logprobs.view(b, s), (entropy.view(b, s) if entropy is not None else None)
 

@@ -56,16 +56,25 @@ def oracle(h, w, labels, temp):
 
 
 def run_fused(h, w, labels, temp, g_lp, g_ent, **kw):
+    """Grads of sum(g_lp * lp + g_ent * ent); g_ent None: the entropy is not in the loss."""
     h = h.detach().clone().requires_grad_()
     w = w.detach().clone().requires_grad_()
     lp, ent = fused_logprobs(h, w, labels, temperature=temp, with_entropy=True, **kw)
-    ((lp.double() * g_lp).sum() + (ent.double() * g_ent).sum()).backward()
+    loss = (lp.double() * g_lp).sum()
+    if g_ent is not None:
+        loss = loss + (ent.double() * g_ent).sum()
+    loss.backward()
     return lp, ent, h.grad, w.grad
 
 
-def check_parity(case, dtype=torch.float64, lp_tol=1e-5, grad_tol=1e-4, **kw):
+def check_parity(case, dtype=torch.float64, lp_tol=1e-5, grad_tol=1e-4, entropy_grad=True, **kw):
+    """``entropy_grad=False``: the loss holds the log-probs only (what a ``grad_hint`` is for)."""
     h, w, labels, temp, g_lp, g_ent = make_inputs(case, dtype)
-    lp, ent, gh, gw = run_fused(h, w, labels, temp, g_lp, g_ent, **kw)
+    if not entropy_grad:
+        g_ent = torch.zeros_like(g_ent)
+    if callable(kw.get("grad_hint")):
+        kw["grad_hint"] = kw["grad_hint"](g_lp)
+    lp, ent, gh, gw = run_fused(h, w, labels, temp, g_lp, g_ent if entropy_grad else None, **kw)
     rlp, rent, rh, rw, big = oracle(h, w, labels, temp)
     ((rlp * g_lp).sum() + (rent * g_ent).sum()).backward()
     tol = lp_tol * max(1.0, big)

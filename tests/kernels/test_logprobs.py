@@ -14,6 +14,40 @@ def test_parity_with_fp64_oracle(case, dtype, chunk):
     check_parity(case, dtype, impl="torch", chunk_elems=chunk)
 
 
+def _count_recomputes(monkeypatch) -> list:
+    """Calls of the torch backend's backward (the logit tiles recomputed), counted."""
+    from remax_megatron.kernels.logprobs_torch import TorchBackend
+
+    calls, original = [], TorchBackend.backward_grads
+    monkeypatch.setattr(TorchBackend, "backward_grads", lambda self, *a: calls.append(1) or original(self, *a))
+    return calls
+
+
+@pytest.mark.parametrize("chunk", [None, 64])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gradient_taken_in_the_forward_matches_the_oracle(case, dtype, chunk, monkeypatch):
+    """A loss linear in the log-probs, its gradient given in advance (times 0.5: the backward finds
+    the scalar 2): the oracle's gradients, and the logit tiles are never recomputed."""
+    recomputes = _count_recomputes(monkeypatch)
+    check_parity(case, dtype, impl="torch", chunk_elems=chunk, entropy_grad=False,
+                 grad_hint=lambda g_lp: g_lp * 0.5)
+    assert recomputes == []
+
+
+@pytest.mark.parametrize("what", ["other_gradient", "entropy_in_the_loss"])
+def test_a_wrong_hint_recomputes_and_stays_exact(what, monkeypatch):
+    """The gradient that arrives is not a multiple of the hint (or the entropy has a gradient): the
+    backward recomputes, and the result is still the oracle's."""
+    recomputes = _count_recomputes(monkeypatch)
+    if what == "other_gradient":
+        check_parity("ignored_rows", impl="torch", chunk_elems=64, entropy_grad=False,
+                     grad_hint=lambda g_lp: g_lp + torch.linspace(0, 1e-3, g_lp.numel(), dtype=g_lp.dtype))
+    else:
+        check_parity("ignored_rows", impl="torch", chunk_elems=64, grad_hint=lambda g_lp: g_lp)
+    assert recomputes == [1]
+
+
 def test_bf16_inputs_accumulate_in_fp32():
     h, w, labels, temp, g_lp, g_ent = make_inputs("temperature", torch.bfloat16)
     lp, ent, gh, gw = run_fused(h, w, labels, temp, g_lp, g_ent, impl="torch", chunk_elems=64)
@@ -107,6 +141,12 @@ def test_valid_vocab_drops_padding_rows():
     torch.testing.assert_close(ent, rent)
     torch.testing.assert_close(gw[:keep], rw.grad)
     assert bool((gw[keep:] == 0).all())
+
+
+def test_grad_hint_of_the_wrong_shape_is_refused():
+    h, w, labels, *_ = make_inputs("basic")
+    with pytest.raises(ValueError, match="^grad_hint: shape"):
+        fused_logprobs(h, w, labels, grad_hint=torch.ones(labels.numel() + 1, dtype=h.dtype))
 
 
 def _good():

@@ -1,6 +1,7 @@
 """fused_logprobs under tensor parallelism (gloo, 2 and 4 ranks, uneven last shard)
 equals the unsharded result: forward on every rank, grad of hidden on every rank
-(all-reduced in backward), and the reassembled per-rank weight grads."""
+(all-reduced in backward), and the reassembled per-rank weight grads; also with the
+gradient taken in the forward (grad_hint)."""
 
 import pytest
 import torch
@@ -53,6 +54,28 @@ def _body(rank, world, v):
         dist.all_gather(parts, pad, group=group)
         whole = torch.cat([p[:s] for p, s in zip(parts, sizes)])
         torch.testing.assert_close(whole, full[3], rtol=0, atol=1e-10)
+
+    # the gradient taken in the forward (grad_hint; loss on the log-probs only): one merge per row
+    # tile on every rank (chunk 16 < the vocab: 11 one-row tiles), no recomputation, unsharded grads
+    from remax_megatron.kernels.logprobs_torch import TorchBackend
+
+    def lp_only(fn, wt, tp_group, **kw):
+        hid, wt = h.clone().requires_grad_(), wt.clone().requires_grad_()
+        lp, _ = fn(hid, wt, labels, temperature=0.8, tp_group=tp_group, **kw)
+        (lp * g_lp).sum().backward()
+        return lp, hid.grad, wt.grad
+
+    want = lp_only(fused_logprobs_reference, w, None)
+    recompute = TorchBackend.backward_grads
+    TorchBackend.backward_grads = None  # must not be called
+    try:
+        for kw in (dict(chunk_elems=16), {}):
+            lp, gh, gw = lp_only(fused_logprobs, shard, group, grad_hint=g_lp * 4, **kw)
+            torch.testing.assert_close(lp, want[0], rtol=0, atol=1e-10)
+            torch.testing.assert_close(gh, want[1], rtol=0, atol=1e-10)
+            torch.testing.assert_close(gw, want[2][lo:lo + sizes[rank]], rtol=0, atol=1e-10)
+    finally:
+        TorchBackend.backward_grads = recompute
 
     # fp32 shards, logits near -1000: still <= 0 and equal to the unsharded fp32 run
     hn, wn = torch.ones(n, 2), torch.full((v, 2), -500.0)

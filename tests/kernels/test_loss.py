@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from remax_megatron.kernels import remax_loss
+from remax_megatron.kernels import logprob_gradient, remax_loss
 
 
 def _batch(seed=0, b=8, t=5):
@@ -100,6 +100,18 @@ def test_without_old_logprobs_gradient_is_minus_advantage():
     n = int(mask.sum())
     remax_loss(lp, adv, mask, global_num_tokens=n)[0].backward()
     torch.testing.assert_close(lp.grad, -adv[:, None] * mask / n)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_logprob_gradient_is_the_on_policy_loss_gradient_anywhere(mode):
+    """The fused kernel's grad_hint: the loss's gradient at the batch's (fp32) log-probs, whatever
+    they are, bitwise (the same autograd ops), in every aggregation mode."""
+    lp, _, _, adv, _, mask = _batch(4, b=8, t=6)
+    kw = dict(loss_agg_mode=mode, global_num_tokens=int(mask.sum()) + 3, global_num_seqs=11)
+    want = lp.float().clone().requires_grad_()
+    remax_loss(want, adv.float(), mask.float(), **kw)[0].backward()
+    got = logprob_gradient(adv.float(), mask.float(), **kw)
+    assert got.abs().max() > 0 and torch.equal(got, want.grad)
 
 
 @pytest.mark.parametrize("kw,arg", [

@@ -106,6 +106,8 @@ def _cases(model_dir, top):
     for tp, pp in [(2, 1), (1, 2)]:
         cases[2][f"saved-{tp}{pp}"] = (_saved_forward_body, (model_dir, tp, pp, out(f"saved-{tp}{pp}")))
     cases[1]["recompute"] = (_recompute_body, (model_dir, out("recompute")))
+    for tp, pp in [(1, 1), (2, 1), (1, 2)]:
+        cases[tp * pp][f"hint-{tp}{pp}"] = (_gradient_hint_body, (model_dir, tp, pp, out(f"hint-{tp}{pp}")))
     return cases
 
 
@@ -264,6 +266,50 @@ def test_on_policy_update_without_the_separate_logprob_pass_is_unchanged(launche
     assert (after["advantages"] - before["advantages"]).abs().max() < 1e-6
     assert abs(after["stats"]["loss"] - before["stats"]["loss"]) < 1e-6
     assert abs(after["stats"]["grad_norm"] - before["stats"]["grad_norm"]) < 1e-6
+    worst = max((after["weights"][k] - before["weights"][k]).abs().max().item() for k in before["weights"])
+    assert worst < 1e-6, worst
+
+
+def _gradient_hint_body(rank, world, model_dir, tp, pp, out_path):
+    """The same on-policy update twice: with the loss's gradient handed to the fused log-prob kernel
+    (the trainer's default without KL) and without it (logprob_gradient patched to give none);
+    counts the backward recomputations of the logit tiles in each."""
+    import remax_megatron.trainer as trainer_module
+    from remax_megatron.kernels.logprobs_torch import TorchBackend
+    from remax_megatron.weights import export_hf_weights
+
+    recomputes, recompute, hint = [], TorchBackend.backward_grads, trainer_module.logprob_gradient
+    TorchBackend.backward_grads = lambda self, *a: recomputes.append(1) or recompute(self, *a)
+    results = {}
+    try:  # the launch runs other cases in this process afterwards: patches are undone
+        for hinted in (True, False):
+            trainer_module.logprob_gradient = hint if hinted else (lambda *a, **k: None)
+            trainer, actor, _, _ = _trainer(
+                world, model_dir, tp, pp,
+                ["trainer.micro_batch_size=2", "optim.lr=1e-2", "optim.grad_clip=1.0", "optim.eps=1e-3",
+                 "algo.loss_agg=seq-mean-token-mean", "algo.advantage_clip=0.8"])
+            recomputes.clear()
+            update = trainer._train_on(_batch(), None, None)
+            results[hinted] = {"stats": update.stats, "recomputes": len(recomputes),
+                               "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
+    finally:
+        TorchBackend.backward_grads, trainer_module.logprob_gradient = recompute, hint
+    if trainer.groups.is_last_stage and trainer.groups.tp_rank == 0:
+        torch.save(results, out_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_gradient_taken_in_the_log_prob_forward_leaves_the_update_unchanged(launched, tp, pp):
+    """Issue 14: on-policy without KL the fused kernel takes the loss's gradient in its forward pass
+    (no logit tile recomputed in the backward; 4 micro-batches recompute 4 times without it), and the
+    update is the one without it: loss, grad norm (clipped at 1.0) and weights within 1e-6."""
+    runs = launched(f"hint-{tp}{pp}")
+    after, before = runs[True], runs[False]
+    assert after["recomputes"] == 0 and before["recomputes"] == 4
+    assert abs(after["stats"]["loss"] - before["stats"]["loss"]) < 1e-6
+    assert before["stats"]["grad_norm"] > 1.0, "the clip must act for the test to cover it"
+    assert abs(after["stats"]["grad_norm"] - before["stats"]["grad_norm"]) < 1e-6 * before["stats"]["grad_norm"]
     worst = max((after["weights"][k] - before["weights"][k]).abs().max().item() for k in before["weights"])
     assert worst < 1e-6, worst
 
