@@ -22,6 +22,11 @@ same seeds, alternating; `greedy_row.ratio` is compared with (n + 1) / n.
 lr and micro-batching, beta=0, fp32. Generation: vLLM colocate first, and when that
 fails, transformers generate (the JSON says which, and why).
 
+--rounds R (with --peer, world 1): ours and TRL alternate R times in ABBA order (ours, TRL, TRL,
+ours, ...), --steps measured steps per side and round, so a drift of the machine's speed during
+the run reaches both sides alike; `ratio` is the median of the rounds' ratios (`rounds` lists
+them), `pooled_ratio` the ratio of the medians over all steps.
+
 Output: one JSON object (DESIGN.md, "Benchmark JSON"), printed and written to --json
 (rank 0).
 """
@@ -54,81 +59,91 @@ def bench_config(args, overrides: list[str], output_dir: str):
     the user's overrides (they win)."""
     from remax_megatron.config import load_config
 
-    fixed = [f"actor.model={args.hf_dir}", f"trainer.steps={args.warmup + args.steps}",
+    fixed = [f"actor.model={args.hf_dir}", f"trainer.steps={args.warmup + args.steps * args.rounds}",
              f"trainer.output_dir={output_dir}", "trainer.eval_every=0", "checkpoint.save_every=0",
              "logging.progress_bar=false", "logging.tensorboard=false"]
     return load_config(args.config, fixed + list(overrides))
 
 
-def run_ours(args, overrides: list[str]) -> tuple[dict, object, dict]:
-    """(the result without the peer, the Config, check_inputs' resolved inputs)."""
-    from remax_megatron.metrics import quiet_library_warnings
+class OursRun:
+    """The project's trainer, built once; `steps(k)` runs k more steps (a run can pause while the peer
+    runs and go on after it, as --rounds does)."""
 
-    quiet_library_warnings()  # before megatron-core is imported
-    import torch
+    def __init__(self, args, overrides: list[str]):
+        from remax_megatron.metrics import quiet_library_warnings
 
-    from remax_megatron.memory import keep_freed_host_memory
-    from remax_megatron.metrics import MetricsLogger
-    from remax_megatron.startup import build, check_inputs
-    from remax_megatron.trainer import Trainer
+        quiet_library_warnings()  # before megatron-core is imported
+        from remax_megatron.memory import keep_freed_host_memory
+        from remax_megatron.metrics import MetricsLogger
+        from remax_megatron.startup import build, check_inputs
+        from remax_megatron.trainer import Trainer
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    output_dir = tempfile.mkdtemp(prefix="bench-e2e-")
-    try:
-        cfg = bench_config(args, overrides, output_dir)
-        checked = check_inputs(cfg, world)
-    except (ValueError, FileNotFoundError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    if cfg.rollout.n < 1:
-        print("error: rollout.n must be >= 1 to train", file=sys.stderr)
-        sys.exit(2)
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.output_dir = tempfile.mkdtemp(prefix="bench-e2e-")
+        try:
+            cfg = bench_config(args, overrides, self.output_dir)
+            checked = check_inputs(cfg, self.world)
+        except (ValueError, FileNotFoundError) as e:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        if cfg.rollout.n < 1:
+            print("error: rollout.n must be >= 1 to train", file=sys.stderr)
+            sys.exit(2)
+        t0 = time.perf_counter()
+        keep_freed_host_memory()  # as remax_megatron.train does
+        self.parts = build(cfg, checked)
+        self.build_s = time.perf_counter() - t0
+        self.logger = MetricsLogger(self.output_dir, cfg.trainer.steps, tensorboard=False, progress_bar=False)
+        self.trainer = Trainer(self.parts, self.logger)
+        self.cfg, self.samples = cfg, cfg.rollout.n * cfg.trainer.prompts_per_step
+        self.checked = dataclasses.replace(checked, actor_dir=self.parts.hf_dir)  # a built-in model: now built
 
-    t0 = time.perf_counter()
-    keep_freed_host_memory()  # as remax_megatron.train does
-    parts = build(cfg, checked)
-    build_s = time.perf_counter() - t0
-    logger = MetricsLogger(output_dir, cfg.trainer.steps, tensorboard=False, progress_bar=False)
-    trainer = Trainer(parts, logger)
-    records, cpu_s = [], []
-    for _ in range(cfg.trainer.steps):
-        cpu_start = time.process_time()  # every thread of this process (the vLLM engine's too)
-        record = trainer.train_step()
-        cpu_s.append(time.process_time() - cpu_start)
-        trainer.step += 1
-        logger.log(record)
-        records.append(record)
-    logger.close()
-    measured = records[args.warmup:]
-    samples = cfg.rollout.n * cfg.trainer.prompts_per_step
-    time_keys = sorted({k for r in measured for k in r if k.startswith("time/")})
-    groups = parts.groups
-    result = {
-        "samples_per_s": median([samples / r["time/step_s"] for r in measured]),
-        "stages": {k: median([r[k] for r in measured if k in r]) for k in time_keys},
-        "tokens_per_s": median([r["throughput/tokens_per_s"] for r in measured]),
-        "rollout_tokens_per_s": median([r["rollout/tokens"] / r["time/rollout_s"] for r in measured]),
-        "engine": cfg.rollout.engine,
-        "layout": {"world": world, "actor_tp": cfg.actor.tp, "actor_pp": cfg.actor.pp, "dp": groups.dp_size,
-                   "rollout_tp": cfg.rollout.tp},
-        "workload": {"model": args.hf_dir, "prompts_per_step": cfg.trainer.prompts_per_step, "n": cfg.rollout.n,
-                     "max_new_tokens": cfg.rollout.max_new_tokens, "micro_batch_size": cfg.trainer.micro_batch_size,
-                     "reward_functions": list(cfg.reward.functions), "lr": cfg.optim.lr, "dtype": cfg.actor.dtype,
-                     "kl": parts.reference is not None,
-                     "response_length_mean": median([r["response/length_mean"] for r in measured])},
-        "steps": args.steps, "warmup": args.warmup,
-        "step_s": [r["time/step_s"] for r in measured],
-        # CPU seconds per step (this rank): less sensitive than wall time to other jobs on a shared machine.
-        "cpu_s_per_step": median(cpu_s[args.warmup:]),
-        "cpu_s_per_sample": median(cpu_s[args.warmup:]) / samples,
-        "build_s": build_s,
-        "metrics_jsonl": os.path.join(output_dir, "metrics.jsonl"),  # every step's full record
-        # torch's threads after the run: vLLM's CPU build sets 1 in its process unless OMP_NUM_THREADS is set.
-        "threads": torch.get_num_threads(),
-    }
-    result["greedy_row"] = measure_greedy_row(trainer, checked.train, args.greedy_repeats)
-    return result, cfg, dataclasses.replace(checked, actor_dir=parts.hf_dir)  # a built-in model: now built
+    def steps(self, count: int) -> tuple[list[dict], list[float]]:
+        """(records, CPU seconds) of `count` more trainer steps."""
+        records, cpu_s = [], []
+        for _ in range(count):
+            cpu_start = time.process_time()  # every thread of this process (the vLLM engine's too)
+            record = self.trainer.train_step()
+            cpu_s.append(time.process_time() - cpu_start)
+            self.trainer.step += 1
+            self.logger.log(record)
+            records.append(record)
+        return records, cpu_s
+
+    def result(self, args, measured: list[dict], cpu_s: list[float]) -> dict:
+        """The JSON of the measured steps (DESIGN.md, "Benchmark JSON"), the greedy row measured now."""
+        import torch
+
+        self.logger.close()
+        cfg, samples = self.cfg, self.samples
+        time_keys = sorted({k for r in measured for k in r if k.startswith("time/")})
+        result = {
+            "samples_per_s": median([samples / r["time/step_s"] for r in measured]),
+            "stages": {k: median([r[k] for r in measured if k in r]) for k in time_keys},
+            "tokens_per_s": median([r["throughput/tokens_per_s"] for r in measured]),
+            "rollout_tokens_per_s": median([r["rollout/tokens"] / r["time/rollout_s"] for r in measured]),
+            "engine": cfg.rollout.engine,
+            "layout": {"world": self.world, "actor_tp": cfg.actor.tp, "actor_pp": cfg.actor.pp,
+                       "dp": self.parts.groups.dp_size, "rollout_tp": cfg.rollout.tp},
+            "workload": {"model": args.hf_dir, "prompts_per_step": cfg.trainer.prompts_per_step, "n": cfg.rollout.n,
+                         "max_new_tokens": cfg.rollout.max_new_tokens,
+                         "micro_batch_size": cfg.trainer.micro_batch_size,
+                         "reward_functions": list(cfg.reward.functions), "lr": cfg.optim.lr, "dtype": cfg.actor.dtype,
+                         "kl": self.parts.reference is not None,
+                         "response_length_mean": median([r["response/length_mean"] for r in measured])},
+            "steps": args.steps, "warmup": args.warmup,
+            "step_s": [r["time/step_s"] for r in measured],
+            # CPU seconds per step (this rank): less sensitive than wall time to other jobs on a shared machine.
+            "cpu_s_per_step": median(cpu_s),
+            "cpu_s_per_sample": median(cpu_s) / samples,
+            "build_s": self.build_s,
+            "metrics_jsonl": os.path.join(self.output_dir, "metrics.jsonl"),  # every step's full record
+            # torch's threads after the run: vLLM's CPU build sets 1 in its process unless OMP_NUM_THREADS is set.
+            "threads": torch.get_num_threads(),
+        }
+        result["greedy_row"] = measure_greedy_row(self.trainer, self.checked.train, args.greedy_repeats)
+        return result
 
 
 def measure_greedy_row(trainer, train_prompts: list, repeats: int) -> dict:
@@ -257,6 +272,38 @@ def run_peer(args, spec: dict) -> dict:
     raise RuntimeError(f"TRL failed in every generation mode: {failures}")
 
 
+def run_rounds(args, ours: OursRun) -> dict:
+    """--rounds R (one process): ours and TRL alternate, ABBA order (ours first in even rounds, TRL
+    first in odd ones), each round `--steps` measured steps per side (ours warms up once, TRL in
+    each of its fresh processes). A machine whose speed drifts during the run moves both sides of
+    a round alike: `ratio` is the median of the rounds' ratios, each TRL's median step time over
+    ours of the same round."""
+    spec = peer_spec(args, ours.cfg, ours.checked)
+    rounds, measured, cpu_s, peers = [], [], [], []
+    for r in range(args.rounds):
+        for side in (("ours", "peer") if r % 2 == 0 else ("peer", "ours")):
+            if side == "peer":
+                peers.append(run_peer(args, spec))
+                continue
+            warm = args.warmup if r == 0 else 0
+            records, cpu = ours.steps(warm + args.steps)
+            measured += records[warm:]
+            cpu_s += cpu[warm:]
+            ours_step_s = [rec["time/step_s"] for rec in records[warm:]]
+        peer_step_s = peers[-1]["step_s"]
+        rounds.append({"order": "ours, trl" if r % 2 == 0 else "trl, ours", "ours_step_s": ours_step_s,
+                       "peer_step_s": peer_step_s, "ratio": median(peer_step_s) / median(ours_step_s)})
+    result = ours.result(args, measured, cpu_s)
+    peer_steps = [t for p in peers for t in p["step_s"]]
+    peer_samples = ours.samples / median(peer_steps)
+    result.update(
+        peer_samples_per_s=peer_samples, ratio=median([x["ratio"] for x in rounds]), rounds=rounds,
+        pooled_ratio=result["samples_per_s"] / peer_samples,
+        cpu_ratio=median([p["cpu_s_per_sample"] for p in peers]) / result["cpu_s_per_sample"],
+        peer=dict(peers[-1], step_s=peer_steps, samples_per_s=peer_samples))
+    return result
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf-dir", required=True, help="the actor's Hugging Face directory")
@@ -274,20 +321,34 @@ def main(argv=None) -> None:
                    help="TRL's host allocator: glibc's default, or ours (freed memory kept for reuse, as "
                         "remax_megatron.train sets on CPU)")
     p.add_argument("--peer-log-dir", default=None, help="keep the TRL subprocesses' output here")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --peer: alternate ours and TRL this many rounds (ABBA order); the ratio is the "
+                        "median of the rounds' ratios")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. actor.tp=1 rollout.n=2")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.greedy_repeats < 1:
         p.error("--steps and --greedy-repeats must be >= 1, --warmup >= 0")
+    if args.rounds < 1:
+        p.error(f"--rounds: {args.rounds} must be >= 1")
+    if args.rounds > 1 and (not args.peer or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        p.error(f"--rounds {args.rounds} alternates with the peer in one process: add --peer trl and run "
+                "without torchrun (world 1)")
 
     load_start = os.getloadavg()
-    result, cfg, checked = run_ours(args, args.overrides)
+    ours = OursRun(args, args.overrides)
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    if args.peer and rank == 0:
-        peer = run_peer(args, peer_spec(args, cfg, checked))
-        result.update(peer_samples_per_s=peer["samples_per_s"], ratio=result["samples_per_s"] / peer["samples_per_s"],
-                      cpu_ratio=peer["cpu_s_per_sample"] / result["cpu_s_per_sample"], peer=peer)
+    if args.rounds == 1:
+        records, cpu_s = ours.steps(args.warmup + args.steps)
+        result = ours.result(args, records[args.warmup:], cpu_s[args.warmup:])
+        if args.peer and rank == 0:
+            peer = run_peer(args, peer_spec(args, ours.cfg, ours.checked))
+            result.update(peer_samples_per_s=peer["samples_per_s"],
+                          ratio=result["samples_per_s"] / peer["samples_per_s"],
+                          cpu_ratio=peer["cpu_s_per_sample"] / result["cpu_s_per_sample"], peer=peer)
+    else:
+        result = run_rounds(args, ours)
     if rank == 0:
         # A shared machine's load moves every number here: say what it was.
         result["machine"] = {"cpus": os.cpu_count(), "loadavg_1_5_15_start": load_start,

@@ -46,3 +46,55 @@ def test_bench_e2e_json_contract(tmp_path):
     assert greedy["ratio"] == pytest.approx(greedy["with_greedy_s"] / greedy["sampling_only_s"])
     assert greedy["bound"] == pytest.approx(1.5)
     assert "peer_samples_per_s" not in result and "ratio" not in result
+
+
+FAKE_PEER = '''#!{python}
+"""Stands in for TRL: records when it ran, reports fixed step times."""
+import json, sys, time
+out = sys.argv[sys.argv.index("--out") + 1]
+with open({log!r}, "a") as f:
+    f.write(f"{{time.time()}}\\n")
+with open(out, "w") as f:
+    json.dump({{"samples_per_s": 8 / 3.0, "step_s": [3.0, 3.5], "cpu_s_per_sample": 0.25, "generation": "fake"}}, f)
+'''
+
+
+@pytest.mark.slow
+def test_rounds_alternate_ours_and_the_peer(tmp_path):
+    """--rounds 2: ours, peer, peer, ours (ABBA); each round's ratio is the peer's median step time over
+    ours in that round, the reported ratio their median; ours warms up once and runs every measured step."""
+    hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
+    log = tmp_path / "peer_calls.txt"
+    peer = tmp_path / "fake_peer"
+    peer.write_text(FAKE_PEER.format(python=sys.executable, log=str(log)))
+    peer.chmod(0o755)
+    out = tmp_path / "e2e.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "tools/bench_e2e.py", "--hf-dir", hf, "--json", str(out), "--steps", "2",
+                        "--warmup", "1", "--greedy-repeats", "1", "--rounds", "2", "--peer", "trl",
+                        "--peer-python", str(peer), "--peer-generation", "transformers",
+                        "actor.tp=1", "rollout.engine=native", "trainer.prompts_per_step=4", "rollout.n=2",
+                        "trainer.micro_batch_size=4"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    calls = [float(t) for t in log.read_text().split()]
+    steps = [json.loads(line) for line in open(result["metrics_jsonl"])]
+    assert len(calls) == 2 and len(steps) == 1 + 2 * 2  # one warm-up, two measured steps per round
+    # ABBA: round 0 ran ours before its peer, round 1 both peers came before ours' last steps
+    assert [x["order"] for x in result["rounds"]] == ["ours, trl", "trl, ours"]
+    assert calls[1] < os.path.getmtime(result["metrics_jsonl"])
+    ours_rounds = [x["ours_step_s"] for x in result["rounds"]]
+    assert ours_rounds == [result["step_s"][:2], result["step_s"][2:]]
+    for x in result["rounds"]:
+        assert x["peer_step_s"] == [3.0, 3.5]
+        assert x["ratio"] == pytest.approx(3.25 / (sum(x["ours_step_s"]) / 2))
+    assert result["ratio"] == pytest.approx(sum(x["ratio"] for x in result["rounds"]) / 2)
+    assert result["peer"]["step_s"] == [3.0, 3.5, 3.0, 3.5]
+    assert result["pooled_ratio"] == pytest.approx(result["samples_per_s"] / (8 / 3.25))
+
+
+def test_rounds_need_the_peer_and_one_process():
+    r = subprocess.run([sys.executable, "tools/bench_e2e.py", "--hf-dir", "x", "--rounds", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--rounds 2 alternates with the peer" in r.stderr.strip().splitlines()[-1]
