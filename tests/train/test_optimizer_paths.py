@@ -65,3 +65,15 @@ def test_cpu_optimizer_step_equals_fp64_adamw(tmp_path, dtype):
             # bf16 weights are the fp32 main weights rounded: within half a bf16 ulp of the fp64 step
             ulp = torch.finfo(torch.bfloat16).eps * want[name].abs().clamp(min=1e-30)
             assert ((got.double() - want[name]).abs() <= 0.5 * ulp * 1.01 + 1e-7).all(), name
+
+
+@pytest.mark.parametrize("shape", [(7,), (1 << 20,), (3000, 700)])
+def test_grad_norm_in_chunks_is_the_fp64_norm(shape):
+    """The clip's norm: fp64 accumulation over 1M-entry chunks equals the norm of the fp64 copy
+    (2.1M entries of very different sizes: an fp32 accumulation is off by far more than 1e-12)."""
+    from remax_megatron.optimizer import fp64_norm
+
+    g = torch.Generator().manual_seed(0)
+    grad = torch.randn(shape, generator=g) * torch.logspace(-6, 3, shape[-1])
+    want = grad.double().norm().item()
+    assert abs(fp64_norm(grad).item() - want) <= 1e-12 * want
