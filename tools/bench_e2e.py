@@ -300,7 +300,8 @@ def run_rounds(args, ours: OursRun) -> dict:
         peer_samples_per_s=peer_samples, ratio=median([x["ratio"] for x in rounds]), rounds=rounds,
         pooled_ratio=result["samples_per_s"] / peer_samples,
         cpu_ratio=median([p["cpu_s_per_sample"] for p in peers]) / result["cpu_s_per_sample"],
-        peer=dict(peers[-1], step_s=peer_steps, samples_per_s=peer_samples))
+        peer=dict(peers[-1], step_s=peer_steps, samples_per_s=peer_samples,
+                  generation_s=[t for p in peers for t in (p.get("generation_s") or [])] or None))
     return result
 
 

@@ -94,6 +94,7 @@ def main(argv=None) -> None:
     step_ends: list[float] = []
     cpu_ends: list[float] = []  # process CPU seconds at the same points
     history: list[dict] = []  # TRL's log records (completion lengths, rewards)
+    generating: list[float] = [0.0]  # seconds in GRPOTrainer._generate (weight sync + decoding) per step
 
     class StepClock(TrainerCallback):
         def on_train_begin(self, *a, **k):
@@ -103,6 +104,7 @@ def main(argv=None) -> None:
         def on_step_end(self, *a, **k):
             step_ends.append(time.perf_counter())
             cpu_ends.append(time.process_time())
+            generating.append(0.0)
 
         def on_log(self, _args, _state, _control, logs=None, **k):
             if logs:
@@ -113,6 +115,16 @@ def main(argv=None) -> None:
     trainer = GRPOTrainer(model=spec["hf_dir"], reward_funcs=make_reward(spec, columns), args=grpo_args,
                           train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[StepClock()])
     build_s = time.perf_counter() - t0
+    generate = getattr(trainer, "_generate", None)  # TRL 1.x: the rollout of one generation batch
+    if generate is not None:
+        def timed_generate(*a, **k):
+            start = time.perf_counter()
+            try:
+                return generate(*a, **k)
+            finally:
+                generating[-1] += time.perf_counter() - start
+
+        trainer._generate = timed_generate
     trainer.train()
     step_s = [b - a for a, b in zip(step_ends, step_ends[1:])][spec["warmup"]:]
     if not step_s:
@@ -122,6 +134,9 @@ def main(argv=None) -> None:
     result = {
         "samples_per_s": samples / statistics.median(step_s),
         "step_s": step_s,
+        # Per measured step: seconds generating (TRL's _generate) and the rest (rewards, forward/backward,
+        # optimizer, bookkeeping); None where this TRL has no _generate.
+        "generation_s": generating[spec["warmup"]:len(step_s) + spec["warmup"]] if generate is not None else None,
         "cpu_s_per_step": statistics.median(cpu_s),
         "cpu_s_per_sample": statistics.median(cpu_s) / samples,
         "build_s": build_s,
