@@ -54,6 +54,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from remax_megatron.kernels.logprobs_torch import compute_dtype
+
 IGNORE_INDEX = -100
 _IMPL_ENV = "REMAX_KERNEL_IMPL"
 _LAYOUT_CACHE: dict = {}
@@ -179,7 +181,7 @@ class _FusedLogprobsFn(torch.autograd.Function):
         ctx.hinted = (hint is not None and (need_x or need_w) and hasattr(backend, "forward_with_grads"))
         saved_x = saved_w = None
         if ctx.hinted:
-            hint = hint.to(hidden.device, _compute_dtype(hidden)) * valid  # [N]
+            hint = hint.to(hidden.device, compute_dtype(hidden)) * valid  # [N]
             merge = (lambda *stats: _merge_across(*stats, group)) if group is not None else (lambda *stats: stats)
             (m, s, a, t), saved_x, saved_w = backend.forward_with_grads(
                 hidden, weight, local, scale, with_entropy, hint, total_vocab, merge, need_x, need_w)
@@ -230,12 +232,15 @@ class _FusedLogprobsFn(torch.autograd.Function):
 
 def scalar_multiple(g: torch.Tensor, hint: torch.Tensor, rtol: float = 1e-6) -> float | None:
     """``k`` with ``g == k * hint`` (within ``rtol`` of ``max |g|``), else None; [N] each. One host sync."""
-    i = int(hint.abs().argmax()) if hint.numel() else 0
-    if hint.numel() == 0 or float(hint[i]) == 0.0:
-        return 0.0 if not bool(g.any()) else None
-    k = float(g[i]) / float(hint[i])
-    off = float((g - k * hint).abs().max())
-    return k if off <= rtol * float(g.abs().max()) else None
+    if hint.numel() == 0:
+        return 0.0
+    i = hint.abs().argmax()
+    k = g[i] / hint[i]  # inf / nan when the hint is all zeros
+    off = (g - k * hint).abs().max()
+    k, off, top, biggest = torch.stack([k, off, hint[i].abs(), g.abs().max()]).tolist()
+    if top == 0.0:
+        return 0.0 if biggest == 0.0 else None
+    return k if off <= rtol * biggest else None
 
 
 def merge_stats(m, s, a, t):
@@ -333,10 +338,6 @@ def _backend(impl, hidden):
 
         return TritonBackend()
     raise ValueError(f"impl: unknown value {choice!r}; use 'torch', 'triton' or None")
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _triton_available() -> bool:

@@ -53,7 +53,7 @@ class TorchBackend:
 
     def forward_stats(self, x, w, local_labels, scale, with_entropy):
         n, v = x.shape[0], w.shape[0]
-        ct = _compute_dtype(x)
+        ct = compute_dtype(x)
         m = torch.full((n,), float("-inf"), dtype=ct, device=x.device)
         s = torch.zeros(n, dtype=ct, device=x.device)
         a = torch.zeros_like(s)
@@ -90,7 +90,7 @@ class TorchBackend:
     def backward_grads(self, x, w, local_labels, scale, m, log_s, mean_rel, g, h, need_x, need_w):
         n, d = x.shape
         v = w.shape[0]
-        ct = _compute_dtype(x)
+        ct = compute_dtype(x)
         grad_x = torch.zeros(n, d, dtype=ct, device=x.device) if need_x else None
         grad_w = torch.zeros_like(w) if need_w else None
         if n == 0 or v == 0:
@@ -130,7 +130,7 @@ class TorchBackend:
         """
         n, d = x.shape
         v = w.shape[0]
-        ct = _compute_dtype(x)
+        ct = compute_dtype(x)
         m = torch.empty(n, dtype=ct, device=x.device)
         s, a, t = torch.empty_like(m), torch.zeros_like(m), torch.zeros_like(m)
         grad_x = torch.empty(n, d, dtype=ct, device=x.device) if need_x else None
@@ -155,7 +155,7 @@ class TorchBackend:
                 sr = e.sum(dim=1)
             else:  # an empty shard (all vocab padding): no logits here
                 mr = torch.full((r1 - r0,), float("-inf"), dtype=ct, device=x.device)
-                sr, ar, e = torch.zeros_like(mr), torch.zeros_like(mr), z
+                sr, ar = torch.zeros_like(mr), torch.zeros_like(mr)
             m_local = mr
             mr, sr, ar, tr = merge(mr, sr, ar, tr)  # this tile's rows over the whole vocab
             m[r0:r1], s[r0:r1], a[r0:r1], t[r0:r1] = mr, sr, ar, tr
@@ -165,10 +165,7 @@ class TorchBackend:
                 continue
             # e = exp(l - m_local), so p = e * exp(m_local - m) / s; dz = g (onehot(y) - p): [rows, V]
             dz = e.mul_((torch.exp(m_local - mr) / sr * -gr)[:, None])
-            hit = lab >= 0
-            if bool(hit.any()):
-                idx = torch.nonzero(hit).squeeze(1)
-                dz[idx, lab[idx]] += gr[idx]
+            _add_at_target(dz, lab, 0, v, gr)
             if need_x:
                 torch.matmul(dz, w32, out=grad_x[r0:r1])
             if need_w:
@@ -186,16 +183,21 @@ class TorchBackend:
             q = z + (log_s - mean_rel)[:, None]  # l - E[l]
             p = z.exp_()
             dz = q.mul_(hs[:, None]).add_(gs[:, None]).mul_(p).neg_()  # -p (g + h (l - E l))
-        hit = (lab >= c0) & (lab < c1)
-        if bool(hit.any()):
-            idx = torch.nonzero(hit).squeeze(1)
-            dz[idx, lab[idx] - c0] += gs[idx]
+        _add_at_target(dz, lab, c0, c1, gs)  # d logprob / d l = onehot(y) - p
         return dz
 
 
-def _compute_dtype(x):
+def compute_dtype(x):
     """fp32 for fp32/bf16/fp16 inputs, fp64 for fp64 (the tests' oracle)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _add_at_target(dz, lab, c0, c1, values):
+    """dz[i, lab[i] - c0] += values[i] for labels inside this tile's columns."""
+    hit = (lab >= c0) & (lab < c1)
+    if bool(hit.any()):
+        idx = torch.nonzero(hit).squeeze(1)
+        dz[idx, lab[idx] - c0] += values[idx]
 
 
 def _gather_target(z, lab, c0, c1, out):
