@@ -97,8 +97,9 @@ def fused_logprobs(
     if not 0 < limit <= total:
         raise ValueError(f"valid_vocab: {valid_vocab} must lie in [1, {total}] (the global vocab)")
     _check_labels(labels, limit)
-    if limit < start + weight.shape[0]:
-        weight = weight[: max(0, limit - start)]  # padding rows: no logits, zero grad
+    # Vocab padding rows get no logits and a zero grad; sliced inside the autograd function, so that the
+    # grad of the full weight is allocated once (a slice outside costs a zeroed copy of it per call).
+    real_rows = min(weight.shape[0], max(0, limit - start))
     backend = _backend(impl, hidden)
     if chunk_elems is not None:
         backend = backend.with_chunk(int(chunk_elems))
@@ -114,7 +115,7 @@ def fused_logprobs(
     logp, ent = _FusedLogprobsFn.apply(
         hidden if every_row else hidden.index_select(0, rows), weight,
         labels if every_row else labels.index_select(0, rows), scale, tp_group, bool(with_entropy), start,
-        backend, bool(reduce_hidden_grad), grad_hint, total,
+        backend, bool(reduce_hidden_grad), grad_hint, total, real_rows,
     )
     if not every_row:  # back to [N]: 0 on the ignored rows
         logp = logp.new_zeros(labels.shape[0]).index_copy(0, rows, logp)
@@ -171,7 +172,9 @@ def fused_logprobs_reference(
 class _FusedLogprobsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, scale, group, with_entropy, start, backend,
-                reduce_hidden_grad, hint, total_vocab):
+                reduce_hidden_grad, hint, total_vocab, real_rows):
+        ctx.real_rows = real_rows  # weight[:real_rows]: this shard's rows that are not vocab padding
+        full_weight, weight = weight, weight[:real_rows]
         n, v_local = hidden.shape[0], weight.shape[0]
         valid = labels != IGNORE_INDEX  # [N]
         local = labels.long() - start
@@ -184,7 +187,8 @@ class _FusedLogprobsFn(torch.autograd.Function):
             hint = hint.to(hidden.device, compute_dtype(hidden)) * valid  # [N]
             merge = (lambda *stats: _merge_across(*stats, group)) if group is not None else (lambda *stats: stats)
             (m, s, a, t), saved_x, saved_w = backend.forward_with_grads(
-                hidden, weight, local, scale, with_entropy, hint, total_vocab, merge, need_x, need_w)
+                hidden, weight, local, scale, with_entropy, hint, total_vocab, merge, need_x, need_w,
+                grad_rows=full_weight.shape[0])
         else:
             hint = None
             m, s, a, t = backend.forward_stats(hidden, weight, local, scale, with_entropy)  # [K, N]
@@ -196,7 +200,7 @@ class _FusedLogprobsFn(torch.autograd.Function):
         mean_rel = a / s  # [N], E_p[l] - m
         logp = torch.clamp((t - m) - log_s, max=0.0) * valid
         ent = torch.clamp(log_s - mean_rel, min=0.0) * valid
-        ctx.save_for_backward(hidden, weight, local, valid, m, log_s, mean_rel, hint, saved_x, saved_w)
+        ctx.save_for_backward(hidden, full_weight, local, valid, m, log_s, mean_rel, hint, saved_x, saved_w)
         # An output the loss does not use (the entropy, a metric) gets None, not zeros: no entropy term
         # in the backward tiles.
         ctx.set_materialize_grads(False)
@@ -221,13 +225,13 @@ class _FusedLogprobsFn(torch.autograd.Function):
             grad_w = grad_w if grad_w is None else grad_w.to(weight.dtype)
         else:
             grad_x, grad_w = ctx.backend.backward_grads(
-                hidden, weight, local, ctx.scale, m, log_s, mean_rel, g, h,
-                ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+                hidden, weight[:ctx.real_rows], local, ctx.scale, m, log_s, mean_rel, g, h,
+                ctx.needs_input_grad[0], ctx.needs_input_grad[1], grad_rows=weight.shape[0])
         if grad_x is not None:
             if ctx.group is not None and ctx.reduce_hidden_grad:
                 dist.all_reduce(grad_x, group=ctx.group)
             grad_x = grad_x.to(hidden.dtype)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None
 
 
 def scalar_multiple(g: torch.Tensor, hint: torch.Tensor, rtol: float = 1e-6) -> float | None:

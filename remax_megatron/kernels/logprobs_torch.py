@@ -13,12 +13,13 @@ Backend protocol (shared with the Triton backend):
   (see ``logprobs.py``); ``local_labels`` is ``-1`` where the target is not in
   the shard.
 - ``backward_grads(x, w, local_labels, scale, m, log_s, mean_rel, g, h,
-  need_x, need_w)`` (the merged state: ``p = exp(l - m - log_s)``,
-  ``E_p[l] = m + mean_rel``) -> (grad_x fp32 [N, D] partial over this shard, grad_w [V_local, D]
+  need_x, need_w, grad_rows)`` (the merged state: ``p = exp(l - m - log_s)``,
+  ``E_p[l] = m + mean_rel``) -> (grad_x fp32 [N, D] partial over this shard, grad_w [grad_rows, D]
   in w's dtype)``, where ``g``/``h`` are the upstream gradients of logprob and
-  entropy (already zero on ignored rows; ``h`` may be None).
+  entropy (already zero on ignored rows; ``h`` may be None); ``grad_rows >= V_local`` (the rows of
+  the caller's weight, vocab padding included: those grad rows are zero).
 - optional ``forward_with_grads(x, w, local_labels, scale, with_entropy, g, total_vocab, merge,
-  need_x, need_w) -> ((m, s, a, t) merged [N], grad_x, grad_w)`` (grads in the compute dtype): both at once for an
+  need_x, need_w, grad_rows) -> ((m, s, a, t) merged [N], grad_x, grad_w)`` (grads in the compute dtype): both at once for an
   incoming log-prob gradient ``g`` known in advance (``grad_hint``); ``merge(m, s, a, t)``
   merges one row tile's states over TP (a collective: every rank calls it equally often).
 """
@@ -88,14 +89,15 @@ class TorchBackend:
                 mr.copy_(m_new)
         return m[None], s[None], a[None], t[None]
 
-    def backward_grads(self, x, w, local_labels, scale, m, log_s, mean_rel, g, h, need_x, need_w):
+    def backward_grads(self, x, w, local_labels, scale, m, log_s, mean_rel, g, h, need_x, need_w, grad_rows):
         n, d = x.shape
         v = w.shape[0]
         ct = compute_dtype(x)
         grad_x = torch.zeros(n, d, dtype=ct, device=x.device) if need_x else None
-        grad_w = torch.zeros_like(w) if need_w else None
+        padded = torch.zeros(grad_rows, d, dtype=w.dtype, device=w.device) if need_w else None
+        grad_w = padded[:v] if need_w else None
         if n == 0 or v == 0:
-            return grad_x, grad_w
+            return grad_x, padded
         rows, cols = tile_shape(n, v, self.chunk_elems)
         x32 = x.to(ct)
         gs = g.to(ct) * scale  # [N], scale folds 1/temperature into the chain rule
@@ -118,10 +120,10 @@ class TorchBackend:
                     gw.addmm_(dz.T, x32[r0:r1])
             if need_w and gw.data_ptr() != grad_w[c0:c1].data_ptr():
                 grad_w[c0:c1].copy_(gw)
-        return grad_x, grad_w
+        return grad_x, padded
 
     def forward_with_grads(self, x, w, local_labels, scale, with_entropy, g, total_vocab, merge,
-                           need_x, need_w):
+                           need_x, need_w, grad_rows):
         """Statistics and gradients in one pass over the logits, for the log-prob gradient ``g`` [N].
 
         Row tiles span this rank's whole vocab shard, so after ``merge`` a tile's softmax is final
@@ -135,7 +137,8 @@ class TorchBackend:
         m = torch.empty(n, dtype=ct, device=x.device)
         s, a, t = torch.empty_like(m), torch.zeros_like(m), torch.zeros_like(m)
         grad_x = torch.empty(n, d, dtype=ct, device=x.device) if need_x else None
-        grad_w = torch.zeros(v, d, dtype=ct, device=x.device) if need_w else None
+        padded = torch.zeros(grad_rows, d, dtype=ct, device=x.device) if need_w else None
+        grad_w = padded[:v] if need_w else None
         rows = max(1, min(n, self.chunk_elems // max(total_vocab, 1)))
         x32, w32 = x.to(ct), w.to(ct)  # no copy for fp32 (bf16: one fp32 copy of the shard)
         gs = g.to(ct) * scale  # [N], 1/temperature folded into the chain rule
@@ -171,7 +174,7 @@ class TorchBackend:
                 torch.matmul(dz, w32, out=grad_x[r0:r1])
             if need_w:
                 grad_w.addmm_(dz.T, xr)
-        return (m, s, a, t), grad_x, grad_w  # grads in the compute dtype: the backward scales, then casts
+        return (m, s, a, t), grad_x, padded  # grads in the compute dtype: the backward scales, then casts
 
     @staticmethod
     def _dlogits(xr, wc, lab, c0, c1, scale, m, log_s, mean_rel, gs, hs):

@@ -167,15 +167,16 @@ class TritonBackend:
             UPCAST=upcast, IEEE=ieee)
         return out[0], out[1], out[2], out[3]
 
-    def backward_grads(self, x, w, local_labels, scale, m, log_s, mean_rel, g, h, need_x, need_w):
+    def backward_grads(self, x, w, local_labels, scale, m, log_s, mean_rel, g, h, need_x, need_w, grad_rows):
         w_dtype = w.dtype
         x, w = _prep(x), _prep(w)
         n, d = x.shape
         v = w.shape[0]
         grad_x = torch.zeros(n, d, dtype=torch.float32, device=x.device) if need_x else None
-        grad_w = torch.zeros_like(w, dtype=w_dtype) if need_w else None
+        padded = torch.zeros(grad_rows, d, dtype=w_dtype, device=w.device) if need_w else None  # padding rows: 0
+        grad_w = padded[:v] if need_w else None
         if n == 0 or v == 0:
-            return grad_x, grad_w
+            return grad_x, padded
         bn, bv, bd = _BLOCKS["n"], _BLOCKS["v"], _BLOCKS["d"]
         chunk = max(bv, (self.chunk_elems // n) // bv * bv)
         chunk = min(chunk, triton.cdiv(v, bv) * bv)
@@ -201,7 +202,7 @@ class TritonBackend:
                 grad_x.add_(torch.matmul(dzc, wc).float())
             if need_w:
                 grad_w[c0:c0 + c].copy_(torch.matmul(dzc.T, xm))
-        return grad_x, grad_w
+        return grad_x, padded
 
 
 def _prep(t):

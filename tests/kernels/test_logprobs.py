@@ -19,7 +19,7 @@ def _count_recomputes(monkeypatch) -> list:
     from remax_megatron.kernels.logprobs_torch import TorchBackend
 
     calls, original = [], TorchBackend.backward_grads
-    monkeypatch.setattr(TorchBackend, "backward_grads", lambda self, *a: calls.append(1) or original(self, *a))
+    monkeypatch.setattr(TorchBackend, "backward_grads", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     return calls
 
 
@@ -113,8 +113,8 @@ def test_ignored_rows_never_reach_the_output_layer(monkeypatch):
     seen = []
     for name in ("forward_stats", "backward_grads"):
         original = getattr(TorchBackend, name)
-        monkeypatch.setattr(TorchBackend, name, lambda self, x, *a, _f=original, _n=name: seen.append((_n, x.shape[0]))
-                            or _f(self, x, *a))
+        monkeypatch.setattr(TorchBackend, name, lambda self, x, *a, _f=original, _n=name, **k: seen.append((_n, x.shape[0]))
+                            or _f(self, x, *a, **k))
     h, w, labels, temp, g_lp, g_ent = make_inputs("ignored_rows")
     labelled = int((labels != -100).sum())
     assert 0 < labelled < labels.numel()

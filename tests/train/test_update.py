@@ -279,7 +279,7 @@ def _gradient_hint_body(rank, world, model_dir, tp, pp, out_path):
     from remax_megatron.weights import export_hf_weights
 
     recomputes, recompute, hint = [], TorchBackend.backward_grads, trainer_module.logprob_gradient
-    TorchBackend.backward_grads = lambda self, *a: recomputes.append(1) or recompute(self, *a)
+    TorchBackend.backward_grads = lambda self, *a, **k: recomputes.append(1) or recompute(self, *a, **k)
     results = {}
     try:  # the launch runs other cases in this process afterwards: patches are undone
         for hinted in (True, False):
