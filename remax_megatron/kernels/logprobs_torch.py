@@ -137,8 +137,10 @@ class TorchBackend:
         m = torch.empty(n, dtype=ct, device=x.device)
         s, a, t = torch.empty_like(m), torch.zeros_like(m), torch.zeros_like(m)
         grad_x = torch.empty(n, d, dtype=ct, device=x.device) if need_x else None
-        padded = torch.zeros(grad_rows, d, dtype=ct, device=x.device) if need_w else None
-        grad_w = padded[:v] if need_w else None
+        padded = torch.empty(grad_rows, d, dtype=ct, device=x.device) if need_w else None
+        grad_w = padded[:v] if need_w else None  # the first row tile writes it, the others add to it
+        if need_w:
+            padded[v if n else 0:].zero_()  # vocab padding rows (all rows when there are no tokens)
         rows = max(1, min(n, self.chunk_elems // max(total_vocab, 1)))
         x32, w32 = x.to(ct), w.to(ct)  # no copy for fp32 (bf16: one fp32 copy of the shard)
         gs = g.to(ct) * scale  # [N], 1/temperature folded into the chain rule
@@ -173,7 +175,10 @@ class TorchBackend:
             if need_x:
                 torch.matmul(dz, w32, out=grad_x[r0:r1])
             if need_w:
-                grad_w.addmm_(dz.T, xr)
+                if r0 == 0:
+                    torch.matmul(dz.T, xr, out=grad_w)
+                else:
+                    grad_w.addmm_(dz.T, xr)
         return (m, s, a, t), grad_x, padded  # grads in the compute dtype: the backward scales, then casts
 
     @staticmethod

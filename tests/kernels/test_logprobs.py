@@ -35,6 +35,26 @@ def test_gradient_taken_in_the_forward_matches_the_oracle(case, dtype, chunk, mo
     assert recomputes == []
 
 
+@pytest.mark.parametrize("labelled", ["some", "none"])
+def test_gradient_in_the_forward_writes_every_element(labelled, monkeypatch):
+    """The hint path fills its buffers from torch.empty (the weight grad included: its first row tile
+    writes, the rest add): with torch.empty poisoned by NaN the result is still the oracle's, also
+    when no row has a label (all-zero grads)."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    h, w, labels, temp, g_lp, _ = make_inputs("ignored_rows")
+    if labelled == "none":
+        labels = torch.full_like(labels, -100)
+    recomputes = _count_recomputes(monkeypatch)
+    lp, _, gh, gw = run_fused(h, w, labels, temp, g_lp, None, impl="torch", chunk_elems=64, grad_hint=g_lp)
+    rlp, _, rh, rw, _ = oracle(h, w, labels, temp)
+    (rlp * g_lp).sum().backward()
+    assert recomputes == []
+    torch.testing.assert_close(lp, rlp.to(lp.dtype))
+    torch.testing.assert_close(gh, rh.grad.to(gh.dtype))
+    torch.testing.assert_close(gw, rw.grad.to(gw.dtype))
+
+
 @pytest.mark.parametrize("what", ["other_gradient", "entropy_in_the_loss"])
 def test_a_wrong_hint_recomputes_and_stays_exact(what, monkeypatch):
     """The gradient that arrives is not a multiple of the hint (or the entropy has a gradient): the
