@@ -94,8 +94,7 @@ class TorchBackend:
         v = w.shape[0]
         ct = compute_dtype(x)
         grad_x = torch.zeros(n, d, dtype=ct, device=x.device) if need_x else None
-        padded = torch.zeros(grad_rows, d, dtype=w.dtype, device=w.device) if need_w else None
-        grad_w = padded[:v] if need_w else None
+        padded, grad_w = weight_grad_buffer(grad_rows, v, d, w.dtype, w.device) if need_w else (None, None)
         if n == 0 or v == 0:
             return grad_x, padded
         rows, cols = tile_shape(n, v, self.chunk_elems)
@@ -137,10 +136,8 @@ class TorchBackend:
         m = torch.empty(n, dtype=ct, device=x.device)
         s, a, t = torch.empty_like(m), torch.zeros_like(m), torch.zeros_like(m)
         grad_x = torch.empty(n, d, dtype=ct, device=x.device) if need_x else None
-        padded = torch.empty(grad_rows, d, dtype=ct, device=x.device) if need_w else None
-        grad_w = padded[:v] if need_w else None  # the first row tile writes it, the others add to it
-        if need_w:
-            padded[v if n else 0:].zero_()  # vocab padding rows (all rows when there are no tokens)
+        # the first row tile writes grad_w, the others add to it (with no rows, it stays zero)
+        padded, grad_w = weight_grad_buffer(grad_rows, v, d, ct, x.device, written=n > 0) if need_w else (None, None)
         rows = max(1, min(n, self.chunk_elems // max(total_vocab, 1)))
         x32, w32 = x.to(ct), w.to(ct)  # no copy for fp32 (bf16: one fp32 copy of the shard)
         gs = g.to(ct) * scale  # [N], 1/temperature folded into the chain rule
@@ -199,6 +196,14 @@ class TorchBackend:
 def compute_dtype(x):
     """fp32 for fp32/bf16/fp16 inputs, fp64 for fp64 (the tests' oracle)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def weight_grad_buffer(grad_rows, real_rows, d, dtype, device, *, written: bool = False):
+    """(grad [grad_rows, D], its view [real_rows, D]) of a weight whose rows past real_rows are vocab
+    padding: those are zero; the real rows too, unless the caller `written` overwrites them."""
+    full = torch.empty(grad_rows, d, dtype=dtype, device=device)
+    full[real_rows if written else 0:].zero_()
+    return full, full[:real_rows]
 
 
 def _logits(x, w):

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from remax_megatron.kernels.logprobs_torch import weight_grad_buffer
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Interpreter blocks are tiny (numpy per block); GPU blocks suit tensor cores.
 _BLOCKS = dict(n=16, v=16, d=16) if _INTERPRET else dict(n=64, v=128, d=64)
@@ -173,8 +175,7 @@ class TritonBackend:
         n, d = x.shape
         v = w.shape[0]
         grad_x = torch.zeros(n, d, dtype=torch.float32, device=x.device) if need_x else None
-        padded = torch.zeros(grad_rows, d, dtype=w_dtype, device=w.device) if need_w else None  # padding rows: 0
-        grad_w = padded[:v] if need_w else None
+        padded, grad_w = weight_grad_buffer(grad_rows, v, d, w_dtype, w.device) if need_w else (None, None)
         if n == 0 or v == 0:
             return grad_x, padded
         bn, bv, bd = _BLOCKS["n"], _BLOCKS["v"], _BLOCKS["d"]
