@@ -87,10 +87,13 @@ class CpuAdamW:
         self.main_params = [p if p.dtype == torch.float32 else p.detach().float() for p in self.params]
         groups = [{"params": self.main_params[:len(decay)], "wd_mult": 1.0},
                   {"params": self.main_params[len(decay):], "wd_mult": 0.0}]
-        # foreach: the same result as torch's default per-parameter loop on CPU, bitwise, a little faster
+        # fused: one pass per parameter, no temporaries. foreach allocates a temporary per moment
+        # (64 MiB for a vocab-sized one, page-faulted afresh each step): 0.19-0.35 s against 0.07 s an
+        # update on the 60M benchmark model. It rounds differently from the per-parameter loop (within
+        # fp32 rounding: tests/train/test_optimizer_paths.py holds it to an fp64 AdamW step).
         self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
                                            betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                           weight_decay=cfg.weight_decay, foreach=True)
+                                           weight_decay=cfg.weight_decay, fused=True)
         for group in self.optimizer.param_groups:
             group["weight_decay"] = cfg.weight_decay * group["wd_mult"]
         self.model_parallel_group = (process_groups or ProcessGroups.current()).mp  # the grad norm's
