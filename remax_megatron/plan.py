@@ -71,7 +71,7 @@ import sys
 import warnings
 
 GIB = 1 << 30
-TILE_ELEMS = 1 << 23  # remax_megatron/kernels/logprobs_torch.py DEFAULT_CHUNK_ELEMS
+TILE_ELEMS = 1 << 24  # remax_megatron/kernels/logprobs_torch.py DEFAULT_CHUNK_ELEMS
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
