@@ -78,6 +78,21 @@ def _fail(logger, error: Exception, printer: bool, same_on_every_rank: bool) -> 
     os._exit(1)
 
 
+def _teardown(engine) -> None:
+    """The end of a run that finished: every rank past its last collective, then the engine and the
+    process groups released in order. Left to interpreter exit, vLLM's finalizer (which destroys its
+    groups and torch's default one) and the process groups' own threads were torn down in no fixed
+    order: once in many runs a rank aborted after its last line ("terminate called without an active
+    exception", exit 134)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    engine.shutdown()
+    if dist.is_initialized():  # the native engine, or vLLM without the external launcher's world
+        dist.destroy_process_group()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, epilog=config_help(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,6 +153,8 @@ def main(argv=None) -> None:
                   "(or checkpoint.resume=none to start over)", file=sys.stderr, flush=True)
     elif finished:
         print0(f"done: metrics in {os.path.join(cfg.trainer.output_dir, 'metrics.jsonl')}")
+    if finished or trainer.step > cfg.trainer.steps:  # not after a stop signal: a peer may be gone
+        _teardown(parts.engine)
 
 if __name__ == "__main__":
     main()

@@ -106,7 +106,8 @@ class PromptRollout:
 class RolloutEngine:
     """Base of the engines: the protocol plus the shared input checks.
 
-    Subclasses implement `_generate`, `update_weights`, `sleep` and `wake_up`.
+    Subclasses implement `_generate`, `update_weights`, `sleep` and `wake_up` (and `shutdown` when
+    they hold resources beyond the process's life: threads, process groups).
     An engine class may define `check_config(cfg, arch, world_size)` (a staticmethod
     raising one-line ValueErrors) that the factory runs before any work.
     """
@@ -167,6 +168,11 @@ class RolloutEngine:
 
     def wake_up(self) -> None:
         raise NotImplementedError
+
+    # ---- end of run ----------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Release the engine at the end of a run, before the process groups are destroyed
+        (remax_megatron.train). Nothing to release by default."""
 
 
 def check_generate_args(prompt_token_ids, n: int, sampling) -> None:

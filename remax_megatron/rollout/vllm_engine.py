@@ -251,6 +251,14 @@ class VllmEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
         self._weights_valid = True
 
+    # ---- end of run ----------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """vLLM's own teardown, now rather than from its finalizer at interpreter exit: the engine
+        core shuts its executor down and destroys vLLM's process groups, and with the external
+        launcher torch's default group with them (vllm.distributed.cleanup_dist_env_and_memory).
+        Left to exit, it ran after (or raced) our teardown ("Invalid process group specified")."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     # ---- memory --------------------------------------------------------------------------
     def sleep(self) -> None:
         if self.sleep_supported and not self.asleep:

@@ -6,6 +6,7 @@
 - the same seed and layout give identical metrics; the first step's loss agrees between TP=2, PP=2
   and TP=2 with sequence parallel; offloading the training state during rollouts changes nothing
 - actor.dtype=bfloat16 trains (fp32 main weights)
+- a finished run releases vLLM, then the process groups, before the interpreter exits
 - bad input is refused with one line before any work
 """
 
@@ -107,6 +108,24 @@ def test_vllm_runs_without_torchrun(env, tmp_path):
         train = [json.loads(line) for line in f]
     assert [t["step"] for t in train] == [1, 2]
     assert all(t["logprob/engine_vs_actor_max_diff"] <= 1e-5 for t in train), train
+
+
+@pytest.mark.slow
+def test_a_finished_run_releases_the_engine_and_process_groups(env, tmp_path):
+    """At the end of a run every rank releases vLLM (its finalizer destroys its groups and torch's
+    default one) and then the process groups, in that order, before the interpreter exits: left to
+    exit, the two teardowns raced (a rare abort after the last line, exit 134)."""
+    script = ("import sys, torch.distributed as dist\n"
+              "from remax_megatron.train import main\n"
+              "main(sys.argv[1:])\n"
+              "print('process group left:', dist.is_initialized(), flush=True)\n")
+    r = subprocess.run([TORCHRUN, "--nproc_per_node=2", "--no-python", sys.executable, "-c", script,
+                        "--config", "configs/tiny_cpu.yaml", f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=1",
+                        "trainer.eval_every=0", "checkpoint.save_every=0", "logging.progress_bar=false"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert r.stdout.count("process group left: False") == 2, (r.stdout + r.stderr)[-4000:]
+    assert "Invalid process group" not in r.stderr and "terminate called" not in r.stderr, r.stderr[-4000:]
 
 
 @pytest.mark.slow
