@@ -68,6 +68,13 @@ def fp64_norm(grad: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
     return torch.linalg.vector_norm(parts)
 
 
+# fused: one pass per parameter, no temporaries. foreach allocated a temporary per moment (64 MiB for a
+# vocab-sized one, page-faulted afresh each step): 0.19-0.35 s against 0.04-0.07 s an optimizer step on
+# the 60M benchmark model. It rounds differently from the per-parameter loop, within fp32 rounding
+# (tests/train/test_optimizer_paths.py holds it to an fp64 AdamW step).
+ADAMW_IMPL = {"fused": True, "foreach": None}
+
+
 class CpuAdamW:
     """torch AdamW over megatron DDP main grads, with megatron's global grad-norm clipping and
     megatron's parameter groups (weight decay skips biases and norm weights).
@@ -87,13 +94,9 @@ class CpuAdamW:
         self.main_params = [p if p.dtype == torch.float32 else p.detach().float() for p in self.params]
         groups = [{"params": self.main_params[:len(decay)], "wd_mult": 1.0},
                   {"params": self.main_params[len(decay):], "wd_mult": 0.0}]
-        # fused: one pass per parameter, no temporaries. foreach allocates a temporary per moment
-        # (64 MiB for a vocab-sized one, page-faulted afresh each step): 0.19-0.35 s against 0.07 s an
-        # update on the 60M benchmark model. It rounds differently from the per-parameter loop (within
-        # fp32 rounding: tests/train/test_optimizer_paths.py holds it to an fp64 AdamW step).
         self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
                                            betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                           weight_decay=cfg.weight_decay, fused=True)
+                                           weight_decay=cfg.weight_decay, **ADAMW_IMPL)
         for group in self.optimizer.param_groups:
             group["weight_decay"] = cfg.weight_decay * group["wd_mult"]
         self.model_parallel_group = (process_groups or ProcessGroups.current()).mp  # the grad norm's
@@ -166,6 +169,8 @@ class CpuAdamW:
         for param_state in state["state"].values():
             param_state["step"] = torch.tensor(float(step))
         self.optimizer.load_state_dict(state)
+        for group in self.optimizer.param_groups:  # torch restores the saved groups' implementation too
+            group.update(ADAMW_IMPL)
         with torch.no_grad():
             for i, master in masters.items():
                 self.main_params[i].copy_(master)

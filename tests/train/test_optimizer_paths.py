@@ -77,3 +77,45 @@ def test_grad_norm_in_chunks_is_the_fp64_norm(shape):
     grad = torch.randn(shape, generator=g) * torch.logspace(-6, 3, shape[-1])
     want = grad.double().norm().item()
     assert abs(fp64_norm(grad).item() - want) <= 1e-12 * want
+
+
+def test_resume_steps_with_this_codes_adamw_not_the_checkpoints():
+    """torch's load_state_dict restores each saved group's hyperparameters, the implementation flags
+    included: a checkpoint written with foreach AdamW (before 94e3fc8) must resume fused, and its next
+    step must equal the uninterrupted run's, bitwise."""
+    import copy
+    import types
+
+    from remax_megatron.config import OptimConfig
+    from remax_megatron.optimizer import CpuAdamW
+
+    def build():
+        torch.manual_seed(0)
+        module = torch.nn.Linear(8, 4)
+        ddp = types.SimpleNamespace(module=module, zero_grad_buffer=lambda: None)
+        return CpuAdamW(ddp, OptimConfig(), process_groups=types.SimpleNamespace(mp=None))
+
+    def step(opt, seed):
+        torch.manual_seed(seed)
+        for main in opt.main_params:
+            main.grad = torch.randn_like(main)
+        opt.optimizer.step()
+
+    straight = build()
+    step(straight, 1)
+    state = copy.deepcopy(straight.optimizer.state_dict())
+    for group in state["param_groups"]:  # as a checkpoint written before 94e3fc8 holds them
+        group.update(foreach=True, fused=None)
+    state["state"]["common_step"] = float(state["state"][0].pop("step"))
+    state["state"][1].pop("step")
+
+    resumed = build()
+    with torch.no_grad():  # the weights come from the model checkpoint
+        for mine, theirs in zip(resumed.main_params, straight.main_params):
+            mine.copy_(theirs)
+    resumed.load_sharded_state_dict(state)
+    assert all(g["fused"] is True and g["foreach"] is None for g in resumed.param_groups), resumed.param_groups
+    step(straight, 2)
+    step(resumed, 2)
+    for a, b in zip(resumed.main_params, straight.main_params):
+        assert torch.equal(a, b)
