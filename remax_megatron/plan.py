@@ -45,7 +45,7 @@ stage's real parameter count.
     activations = bytes(dtype) * tokens * (L/pp * per_layer [+ one layer, full]) * in_flight
       in_flight = min(pp, micro-batches per mini-batch)    (1F1B: the first stage holds pp)
     logits naive = 4 * tokens * V/tp * 3                fp32 logits, softmax, grad
-    logits fused = 4 * min(tokens * V/tp, 2^23)         one fp32 vocab tile of the fused kernel
+    logits fused = 4 * min(tokens * V/tp, 2^24)         one fp32 vocab tile of the fused kernel
     reference    = P / (tp*pp) * bytes(dtype)           when reference.enabled
     reward model = P_rm / (reward.tp*reward.pp) * bytes(dtype)   when reward.model
                    (its own layout: reward.tp*reward.pp divides actor.tp*actor.pp, each actor
