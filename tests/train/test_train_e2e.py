@@ -74,7 +74,8 @@ def test_tiny_default_learns_with_vllm(default_run):
         assert all(key in r for r in train), key
     # The engine samples from exactly the weights the actor trains (fp32 CPU), every step: fp32 rounding
     # only. Measured: <= 9e-6 every step on an Intel Xeon; on an AMD EPYC one step of 30 at 2.8e-5, the
-    # median 2.3e-6 (fused AdamW: 3.05e-5, 2.0e-6). An engine one update behind shows 2e-2 to 0.9 (sync skipped every other step).
+    # median 2.3e-6 (fused AdamW: 3.05e-5, 2.0e-6). An engine one update behind shows 2e-2 to 0.9 (sync
+    # skipped every other step).
     gaps = sorted(r["logprob/engine_vs_actor_max_diff"] for r in train)
     assert gaps[-1] <= 1e-4 and gaps[len(gaps) // 2] <= 1e-5, gaps
     # At actor TP=2 each rank's engine decoded only its share: no token decoded twice.
@@ -125,7 +126,8 @@ def test_a_finished_run_releases_the_engine_and_process_groups(env, tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert r.stdout.count("process group left: False") == 2, (r.stdout + r.stderr)[-4000:]
-    assert "Invalid process group" not in r.stderr and "terminate called" not in r.stderr, r.stderr[-4000:]
+    for symptom in ("Invalid process group", "terminate called", "warning: teardown at exit failed"):
+        assert symptom not in r.stderr, r.stderr[-4000:]
 
 
 @pytest.mark.slow
