@@ -3,8 +3,12 @@
 The CPU path (and a fallback on any device). It walks ``[rows, vocab]`` tiles
 whose size is bounded by ``chunk_elems`` elements; every tile is a GEMM plus a
 few in-place elementwise ops in fp32, so the working set is a couple of tiles
-instead of the ``[tokens, vocab]`` logits. Inputs in bf16/fp16 are upcast to
-fp32 (per vocab chunk for the weight), so all sums accumulate in fp32.
+instead of the ``[tokens, vocab]`` logits. The logits GEMM runs in fp32 (bf16/fp16
+inputs upcast: torch has no bf16 x bf16 -> fp32 GEMM on CPU), so the softmax
+statistics are those of exact fp32 logits. The two gradient GEMMs take bf16 inputs
+as they are (the tile's gradient rounded to bf16; oneDNN accumulates in fp32, 2-3x
+fp32's speed on AVX512-BF16), as the Triton backend does on GPU; fp16 is upcast on
+CPU, where torch's fp16 GEMM is ~30x slower than fp32 (see ``gemm_dtype``).
 
 Backend protocol (shared with the Triton backend):
 
@@ -95,30 +99,33 @@ class TorchBackend:
         n, d = x.shape
         v = w.shape[0]
         ct = compute_dtype(x)
+        mm = gemm_dtype(x)
         grad_x = torch.zeros(n, d, dtype=ct, device=x.device) if need_x else None
-        padded, grad_w = weight_grad_buffer(grad_rows, v, d, w.dtype, w.device) if need_w else (None, None)
+        # every vocab chunk's first row tile writes its rows (with no rows, they stay zero)
+        padded, grad_w = (weight_grad_buffer(grad_rows, v, d, w.dtype, w.device, written=n > 0)
+                          if need_w else (None, None))
         if n == 0 or v == 0:
             return grad_x, padded
         rows, cols = tile_shape(n, v, self.chunk_elems)
-        x32 = x.to(ct)
+        x32, xm = x.to(ct), x.to(mm)
         gs = g.to(ct) * scale  # [N], scale folds 1/temperature into the chain rule
         hs = h.to(ct) * scale if h is not None else None
         for c0 in range(0, v, cols):
             c1 = min(v, c0 + cols)
-            wc = w[c0:c1].to(ct)  # [cols, D]
+            wc, wm = w[c0:c1].to(ct), w[c0:c1].to(mm)  # [cols, D]
             gw = None
-            if need_w:
-                single = rows == n and w.dtype == ct
-                gw = grad_w[c0:c1] if single else torch.zeros(c1 - c0, d, dtype=ct, device=x.device)
+            if need_w:  # one row tile writes the grad directly; several sum in fp32
+                single = rows == n and w.dtype == mm
+                gw = grad_w[c0:c1] if single else torch.empty(c1 - c0, d, dtype=ct, device=x.device)
             for r0 in range(0, n, rows):
                 r1 = min(n, r0 + rows)
                 dz = self._dlogits(x32[r0:r1], wc, local_labels[r0:r1], c0, c1, scale,
                                    m[r0:r1], log_s[r0:r1], mean_rel[r0:r1], gs[r0:r1],
-                                   None if hs is None else hs[r0:r1])  # [rows, cols]
+                                   None if hs is None else hs[r0:r1]).to(mm)  # [rows, cols]
                 if need_x:
-                    grad_x[r0:r1].addmm_(dz, wc)
+                    _gemm_into(grad_x[r0:r1], dz, wm, add=True)
                 if need_w:
-                    gw.addmm_(dz.T, x32[r0:r1])
+                    _gemm_into(gw, dz.T, xm[r0:r1], add=r0 > 0)
             if need_w and gw.data_ptr() != grad_w[c0:c1].data_ptr():
                 grad_w[c0:c1].copy_(gw)
         return grad_x, padded
@@ -134,14 +141,18 @@ class TorchBackend:
         """
         n, d = x.shape
         v = w.shape[0]
-        ct = compute_dtype(x)
+        ct, mm = compute_dtype(x), gemm_dtype(x)
         m = torch.empty(n, dtype=ct, device=x.device)
         s, a, t = torch.empty_like(m), torch.zeros_like(m), torch.zeros_like(m)
         grad_x = torch.empty(n, d, dtype=ct, device=x.device) if need_x else None
-        # the first row tile writes grad_w, the others add to it (with no rows, it stays zero)
-        padded, grad_w = weight_grad_buffer(grad_rows, v, d, ct, x.device, written=n > 0) if need_w else (None, None)
         rows = max(1, min(n, self.chunk_elems // max(total_vocab, 1)))
+        # the first row tile writes grad_w, the others add to it (with no rows, it stays zero); in the
+        # GEMM's dtype when one row tile makes it, else summed in fp32
+        grad_w_dtype = mm if rows >= n else ct
+        padded, grad_w = (weight_grad_buffer(grad_rows, v, d, grad_w_dtype, x.device, written=n > 0)
+                          if need_w else (None, None))
         x32, w32 = x.to(ct), w.to(ct)  # no copy for fp32 (bf16: one fp32 copy of the shard)
+        xm, wm = x.to(mm), w.to(mm)  # the gradient GEMMs' operands: no copy for fp32 or bf16
         gs = g.to(ct) * scale  # [N], 1/temperature folded into the chain rule
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
@@ -171,14 +182,13 @@ class TorchBackend:
             # e = exp(l - m_local), so p = e * exp(m_local - m) / s; dz = g (onehot(y) - p): [rows, V]
             dz = e.mul_((torch.exp(m_local - mr) / sr * -gr)[:, None])
             _add_at_target(dz, lab, 0, v, gr)
+            dz = dz.to(mm)  # no copy for fp32
             if need_x:
-                torch.matmul(dz, w32, out=grad_x[r0:r1])
+                _gemm_into(grad_x[r0:r1], dz, wm, add=False)
             if need_w:
-                if r0 == 0:
-                    torch.matmul(dz.T, xr, out=grad_w)
-                else:
-                    grad_w.addmm_(dz.T, xr)
-        return (m, s, a, t), grad_x, padded  # grads in the compute dtype: the backward scales, then casts
+                _gemm_into(grad_w, dz.T, xm[r0:r1], add=r0 > 0)
+        # grad_x in the compute dtype, grad_w in grad_w_dtype: the backward scales, then casts
+        return (m, s, a, t), grad_x, padded
 
     @staticmethod
     def _dlogits(xr, wc, lab, c0, c1, scale, m, log_s, mean_rel, gs, hs):
@@ -198,6 +208,28 @@ class TorchBackend:
 def compute_dtype(x):
     """fp32 for fp32/bf16/fp16 inputs, fp64 for fp64 (the tests' oracle)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def gemm_dtype(x):
+    """The gradient GEMMs' operand dtype: bf16 stays bf16 (fp32 accumulation inside the GEMM, as
+    cuBLAS on GPU); fp16 too on CUDA but not on CPU (no fast fp16 GEMM there); else compute_dtype."""
+    if x.dtype == torch.bfloat16 or (x.dtype == torch.float16 and x.is_cuda):
+        return x.dtype
+    return compute_dtype(x)
+
+
+def _gemm_into(out, a, b, *, add: bool):
+    """out = a @ b, or out += a @ b with ``add``; a bf16 product summed into an fp32 ``out`` goes
+    through a temporary (torch's GEMMs write their inputs' dtype)."""
+    if out.dtype == a.dtype:
+        if add:
+            out.addmm_(a, b)
+        else:
+            torch.matmul(a, b, out=out)
+    elif add:
+        out.add_(torch.matmul(a, b))
+    else:
+        out.copy_(torch.matmul(a, b))
 
 
 def weight_grad_buffer(grad_rows, real_rows, d, dtype, device, *, written: bool = False):
