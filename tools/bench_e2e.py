@@ -4,7 +4,7 @@
         --ffn 1408 --vocab 32003 --out /tmp/llama-60m
     python tools/bench_e2e.py --hf-dir /tmp/llama-60m --peer trl --json e2e.json \
         actor.tp=1 trainer.prompts_per_step=16 rollout.n=2 rollout.max_new_tokens=64 \
-        trainer.micro_batch_size=8 rollout.kv_cache_gib=0.5
+        trainer.micro_batch_size=8 rollout.kv_cache_gib=0.5 actor.dtype=bfloat16
     torchrun --nproc_per_node=2 tools/bench_e2e.py --hf-dir HF --json e2e.json actor.tp=2
 
 Ours: the project's Trainer (remax_megatron.train check_inputs + build, then
@@ -19,7 +19,8 @@ same seeds, alternating; `greedy_row.ratio` is compared with (n + 1) / n.
 
 --peer trl: TRL's GRPOTrainer (tools/bench_e2e_trl.py, in a subprocess of
 --peer-python) on the same model, prompts, n, max new tokens, reward functions,
-lr and micro-batching, beta=0, fp32. Generation: vLLM colocate first, and when that
+lr, micro-batching and precision (actor.dtype: float32, or bfloat16 against TRL's bf16=True),
+beta=0. Generation: vLLM colocate first, and when that
 fails, transformers generate (the JSON says which, and why).
 
 --rounds R (with --peer, world 1): ours and TRL alternate R times in ABBA order (ours, TRL, TRL,
@@ -83,6 +84,8 @@ class OursRun:
         try:
             cfg = bench_config(args, overrides, self.output_dir)
             checked = check_inputs(cfg, self.world)
+            if getattr(args, "peer", None):
+                check_peer(cfg)
         except (ValueError, FileNotFoundError) as e:
             if int(os.environ.get("RANK", "0")) == 0:
                 print(f"error: {e}", file=sys.stderr)
@@ -209,10 +212,18 @@ def measure_greedy_row(trainer, train_prompts: list, repeats: int) -> dict:
 
 
 # ---- the peer -----------------------------------------------------------------------------
-def peer_spec(args, cfg, checked) -> dict:
-    """What tools/bench_e2e_trl.py needs to run the same work through TRL."""
+def check_peer(cfg) -> None:
+    """The work TRL can run the same way, checked before anything is built."""
     if cfg.reward.model:
         raise ValueError("--peer trl compares rule-based rewards only: this config has reward.model set")
+    if cfg.actor.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--peer trl runs actor.dtype=float32 or bfloat16 (TRL's bf16=True), not "
+                         f"actor.dtype={cfg.actor.dtype}: set one of those")
+
+
+def peer_spec(args, cfg, checked) -> dict:
+    """What tools/bench_e2e_trl.py needs to run the same work through TRL."""
+    check_peer(cfg)
     if cfg.algo.kl_coef:
         print("note: --peer trl runs TRL with beta=0 (no KL) while this config has algo.kl_coef="
               f"{cfg.algo.kl_coef}", file=sys.stderr)
@@ -226,7 +237,7 @@ def peer_spec(args, cfg, checked) -> dict:
         "max_new_tokens": cfg.rollout.max_new_tokens, "max_prompt_tokens": cfg.data.max_prompt_tokens,
         "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k,
         "micro_batch_size": cfg.trainer.micro_batch_size, "lr": cfg.optim.lr, "grad_clip": cfg.optim.grad_clip,
-        "weight_decay": cfg.optim.weight_decay, "seed": cfg.trainer.seed,
+        "weight_decay": cfg.optim.weight_decay, "seed": cfg.trainer.seed, "dtype": cfg.actor.dtype,
         "reward_functions": list(cfg.reward.functions), "reward_weights": list(cfg.reward.weights),
         "reward_options": {"pattern": cfg.reward.format_pattern, "tolerance": cfg.reward.numeric_tolerance,
                            "limit": cfg.reward.length_limit},

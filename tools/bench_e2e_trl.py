@@ -10,9 +10,10 @@ the same way.
 
 Configuration (the same work as ours, in TRL's fastest setting that runs on CPU):
 beta=0 (no reference model), one generation and one optimizer step per prompts_per_step *
-n completions (gradient accumulation over micro-batches of our size), fp32 (bf16=False, as
-ours), no gradient checkpointing, no importance-sampling correction (it costs an extra
-forward; ours has none either). Generation: vLLM colocate (`--generation vllm`) with a
+n completions (gradient accumulation over micro-batches of our size), the precision of ours
+(actor.dtype float32: bf16=False; bfloat16: bf16=True, TRL's mixed precision: fp32 weights and
+AdamW, bf16 autocast around every forward, generation included), no gradient checkpointing, no
+importance-sampling correction (it costs an extra forward; ours has none either). Generation: vLLM colocate (`--generation vllm`) with a
 KV cache of the spec's size, or transformers generate.
 
 Seconds per step: the wall time between consecutive optimizer steps (on_step_end), so
@@ -71,13 +72,16 @@ def main(argv=None) -> None:
     if samples % mbs:
         raise ValueError(f"prompts_per_step * n = {samples} is not divisible by micro_batch_size={mbs}")
     use_vllm = args.generation == "vllm"
+    # bench_e2e.check_peer allows float32 and bfloat16. Our bfloat16 is megatron's mixed precision (bf16 weights and compute, fp32 main weights and AdamW); TRL's
+    # counterpart is bf16=True: fp32 weights and AdamW, bf16 autocast around every forward (generation too).
+    bf16 = spec["dtype"] == "bfloat16"
     config = dict(
         per_device_train_batch_size=mbs, gradient_accumulation_steps=samples // mbs,
         num_generations=spec["n"], max_completion_length=spec["max_new_tokens"],
         temperature=spec["temperature"], top_p=spec["top_p"], top_k=spec["top_k"],
         learning_rate=spec["lr"], max_grad_norm=spec["grad_clip"] or 1e9, weight_decay=spec["weight_decay"],
         lr_scheduler_type="constant", beta=0.0, num_iterations=1, max_steps=spec["steps"], seed=spec["seed"],
-        bf16=False, gradient_checkpointing=False, use_cpu=True, logging_steps=1, save_strategy="no",
+        bf16=bf16, gradient_checkpointing=False, use_cpu=True, logging_steps=1, save_strategy="no",
         report_to="none", disable_tqdm=True, dataloader_num_workers=0,
         use_vllm=use_vllm,
     )

@@ -98,3 +98,23 @@ def test_rounds_need_the_peer_and_one_process():
     r = subprocess.run([sys.executable, "tools/bench_e2e.py", "--hf-dir", "x", "--rounds", "2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--rounds 2 alternates with the peer" in r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("what", ["float16", "reward_model"])
+def test_the_peer_refuses_work_it_cannot_match_before_building(tmp_path, what):
+    """One line naming the value, exit 2, before the trainer is built (no result written)."""
+    hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
+    if what == "float16":
+        override, message = "actor.dtype=float16", ("--peer trl runs actor.dtype=float32 or bfloat16 (TRL's "
+                                                    "bf16=True), not actor.dtype=float16: set one of those")
+    else:
+        rm = make_tiny_model(str(tmp_path / "rm"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128,
+                             reward=True)
+        override, message = f"reward.model={rm}", "--peer trl compares rule-based rewards only"
+    out = tmp_path / "e2e.json"
+    r = subprocess.run([sys.executable, "tools/bench_e2e.py", "--hf-dir", hf, "--json", str(out), "--peer", "trl",
+                        "actor.tp=1", "rollout.engine=native", override],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith(f"error: {message}") and not out.exists()
+    assert "build_s" not in r.stdout
