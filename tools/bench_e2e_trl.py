@@ -13,8 +13,8 @@ beta=0 (no reference model), one generation and one optimizer step per prompts_p
 n completions (gradient accumulation over micro-batches of our size), the precision of ours
 (actor.dtype float32: bf16=False; bfloat16: bf16=True, TRL's mixed precision: fp32 weights and
 AdamW, bf16 autocast around every forward, generation included), no gradient checkpointing, no
-importance-sampling correction (it costs an extra forward; ours has none either). Generation: vLLM colocate (`--generation vllm`) with a
-KV cache of the spec's size, or transformers generate.
+importance-sampling correction (it costs an extra forward; ours has none either). Generation:
+vLLM colocate (`--generation vllm`) with a KV cache of the spec's size, or transformers generate.
 
 Seconds per step: the wall time between consecutive optimizer steps (on_step_end), so
 generation, rewards, forward/backward and TRL's own bookkeeping all count.
@@ -72,8 +72,9 @@ def main(argv=None) -> None:
     if samples % mbs:
         raise ValueError(f"prompts_per_step * n = {samples} is not divisible by micro_batch_size={mbs}")
     use_vllm = args.generation == "vllm"
-    # bench_e2e.check_peer allows float32 and bfloat16. Our bfloat16 is megatron's mixed precision (bf16 weights and compute, fp32 main weights and AdamW); TRL's
-    # counterpart is bf16=True: fp32 weights and AdamW, bf16 autocast around every forward (generation too).
+    # bench_e2e.check_peer allows float32 and bfloat16. Our bfloat16 is megatron's mixed precision
+    # (bf16 weights and compute, fp32 main weights and AdamW); TRL's counterpart is bf16=True: fp32
+    # weights and AdamW, bf16 autocast around every forward (generation too).
     bf16 = spec["dtype"] == "bfloat16"
     config = dict(
         per_device_train_batch_size=mbs, gradient_accumulation_steps=samples // mbs,

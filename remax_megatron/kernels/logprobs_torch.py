@@ -23,7 +23,8 @@ Backend protocol (shared with the Triton backend):
   entropy (already zero on ignored rows; ``h`` may be None); ``grad_rows >= V_local`` (the rows of
   the caller's weight, vocab padding included: those grad rows are zero).
 - optional ``forward_with_grads(x, w, local_labels, scale, with_entropy, g, total_vocab, merge,
-  need_x, need_w, grad_rows) -> ((m, s, a, t) merged [N], grad_x, grad_w)`` (grads in the compute dtype): both at once for an
+  need_x, need_w, grad_rows) -> ((m, s, a, t) merged [N], grad_x, grad_w)`` (grad_x in the compute dtype,
+  grad_w too or, from one row tile of bf16 inputs, in bf16; the caller casts): both at once for an
   incoming log-prob gradient ``g`` known in advance (``grad_hint``); ``merge(m, s, a, t)``
   merges one row tile's states over TP (a collective: every rank calls it equally often).
 """
