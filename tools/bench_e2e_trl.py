@@ -149,7 +149,8 @@ def main(argv=None) -> None:
         "config": {
             "trainer": "trl.GRPOTrainer", "trl": trl.__version__, "transformers": transformers.__version__,
             "torch": torch.__version__, "generation": "vllm colocate" if use_vllm else "transformers generate",
-            "threads": torch.get_num_threads(), **{k: v for k, v in config.items() if k != "report_to"},
+            "threads": torch.get_num_threads(), "weights_dtype": str(trainer.model.dtype).replace("torch.", ""),
+            **{k: v for k, v in config.items() if k != "report_to"},
         },
     }
     if use_vllm:
