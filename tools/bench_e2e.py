@@ -17,11 +17,10 @@ Greedy row: after the steps, the same prompts are decoded `--greedy-repeats` tim
 with the n samples + greedy row (ReMax's request) and with the n samples alone,
 same seeds, alternating; `greedy_row.ratio` is compared with (n + 1) / n.
 
---peer trl: TRL's GRPOTrainer (tools/bench_e2e_trl.py, in a subprocess of
---peer-python) on the same model, prompts, n, max new tokens, reward functions,
-lr, micro-batching and precision (actor.dtype: float32, or bfloat16 against TRL's bf16=True),
-beta=0. Generation: vLLM colocate first, and when that
-fails, transformers generate (the JSON says which, and why).
+--peer trl: TRL's GRPOTrainer (tools/bench_e2e_trl.py, in a subprocess of --peer-python) on
+the same model, prompts, n, max new tokens, reward functions, lr, micro-batching and precision
+(actor.dtype float32, or bfloat16 against TRL's bf16=True), beta=0. Generation: vLLM colocate
+first, and when that fails, transformers generate (the JSON says which, and why).
 
 --rounds R (with --peer, world 1): ours and TRL alternate R times in ABBA order (ours, TRL, TRL,
 ours, ...), --steps measured steps per side and round, so a drift of the machine's speed during

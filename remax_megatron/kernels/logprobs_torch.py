@@ -7,8 +7,8 @@ instead of the ``[tokens, vocab]`` logits. The logits GEMM runs in fp32 (bf16/fp
 inputs upcast: torch has no bf16 x bf16 -> fp32 GEMM on CPU), so the softmax
 statistics are those of exact fp32 logits. The two gradient GEMMs take bf16 inputs
 as they are (the tile's gradient rounded to bf16; oneDNN accumulates in fp32, 2-3x
-fp32's speed on AVX512-BF16), as the Triton backend does on GPU; fp16 is upcast on
-CPU, where torch's fp16 GEMM is ~30x slower than fp32 (see ``gemm_dtype``).
+fp32's speed on AVX512-BF16), as cuBLAS does for the Triton backend on GPU; fp16 is
+upcast (see ``gemm_dtype``).
 
 Backend protocol (shared with the Triton backend):
 
@@ -24,7 +24,7 @@ Backend protocol (shared with the Triton backend):
   the caller's weight, vocab padding included: those grad rows are zero).
 - optional ``forward_with_grads(x, w, local_labels, scale, with_entropy, g, total_vocab, merge,
   need_x, need_w, grad_rows) -> ((m, s, a, t) merged [N], grad_x, grad_w)`` (grad_x in the compute dtype,
-  grad_w too or, from one row tile of bf16 inputs, in bf16; the caller casts): both at once for an
+  grad_w too or, from one row tile of bf16 inputs, in bf16; the caller scales, then casts): both at once for an
   incoming log-prob gradient ``g`` known in advance (``grad_hint``); ``merge(m, s, a, t)``
   merges one row tile's states over TP (a collective: every rank calls it equally often).
 """
@@ -100,7 +100,7 @@ class TorchBackend:
         n, d = x.shape
         v = w.shape[0]
         ct = compute_dtype(x)
-        mm = gemm_dtype(x)
+        mm = gemm_dtype(x, w)
         grad_x = torch.zeros(n, d, dtype=ct, device=x.device) if need_x else None
         # every vocab chunk's first row tile writes its rows (with no rows, they stay zero)
         padded, grad_w = (weight_grad_buffer(grad_rows, v, d, w.dtype, w.device, written=n > 0)
@@ -108,14 +108,16 @@ class TorchBackend:
         if n == 0 or v == 0:
             return grad_x, padded
         rows, cols = tile_shape(n, v, self.chunk_elems)
-        x32, xm = x.to(ct), x.to(mm)
+        x32 = x.to(ct)
+        xm = x32 if mm == ct else x.to(mm)  # one copy at most (fp16: the fp32 one serves both)
         gs = g.to(ct) * scale  # [N], scale folds 1/temperature into the chain rule
         hs = h.to(ct) * scale if h is not None else None
         for c0 in range(0, v, cols):
             c1 = min(v, c0 + cols)
-            wc, wm = w[c0:c1].to(ct), w[c0:c1].to(mm)  # [cols, D]
+            wc = w[c0:c1].to(ct)  # [cols, D]
+            wm = wc if mm == ct else w[c0:c1].to(mm)
             gw = None
-            if need_w:  # one row tile writes the grad directly; several sum in fp32
+            if need_w:  # one row tile in w's dtype writes the grad directly; else an fp32 sum, copied in
                 single = rows == n and w.dtype == mm
                 gw = grad_w[c0:c1] if single else torch.empty(c1 - c0, d, dtype=ct, device=x.device)
             for r0 in range(0, n, rows):
@@ -142,7 +144,7 @@ class TorchBackend:
         """
         n, d = x.shape
         v = w.shape[0]
-        ct, mm = compute_dtype(x), gemm_dtype(x)
+        ct, mm = compute_dtype(x), gemm_dtype(x, w)
         m = torch.empty(n, dtype=ct, device=x.device)
         s, a, t = torch.empty_like(m), torch.zeros_like(m), torch.zeros_like(m)
         grad_x = torch.empty(n, d, dtype=ct, device=x.device) if need_x else None
@@ -153,7 +155,7 @@ class TorchBackend:
         padded, grad_w = (weight_grad_buffer(grad_rows, v, d, grad_w_dtype, x.device, written=n > 0)
                           if need_w else (None, None))
         x32, w32 = x.to(ct), w.to(ct)  # no copy for fp32 (bf16: one fp32 copy of the shard)
-        xm, wm = x.to(mm), w.to(mm)  # the gradient GEMMs' operands: no copy for fp32 or bf16
+        xm, wm = (x32, w32) if mm == ct else (x.to(mm), w.to(mm))  # the gradient GEMMs' operands (bf16: no copy)
         gs = g.to(ct) * scale  # [N], 1/temperature folded into the chain rule
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
@@ -211,12 +213,12 @@ def compute_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def gemm_dtype(x):
-    """The gradient GEMMs' operand dtype: bf16 stays bf16 (fp32 accumulation inside the GEMM, as
-    cuBLAS on GPU); fp16 too on CUDA but not on CPU (no fast fp16 GEMM there); else compute_dtype."""
-    if x.dtype == torch.bfloat16 or (x.dtype == torch.float16 and x.is_cuda):
-        return x.dtype
-    return compute_dtype(x)
+def gemm_dtype(x, w):
+    """The gradient GEMMs' operand dtype: bf16 when x and w both are (fp32 accumulation inside the GEMM);
+    all else computes in compute_dtype. Not fp16: the hint path's gradient is not loss-scaled yet (megatron's
+    fp16 scale arrives later as a factor), and fp16 flushes a g * p of 1e-8 to zero; on CPU torch's fp16
+    GEMM is also ~20x slower than fp32. bf16 has fp32's exponent range."""
+    return torch.bfloat16 if x.dtype == w.dtype == torch.bfloat16 else compute_dtype(x)
 
 
 def _gemm_into(out, a, b, *, add: bool):

@@ -68,7 +68,8 @@ def test_a_wrong_hint_recomputes_and_stays_exact(what, monkeypatch):
     assert recomputes == [1]
 
 
-@pytest.mark.parametrize("chunk", [None, 64])  # one row tile / several (the weight grad summed in fp32)
+# the default tile / tiles of 64 elements (grad_hint: several row tiles; recompute: several vocab chunks)
+@pytest.mark.parametrize("chunk", [None, 64])
 @pytest.mark.parametrize("path", ["recompute", "grad_hint"])
 def test_bf16_inputs_fp32_logits_bf16_gradient_gemms(path, chunk):
     """bf16 inputs: log-probs and entropy from fp32 logits (fp32-exact), gradients from bf16 GEMMs
@@ -230,3 +231,40 @@ def test_bf16_weight_grad_sums_row_tiles_in_fp32(path):
     rlp, _, _, rw, _ = oracle(h, w, labels, 1.0)
     rlp.sum().backward()
     assert (gw.double() - rw.grad).abs().max() < 2 ** -8 * rw.grad.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("labelled", ["some", "none"])
+def test_recomputed_gradient_writes_every_element(labelled, dtype, monkeypatch):
+    """The recompute path's weight grad comes from torch.empty too (every vocab chunk's first row tile
+    writes): with torch.empty poisoned by NaN the grads are still the oracle's."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    h, w, labels, temp, g_lp, g_ent = make_inputs("ignored_rows", dtype)
+    if labelled == "none":
+        labels = torch.full_like(labels, -100)
+    _, _, gh, gw = run_fused(h, w, labels, temp, g_lp, g_ent, impl="torch", chunk_elems=64)
+    rlp, rent, rh, rw, _ = oracle(h, w, labels, temp)
+    ((rlp * g_lp).sum() + (rent * g_ent).sum()).backward()
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert bool(torch.isfinite(gw).all()) and bool(torch.isfinite(gh).all())
+    assert (gw.double() - rw.grad).abs().max() <= tol * max(rw.grad.abs().max().item(), 1e-30)
+    assert (gh.double() - rh.grad).abs().max() <= tol * max(rh.grad.abs().max().item(), 1e-30)
+
+
+def test_fp16_hint_keeps_gradients_below_fp16_range():
+    """fp16 under megatron's loss scale (65536, arriving as the backward's factor on the hint): the
+    unscaled tile gradient g p is ~2.5e-8 here, which fp16 (smallest subnormal 6e-8) flushes to zero,
+    so the gradient GEMMs of fp16 inputs run in fp32 and only the scaled result is cast."""
+    torch.manual_seed(0)
+    n, v, d = 8, 4000, 16
+    h, w = (torch.randn(n, d) * 0.1).half(), (torch.randn(v, d) * 0.1).half()
+    labels = torch.randint(0, v, (n,))
+    g, loss_scale = torch.full((n,), 1e-4, dtype=torch.float64), 65536.0
+    _, _, _, gw = run_fused(h, w, labels, 1.0, g * loss_scale, None, impl="torch", grad_hint=g.float())
+    rlp, _, _, rw, _ = oracle(h, w, labels, 1.0)
+    (rlp * g * loss_scale).sum().backward()
+    others = torch.ones(v, dtype=torch.bool)
+    others[labels] = False  # the rows of tokens no row is labelled with: -g p h, all tiny
+    want = rw.grad[others]
+    assert (gw.double()[others] - want).abs().max() < 1e-2 * want.abs().max()
