@@ -221,8 +221,7 @@ def check_peer(cfg) -> None:
 
 
 def peer_spec(args, cfg, checked) -> dict:
-    """What tools/bench_e2e_trl.py needs to run the same work through TRL."""
-    check_peer(cfg)
+    """What tools/bench_e2e_trl.py needs to run the same work through TRL (OursRun ran check_peer)."""
     if cfg.algo.kl_coef:
         print("note: --peer trl runs TRL with beta=0 (no KL) while this config has algo.kl_coef="
               f"{cfg.algo.kl_coef}", file=sys.stderr)

@@ -72,10 +72,7 @@ def main(argv=None) -> None:
     if samples % mbs:
         raise ValueError(f"prompts_per_step * n = {samples} is not divisible by micro_batch_size={mbs}")
     use_vllm = args.generation == "vllm"
-    # bench_e2e.check_peer allows float32 and bfloat16. Our bfloat16 is megatron's mixed precision
-    # (bf16 weights and compute, fp32 main weights and AdamW); TRL's counterpart is bf16=True: fp32
-    # weights and AdamW, bf16 autocast around every forward (generation too).
-    bf16 = spec["dtype"] == "bfloat16"
+    bf16 = spec["dtype"] == "bfloat16"  # float32 or bfloat16 (bench_e2e.check_peer); see the docstring
     config = dict(
         per_device_train_batch_size=mbs, gradient_accumulation_steps=samples // mbs,
         num_generations=spec["n"], max_completion_length=spec["max_new_tokens"],
