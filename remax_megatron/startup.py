@@ -21,7 +21,7 @@ from remax_megatron.builtin.models import resolve_model
 from remax_megatron.data.prompts import Prompt, PromptSampler, load_prompts
 from remax_megatron.models import build_policy, build_reward_model, check_layout, read_hf_config
 from remax_megatron.models.gpt import params_dtype_of
-from remax_megatron.models.hf_config import ModelArch
+from remax_megatron.models.arch import ModelArch
 from remax_megatron.optimizer import attach_to_schedule, build_optimizer, build_scheduler, wrap_ddp
 from remax_megatron.parallel import ParallelLayout, init_distributed
 from remax_megatron.reward import RewardFunctions, RewardScorer

@@ -25,7 +25,8 @@ def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = N
             overwrite: bool = False) -> str:
     import torch.distributed as dist
 
-    from remax_megatron.models.hf_config import DTYPES, check_layout
+    from remax_megatron.models.arch import DTYPES
+    from remax_megatron.models.hf_config import check_layout
     from remax_megatron.parallel import ParallelLayout, init_distributed
     from remax_megatron.weights import export_hf_weights
     from remax_megatron.weights.hf_io import HFDirWriter, check_out_dir, hf_dir_entries

@@ -23,7 +23,8 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from torch import nn
 
 from remax_megatron.kernels import fused_logprobs
-from remax_megatron.models.hf_config import DTYPES, ModelArch, padded_vocab_size, transformer_config
+from remax_megatron.models.arch import DTYPES, ModelArch
+from remax_megatron.models.hf_config import padded_vocab_size, transformer_config
 from remax_megatron.parallel import cpu_compat
 from remax_megatron.parallel.nested import NestedGroups, nested_groups
 

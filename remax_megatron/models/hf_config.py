@@ -11,12 +11,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 from transformers import AutoConfig
+
+from remax_megatron.models.arch import ModelArch
 
 SUPPORTED = {
     "LlamaForCausalLM": ("llama", "causal_lm"),
@@ -24,34 +25,6 @@ SUPPORTED = {
     "LlamaForSequenceClassification": ("llama", "reward"),
     "Qwen2ForSequenceClassification": ("qwen2", "reward"),
 }
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ModelArch:
-    """What remax-megatron reads from an HF config (names follow megatron)."""
-
-    architecture: str          # e.g. "Qwen2ForCausalLM"
-    family: str                # "llama" | "qwen2"
-    task: str                  # "causal_lm" | "reward"
-    hidden_size: int
-    ffn_hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int            # the tokenizer's vocab; megatron pads it for TP
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling_factor: float | None  # llama3-style scaling, None for plain RoPE
-    qkv_bias: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    pad_token_id: int | None
-    torch_dtype: str
-
 
 def read_hf_config(model_dir: str) -> ModelArch:
     """Read and check `model_dir/config.json`; raises ValueError naming what is unsupported."""

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from remax_megatron.models.hf_config import DTYPES, ModelArch
+from remax_megatron.models.arch import DTYPES, ModelArch
 
 # Split kinds.
 REPLICATED, VOCAB, ROW, QKV, FC1 = "replicated", "vocab", "row", "qkv", "fc1"

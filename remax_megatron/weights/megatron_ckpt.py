@@ -23,7 +23,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
 from remax_megatron.models import build_policy, build_reward_model, read_hf_config
-from remax_megatron.models.hf_config import DTYPES, ModelArch
+from remax_megatron.models.arch import DTYPES, ModelArch
 from remax_megatron.weights.hf_io import SIDE_FILES
 
 FORMAT_VERSION = 1
