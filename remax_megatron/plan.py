@@ -20,9 +20,10 @@ estimate, not a measurement):
     V vocab padded to a multiple of make_vocab_size_divisible_by * actor.tp
     P = V*D * (1 if tied else 2)                        embedding (+ output layer)
       + L * (D*H*hd + 2*D*KV*hd + H*hd*D [+ H*hd + 2*KV*hd qkv bias]    attention
-             + 3*D*F + 2*D)                             SwiGLU MLP, two RMSNorms
+             [+ 2*hd q/k norms] + 3*D*F + 2*D)          SwiGLU MLP, two RMSNorms
       + D                                               final norm
-    (a reward model has a [1, D] score head instead of the output layer.)
+    (a reward model has a [1, D] score head instead of the output layer.) P is counted from the
+    model family's tensor rules (models/families), the ones every load and export uses.
 
     weights     = P / (tp*pp) * bytes(actor.dtype)      bf16/fp16: 2, fp32: 4
     gradients   = P / (tp*pp) * 4                       fp32 grad buffer (grad_reduce_in_fp32)
@@ -76,31 +77,20 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def param_count(arch, vocab: int) -> int:
-    """P of the module docstring for a causal LM or a reward model with this vocab size."""
-    d, hd = arch.hidden_size, arch.head_dim
-    attn = d * arch.num_heads * hd + 2 * d * arch.num_kv_heads * hd + arch.num_heads * hd * d
-    if arch.qkv_bias:
-        attn += arch.num_heads * hd + 2 * arch.num_kv_heads * hd
-    layer = attn + 3 * d * arch.ffn_hidden_size + 2 * d
-    if arch.task == "reward":
-        head = d                      # score head [1, D]
-    else:
-        head = 0 if arch.tie_word_embeddings else vocab * d
-    return vocab * d + head + arch.num_layers * layer + d
+    """P of the module docstring for a causal LM or a reward model with this vocab size, counted from
+    the model family's tensor rules (the weight mapping every load and export uses)."""
+    from remax_megatron.weights.mapping import WeightMapping
+
+    return WeightMapping(arch, tp=1, pp=1, padded_vocab=vocab).numel()
 
 
 def heaviest_stage_params(arch, vocab: int, tp: int, pp: int) -> int:
-    """Parameters on the heaviest pipeline stage per TP rank (embedding first, output layer last)."""
-    total = param_count(arch, vocab)
-    emb = vocab * arch.hidden_size
-    head = 0 if arch.tie_word_embeddings else emb
-    layers = total - emb - head - arch.hidden_size
-    per_stage = layers // pp
-    if pp == 1:
-        return total // tp
-    # tied: the last stage keeps its own copy of the embedding as the output layer
-    last = per_stage + (head or emb) + arch.hidden_size
-    return max(per_stage + emb, last) // tp
+    """Parameters on the heaviest pipeline stage per TP rank (embedding first, output layer last; a tied
+    model's last stage holds its own copy of the embedding), from the same rules."""
+    from remax_megatron.weights.mapping import WeightMapping
+
+    mapping = WeightMapping(arch, tp=tp, pp=pp, padded_vocab=vocab)
+    return max(mapping.stage_numel(stage) for stage in range(pp))
 
 
 def validate(cfg, arch, world: int, max_tp: int | None = None) -> dict:

@@ -22,6 +22,7 @@ from remax_megatron.data.prompts import Prompt, PromptSampler, load_prompts
 from remax_megatron.models import build_policy, build_reward_model, check_layout, read_hf_config
 from remax_megatron.models.gpt import params_dtype_of
 from remax_megatron.models.arch import ModelArch
+from remax_megatron.models.hf_config import check_run_length
 from remax_megatron.optimizer import attach_to_schedule, build_optimizer, build_scheduler, wrap_ddp
 from remax_megatron.parallel import ParallelLayout, init_distributed
 from remax_megatron.reward import RewardFunctions, RewardScorer
@@ -84,10 +85,8 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor")
     check_rollout(cfg.rollout, arch, world_size)
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    if longest > arch.max_position_embeddings:
-        raise ValueError(f"data.max_prompt_tokens({cfg.data.max_prompt_tokens}) + rollout.max_new_tokens("
-                         f"{cfg.rollout.max_new_tokens}) = {longest} exceeds the actor's max_position_embeddings="
-                         f"{arch.max_position_embeddings}: lower one of them")
+    how = f"data.max_prompt_tokens({cfg.data.max_prompt_tokens}) + rollout.max_new_tokens({cfg.rollout.max_new_tokens})"
+    check_run_length(arch, longest, f"actor.model {actor_dir}", how)
     if arch.task != "causal_lm":
         raise ValueError(f"actor.model {actor_dir} is a {arch.architecture}: the actor must be a *ForCausalLM")
     ref_dir = resolve_model(cfg.reference.model or cfg.actor.model, "reference.model", build=False) \
@@ -101,6 +100,7 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
         if rm_arch.task != "reward":
             raise ValueError(f"reward.model {rm_dir} is a {rm_arch.architecture}: use a *ForSequenceClassification")
         check_layout(rm_arch, cfg.reward.tp, cfg.reward.pp, "reward")
+        check_run_length(rm_arch, longest, f"reward.model {rm_dir}", how)
     functions = RewardFunctions(cfg.reward.functions, cfg.reward.weights, {
         "pattern": cfg.reward.format_pattern, "tolerance": cfg.reward.numeric_tolerance,
         "limit": cfg.reward.length_limit}) if cfg.reward.functions else None

@@ -1,7 +1,9 @@
-"""Make a tiny Hugging Face Llama or Qwen2 directory offline (random weights, local tokenizer).
+"""Make a tiny Hugging Face model of any registered family offline (random weights, local tokenizer).
 
     python tools/make_tiny_model.py --family qwen2 --out /tmp/tiny-qwen2 \
         --hidden 64 --layers 4 --heads 4 --kv-heads 2 --ffn 128 --vocab 300
+    python tools/make_tiny_model.py --family qwen3 --out /tmp/tiny-qwen3 --hidden 128 --head-dim 64
+    python tools/make_tiny_model.py --family mistral --out /tmp/tiny-mistral --sliding-window 256
     python tools/make_tiny_model.py --family llama --tie --out /tmp/tiny-llama
     python tools/make_tiny_model.py --family llama --reward --out /tmp/tiny-rm
 
@@ -19,12 +21,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from remax_megatron.builtin.tiny import make_tiny_model  # noqa: E402  (tests import it from here too)
+from remax_megatron.models import families  # noqa: E402
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--family", default="llama", choices=["llama", "qwen2"])
+    p.add_argument("--family", default="llama", choices=[f.name for f in families.families()])
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
@@ -33,7 +36,8 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=None, help="total vocab (filler tokens added); default: chars only")
     p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
     p.add_argument("--reward", action="store_true", help="a *ForSequenceClassification reward model (1 label)")
-    p.add_argument("--qkv-bias", action="store_true", help="Llama with attention_bias (Qwen2 always has it)")
+    p.add_argument("--head-dim", type=int, default=None, help="qwen3, mistral: head_dim (default hidden / heads)")
+    p.add_argument("--sliding-window", type=int, default=None, help="mistral: an attention window (default none)")
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--max-positions", type=int, default=512)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -41,8 +45,9 @@ def main(argv=None):
     p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)
     try:
+        options = {k: v for k, v in (("head_dim", a.head_dim), ("sliding_window", a.sliding_window)) if v is not None}
         out = make_tiny_model(a.out, a.family, a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, a.vocab, a.tie,
-                              a.reward, a.qkv_bias, a.rope_theta, a.max_positions, a.dtype, a.seed, a.overwrite)
+                              a.reward, a.rope_theta, a.max_positions, a.dtype, a.seed, a.overwrite, **options)
     except (ValueError, FileExistsError) as e:
         sys.exit(f"error: {e}")
     print(f"wrote {out}")

@@ -1,9 +1,11 @@
-"""Tiny Hugging Face Llama / Qwen2 models, offline: random weights and the character tokenizer.
+"""Tiny Hugging Face models of any registered family, offline: random weights and the character tokenizer.
 
     make_tiny_model("/tmp/tiny-qwen2", "qwen2", hidden=64, layers=4, heads=4, kv_heads=2, ffn=128, vocab=300)
+    make_tiny_model("/tmp/tiny-qwen3", "qwen3", hidden=128, heads=4, kv_heads=2, head_dim=64)
 
 The built-in models start from one of these (remax_megatron.builtin.models); tests and benchmarks
-make their own shapes (tools/make_tiny_model.py is the command line).
+make their own shapes (tools/make_tiny_model.py is the command line). Each family's file
+(remax_megatron/models/families) says which transformers config it builds and its own options.
 """
 
 from __future__ import annotations
@@ -12,18 +14,19 @@ import torch
 import transformers
 
 from remax_megatron.builtin.tokenizer import build_tokenizer
-
-FAMILIES = ("llama", "qwen2")
+from remax_megatron.models import families
 
 
 def tiny_config(family: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                 ffn: int = 128, vocab: int | None = None, tie: bool = False, reward: bool = False,
-                qkv_bias: bool | None = None, rope_theta: float = 10000.0, max_positions: int = 512,
-                dtype: str = "float32"):
+                rope_theta: float = 10000.0, max_positions: int = 512, dtype: str = "float32", **options):
     """(HF config, character tokenizer, model class). vocab: total size with filler tokens (None: the
-    characters only); reward: a *ForSequenceClassification with one label (never tied)."""
-    if family not in FAMILIES:
-        raise ValueError(f"--family {family!r} is not supported: use llama or qwen2")
+    characters only); reward: a *ForSequenceClassification with one label (never tied); options: the
+    family's own (e.g. head_dim for qwen3 and mistral, sliding_window for mistral)."""
+    names = [f.name for f in families.families()]
+    if family not in names:
+        raise ValueError(f"--family {family!r} is not supported: use one of {', '.join(names)}")
+    fam = families.family_named(family)
     tokenizer = build_tokenizer(vocab)
     common = dict(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
@@ -33,33 +36,27 @@ def tiny_config(family: str = "llama", hidden: int = 64, layers: int = 2, heads:
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, dtype=dtype,
     )
-    if family == "llama":
-        config = transformers.LlamaConfig(attention_bias=bool(qkv_bias), **common)
-    else:
-        config = transformers.Qwen2Config(**common)  # Qwen2 always has q/k/v biases
+    config = fam.tiny_config(common, **options)
     if reward:
         config.num_labels = 1
-        cls = transformers.LlamaForSequenceClassification if family == "llama" \
-            else transformers.Qwen2ForSequenceClassification
-    else:
-        cls = transformers.LlamaForCausalLM if family == "llama" else transformers.Qwen2ForCausalLM
+    cls = getattr(transformers, fam.architecture_for(families.REWARD if reward else families.CAUSAL_LM))
     config.architectures = [cls.__name__]
     return config, tokenizer, cls
 
 
 def make_tiny_model(out: str, family: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4,
                     kv_heads: int = 2, ffn: int = 128, vocab: int | None = None, tie: bool = False,
-                    reward: bool = False, qkv_bias: bool | None = None, rope_theta: float = 10000.0,
-                    max_positions: int = 512, dtype: str = "float32", seed: int = 0,
-                    overwrite: bool = False) -> str:
-    """Write a random tiny model and its tokenizer into `out`; returns `out`."""
+                    reward: bool = False, rope_theta: float = 10000.0, max_positions: int = 512,
+                    dtype: str = "float32", seed: int = 0, overwrite: bool = False, **options) -> str:
+    """Write a random tiny model and its tokenizer into `out`; returns `out`. options: the family's own
+    (tiny_config)."""
     # Here, not at the top: the weights package imports megatron-core, which building a model never needs.
     from remax_megatron.weights.hf_io import holds_checkpoint
 
     if holds_checkpoint(out) and not overwrite:
         raise FileExistsError(f"{out} already holds a model: choose a new --out or pass --overwrite")
-    config, tokenizer, cls = tiny_config(family, hidden, layers, heads, kv_heads, ffn, vocab, tie, reward, qkv_bias,
-                                         rope_theta, max_positions, dtype)
+    config, tokenizer, cls = tiny_config(family, hidden, layers, heads, kv_heads, ffn, vocab, tie, reward,
+                                         rope_theta, max_positions, dtype, **options)
     torch.manual_seed(seed)
     model = cls(config).to(getattr(torch, dtype))
     with torch.no_grad():  # HF inits norms to 1 and biases to 0: perturb so parity tests see them

@@ -1,8 +1,26 @@
-"""HF config -> megatron TransformerConfig; actor, reference and reward-model builders."""
+"""HF config -> megatron TransformerConfig (hf_config), the model families (families), and the actor,
+reference and reward-model builders (gpt).
 
-from remax_megatron.models.gpt import build_policy, build_reward_model
-from remax_megatron.models.arch import ModelArch
-from remax_megatron.models.hf_config import check_layout, padded_vocab_size, read_hf_config
+Names are imported on first use: reading a config or a family does not import megatron-core (a few
+seconds), so start-up checks and tools that only read configs stay fast.
+"""
 
-__all__ = ["ModelArch", "build_policy", "build_reward_model", "check_layout", "padded_vocab_size",
-           "read_hf_config"]
+import importlib
+
+_EXPORTS = {
+    "ModelArch": "remax_megatron.models.arch",
+    "build_policy": "remax_megatron.models.gpt",
+    "build_reward_model": "remax_megatron.models.gpt",
+    "check_layout": "remax_megatron.models.hf_config",
+    "padded_vocab_size": "remax_megatron.models.hf_config",
+    "read_hf_config": "remax_megatron.models.hf_config",
+}
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+__all__ = sorted(_EXPORTS)

@@ -19,7 +19,7 @@ class ModelArch:
     """What remax-megatron reads from an HF config (names follow megatron)."""
 
     architecture: str          # e.g. "Qwen2ForCausalLM"
-    family: str                # "llama" | "qwen2"
+    family: str                # the registered model family (models/families), e.g. "qwen3"
     task: str                  # "causal_lm" | "reward"
     hidden_size: int
     ffn_hidden_size: int
@@ -31,8 +31,11 @@ class ModelArch:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling_factor: float | None  # llama3-style scaling, None for plain RoPE
-    qkv_bias: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
     pad_token_id: int | None
     torch_dtype: str
+    # Family features (models/families/<family>.py sets them)
+    qkv_bias: bool = False             # biases on q, k, v (Qwen2)
+    qk_layernorm: bool = False         # RMSNorm over each head's queries and keys (Qwen3)
+    sliding_window: int | None = None  # attention window of some layer; None: full attention everywhere

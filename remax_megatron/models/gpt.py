@@ -63,17 +63,34 @@ class RMSNorm(nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
+class HeadRMSNorm(RMSNorm):
+    """The per-head query / key RMSNorm (Qwen3's q_norm / k_norm; megatron's q_layernorm / k_layernorm).
+
+    Its input is never split over the sequence (attention sees whole sequences), so its weight is
+    not marked sequence_parallel; each TP rank normalises its own heads with the same weight, and
+    megatron's finalize_model_grads sums the weight's gradient over TP (config.qk_layernorm).
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__(config, hidden_size, eps=eps)
+        self.weight.sequence_parallel = False
+
+
 def layer_spec(config, pp_rank: int | None = None):
     """Transformer Engine spec when usable, else the local (pure megatron-core) spec with RMSNorm above.
 
     Returns the block spec of pipeline stage `pp_rank` (default: megatron's global PP rank): its
-    layers and the final norm.
+    layers and the final norm. config.qk_layernorm (Qwen3) adds the per-head q/k norms.
     """
     if transformer_engine_usable():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
+    if config.qk_layernorm:
+        # megatron's WrappedTorchNorm refuses sequence parallel and builds fp32 weights.
+        spec.submodules.self_attention.submodules.q_layernorm = HeadRMSNorm
+        spec.submodules.self_attention.submodules.k_layernorm = HeadRMSNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, pp_rank=pp_rank),
                                       layer_norm=RMSNorm)
 

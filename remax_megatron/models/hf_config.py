@@ -1,9 +1,9 @@
 """Hugging Face `config.json` -> the architecture facts megatron needs -> TransformerConfig.
 
-Supported: the Llama family (`LlamaForCausalLM`, tied or untied embeddings,
-llama3 RoPE scaling) and Qwen2 (`Qwen2ForCausalLM`, qkv bias), each also as
-`*ForSequenceClassification` with one label (a reward model). Anything else is
-refused by name before a model is built.
+The model-family registry (models/families) says which architectures are served: Llama, Qwen2,
+Qwen3 and Mistral, each as *ForCausalLM and as *ForSequenceClassification with one label (a reward
+model). Anything else is refused by name, with the registry's families listed, before a model is
+built; so is a setting a family cannot run exactly (its file names it).
 """
 
 from __future__ import annotations
@@ -14,17 +14,11 @@ import os
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer import TransformerConfig
 from transformers import AutoConfig
 
+from remax_megatron.models import families
 from remax_megatron.models.arch import ModelArch
 
-SUPPORTED = {
-    "LlamaForCausalLM": ("llama", "causal_lm"),
-    "Qwen2ForCausalLM": ("qwen2", "causal_lm"),
-    "LlamaForSequenceClassification": ("llama", "reward"),
-    "Qwen2ForSequenceClassification": ("qwen2", "reward"),
-}
 
 def read_hf_config(model_dir: str) -> ModelArch:
     """Read and check `model_dir/config.json`; raises ValueError naming what is unsupported."""
@@ -39,24 +33,28 @@ def read_hf_config(model_dir: str) -> ModelArch:
     if not isinstance(raw, dict):
         raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object: fix or re-download it")
     archs = raw.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in SUPPORTED:
-        raise ValueError(
-            f"unsupported architecture {archs or raw.get('model_type')!r} in {path}: "
-            f"remax-megatron supports {', '.join(sorted(SUPPORTED))}"
-        )
-
+    if len(archs) != 1:
+        raise ValueError(f"{path} names {len(archs)} architectures ({archs or raw.get('model_type')!r}): "
+                         f"remax-megatron needs exactly one of {', '.join(families.supported_architectures())}")
+    family, task = families.lookup(archs[0], path)
     try:
         cfg = AutoConfig.from_pretrained(model_dir)
     except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ValueError(f"{path} could not be read by transformers ({type(e).__name__}: {reason})") from None
-    family, task = SUPPORTED[archs[0]]
-    if task == "reward" and getattr(cfg, "num_labels", 1) != 1:
+    if task == families.REWARD and getattr(cfg, "num_labels", 1) != 1:
         raise ValueError(f"reward model {path} has num_labels={cfg.num_labels}; a scalar reward needs 1")
+    fields = _common_fields(cfg, path)
+    fields.update(family.features(cfg, path))
+    return ModelArch(architecture=archs[0], family=family.name, task=task,
+                     tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)) and task == families.CAUSAL_LM,
+                     **fields)
+
+
+def _common_fields(cfg, path: str) -> dict:
+    """The ModelArch fields every family reads alike (a decoder with RMSNorm, RoPE and GQA)."""
     if getattr(cfg, "mlp_bias", False):
-        raise ValueError(f"mlp_bias=True in {path} is not supported (Llama/Qwen2 checkpoints have none)")
-    if family == "qwen2" and getattr(cfg, "use_sliding_window", False):
-        raise ValueError(f"use_sliding_window=True in {path} is not supported: set it to false")
+        raise ValueError(f"mlp_bias=True in {path} is not supported (Llama-shaped checkpoints have none)")
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
     rope_theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", "default")
@@ -72,10 +70,7 @@ def read_hf_config(model_dir: str) -> ModelArch:
         raise ValueError(f"rope_type {rope_type!r} in {path} is not supported: use 'default' or 'llama3'")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32"
-    return ModelArch(
-        architecture=archs[0],
-        family=family,
-        task=task,
+    return dict(
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.intermediate_size,
         num_layers=cfg.num_hidden_layers,
@@ -86,12 +81,23 @@ def read_hf_config(model_dir: str) -> ModelArch:
         rms_norm_eps=cfg.rms_norm_eps,
         rope_theta=rope_theta,
         rope_scaling_factor=scaling,
-        qkv_bias=family == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)) and task == "causal_lm",
         max_position_embeddings=cfg.max_position_embeddings,
         pad_token_id=getattr(cfg, "pad_token_id", None),
         torch_dtype=str(dtype).replace("torch.", ""),
     )
+
+
+def check_run_length(arch: ModelArch, longest: int, what: str, how: str) -> None:
+    """One-line errors when the run's longest sequence (`longest` tokens, spelled out in `how`) is more
+    than the model `what` can attend over exactly: its positions, or a sliding window (megatron's
+    attention here is full causal, which equals the window only when every sequence fits in it)."""
+    if longest > arch.max_position_embeddings:
+        raise ValueError(f"{how} = {longest} exceeds {what}'s max_position_embeddings="
+                         f"{arch.max_position_embeddings}: lower one of them")
+    if arch.sliding_window is not None and longest > arch.sliding_window:
+        raise ValueError(f"{how} = {longest} is longer than {what}'s sliding_window={arch.sliding_window}, "
+                         f"which remax-megatron does not implement (attention is full causal): lower them to at "
+                         f"most {arch.sliding_window} tokens, or use a model without a sliding window")
 
 
 def check_layout(arch: ModelArch, tp: int, pp: int, what: str = "actor") -> None:
@@ -129,6 +135,8 @@ def transformer_config(
     init_weights: bool = True,
 ):
     """The megatron TransformerConfig of `arch` at this layout (see PITFALLS: TP/PP sizes must be set)."""
+    from megatron.core.transformer import TransformerConfig
+
     check_layout(arch, tp, pp)
     cuda = torch.cuda.is_available()
     return TransformerConfig(
@@ -144,6 +152,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,

@@ -1,7 +1,10 @@
 """The one HF <-> Megatron weight mapping (names, layouts, TP shards, PP stages).
 
 Three users: loading an HF directory into any TP/PP layout, exporting full HF
-tensors for the rollout engine's weight sync, and checkpoint conversion.
+tensors for the rollout engine's weight sync, and checkpoint conversion. Which HF
+tensors make which megatron parameter is the model family's declaration
+(models/families: `Family.layer_rules` and its HF names outside the layers); this
+module knows how each kind of rule is split, loaded and merged.
 
 Megatron layouts (per TP rank r of tp, checked against transformers, PITFALLS.md):
 - `linear_qkv` [ng_local * (q_per_group + 2) * head_dim, D]: for each of the
@@ -17,15 +20,15 @@ Megatron layouts (per TP rank r of tp, checked against transformers, PITFALLS.md
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from remax_megatron.models.arch import DTYPES, ModelArch
-
-# Split kinds.
-REPLICATED, VOCAB, ROW, QKV, FC1 = "replicated", "vocab", "row", "qkv", "fc1"
+from remax_megatron.models.families import family_named
+from remax_megatron.models.families.base import FC1, QKV, REPLICATED, ROW, VOCAB
 
 # Norm names differ between the local layer spec and Transformer Engine's fused one.
 _LOCAL_TO_TE = {
@@ -40,9 +43,10 @@ class ParamSpec:
 
     megatron: str            # global name: decoder.layers.<global layer>.… (local spec names)
     hf: tuple[str, ...]      # HF tensor names, in the order `kind` concatenates them
-    kind: str                # REPLICATED | VOCAB | ROW | QKV | FC1
+    kind: str                # REPLICATED | VOCAB | ROW | QKV | FC1 (models/families/base.py)
     stage: int               # pipeline stage that owns it
     layer: int | None = None  # global layer index, None outside the decoder layers
+    shapes: tuple[tuple[int, ...], ...] = ()  # the HF tensors' shapes, one per name of `hf`
 
     def local_name(self, layers_per_stage: int, te_names: bool = False) -> str:
         """The name in the owning stage's state_dict (local layer index)."""
@@ -62,46 +66,46 @@ class WeightMapping:
         self.arch, self.tp, self.pp, self.padded_vocab = arch, tp, pp, padded_vocab
         self.layers_per_stage = arch.num_layers // pp
         self.specs = self._build_specs()
+        self._hf_shapes = {name: shape for spec in self.specs for name, shape in zip(spec.hf, spec.shapes)}
 
     # ---- the parameter list, in HF order -------------------------------------------------
     def _build_specs(self) -> list[ParamSpec]:
-        a, last = self.arch, self.pp - 1
-        specs = [ParamSpec("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB, 0)]
+        a, last, family = self.arch, self.pp - 1, family_named(self.arch.family)
+        embedding = ((a.vocab_size, a.hidden_size),)
+        specs = [ParamSpec("embedding.word_embeddings.weight", (family.hf_embedding,), VOCAB, 0, shapes=embedding)]
         for i in range(a.num_layers):
-            stage = i // self.layers_per_stage
-            m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-
-            def add(mname, hnames, kind):
-                specs.append(ParamSpec(m + mname, tuple(h + n for n in hnames), kind, stage, i))
-
-            add("input_layernorm.weight", ["input_layernorm.weight"], REPLICATED)
-            add("self_attention.linear_qkv.weight",
-                ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"], QKV)
-            if a.qkv_bias:
-                add("self_attention.linear_qkv.bias",
-                    ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"], QKV)
-            add("self_attention.linear_proj.weight", ["self_attn.o_proj.weight"], ROW)
-            add("pre_mlp_layernorm.weight", ["post_attention_layernorm.weight"], REPLICATED)
-            add("mlp.linear_fc1.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], FC1)
-            add("mlp.linear_fc2.weight", ["mlp.down_proj.weight"], ROW)
-        specs.append(ParamSpec("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED, last))
+            stage, prefix = i // self.layers_per_stage, family.hf_layer(i)
+            specs += [ParamSpec(f"decoder.layers.{i}.{rule.megatron}", tuple(prefix + n for n in rule.hf), rule.kind,
+                                stage, i, rule.shapes) for rule in family.layer_rules(a, i)]
+        specs.append(ParamSpec("decoder.final_layernorm.weight", (family.hf_final_norm,), REPLICATED, last,
+                               shapes=((a.hidden_size,),)))
         if a.task == "reward":
-            specs.append(ParamSpec("output_layer.weight", ("score.weight",), REPLICATED, last))
+            specs.append(ParamSpec("output_layer.weight", (family.hf_score,), REPLICATED, last,
+                                   shapes=((1, a.hidden_size),)))
         elif not a.tie_word_embeddings:
-            specs.append(ParamSpec("output_layer.weight", ("lm_head.weight",), VOCAB, last))
+            specs.append(ParamSpec("output_layer.weight", (family.hf_lm_head,), VOCAB, last, shapes=embedding))
         elif self.pp > 1:
             # Tied embeddings across stages: the last stage keeps its own copy of the
             # embedding as output weight (megatron keeps them equal). Not exported.
-            specs.append(ParamSpec("output_layer.weight", ("model.embed_tokens.weight",), VOCAB, last))
+            specs.append(ParamSpec("output_layer.weight", (family.hf_embedding,), VOCAB, last, shapes=embedding))
         return specs
 
     def exported_specs(self) -> list[ParamSpec]:
         """Specs whose HF tensors go out on export (the tied output copy does not)."""
         return [s for s in self.specs if not (s.megatron == "output_layer.weight"
-                                              and s.hf == ("model.embed_tokens.weight",))]
+                                              and s.hf == (family_named(self.arch.family).hf_embedding,))]
 
     def stage_specs(self, stage: int) -> list[ParamSpec]:
         return [s for s in self.specs if s.stage == stage]
+
+    def stage_numel(self, stage: int) -> int:
+        """Parameters one TP rank of pipeline stage `stage` holds (vocab padding and replicas included)."""
+        return sum(math.prod(self.shard_shape(s)) for s in self.stage_specs(stage))
+
+    def numel(self) -> int:
+        """Parameters of the whole model at this vocab padding, each counted once (the planner's P)."""
+        return sum(self.padded_vocab * self.arch.hidden_size if s.kind == VOCAB else
+                   sum(math.prod(shape) for shape in s.shapes) for s in self.exported_specs())
 
     # ---- HF -> this rank's shard ---------------------------------------------------------
     def load_shard(self, spec: ParamSpec, read: Callable, tp_rank: int) -> torch.Tensor:
@@ -126,7 +130,7 @@ class WeightMapping:
                 out[: real.shape[0]] = real
             return out
         if spec.kind == FC1:
-            rows = a.ffn_hidden_size // tp
+            rows = _hf_shape(self, spec.hf[0])[0] // tp
             return torch.cat([read(n, 0, r * rows, (r + 1) * rows) for n in spec.hf])
         if spec.kind == QKV:
             groups = a.num_kv_heads // tp
@@ -166,7 +170,7 @@ class WeightMapping:
                 if start < stop:
                     out[0][start:stop].copy_(shard[: stop - start])
         elif spec.kind == FC1:
-            rows = a.ffn_hidden_size // tp  # each shard is [gate rows; up rows]
+            rows = out[0].shape[0] // tp  # each shard is [gate rows; up rows]
             for r, shard in enumerate(shards):
                 out[0][r * rows:(r + 1) * rows].copy_(shard[:rows])
                 out[1][r * rows:(r + 1) * rows].copy_(shard[rows:])
@@ -196,7 +200,7 @@ class WeightMapping:
         if spec.kind == VOCAB:
             return (self.padded_vocab // tp,) + full[1:]
         if spec.kind == FC1:
-            return (2 * a.ffn_hidden_size // tp, a.hidden_size)
+            return (2 * full[0] // tp, full[1])
         if spec.kind == QKV:
             rows = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim // tp
             return (rows,) + full[1:]
@@ -211,26 +215,5 @@ def _dtype(mapping: WeightMapping) -> torch.dtype:
 
 
 def _hf_shape(mapping: WeightMapping, name: str) -> tuple[int, ...]:
-    """Shape of an HF tensor of this architecture, from the config alone."""
-    a = mapping.arch
-    D, F, hd = a.hidden_size, a.ffn_hidden_size, a.head_dim
-    leaf = name.split("model.layers.")[-1].split(".", 1)[-1] if "layers." in name else name
-    shapes = {
-        "model.embed_tokens.weight": (a.vocab_size, D),
-        "lm_head.weight": (a.vocab_size, D),
-        "score.weight": (1, D),
-        "model.norm.weight": (D,),
-        "input_layernorm.weight": (D,),
-        "post_attention_layernorm.weight": (D,),
-        "self_attn.q_proj.weight": (a.num_heads * hd, D),
-        "self_attn.k_proj.weight": (a.num_kv_heads * hd, D),
-        "self_attn.v_proj.weight": (a.num_kv_heads * hd, D),
-        "self_attn.q_proj.bias": (a.num_heads * hd,),
-        "self_attn.k_proj.bias": (a.num_kv_heads * hd,),
-        "self_attn.v_proj.bias": (a.num_kv_heads * hd,),
-        "self_attn.o_proj.weight": (D, a.num_heads * hd),
-        "mlp.gate_proj.weight": (F, D),
-        "mlp.up_proj.weight": (F, D),
-        "mlp.down_proj.weight": (D, F),
-    }
-    return shapes[leaf]
+    """Shape of an HF tensor of this architecture, from the family's rules (the config alone)."""
+    return mapping._hf_shapes[name]

@@ -1,5 +1,6 @@
 """Megatron actor logits and reward-model scores vs transformers, at several TP x PP layouts (gloo),
-with and without sequence parallel."""
+with and without sequence parallel, for every registered dense family (Llama tied, Qwen2, Qwen3 tied
+and untied with head_dim != hidden / heads, Mistral) and reward models of Qwen2, Qwen3 and Mistral."""
 
 import pytest
 import torch
@@ -8,7 +9,10 @@ from tests._dist import SharedLaunches
 from tools.make_tiny_model import make_tiny_model
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
-SP_CASES = [("llama", 2, 1), ("qwen2", 2, 2)]  # family, tp, pp with sequence parallel
+ACTORS = ["llama", "qwen2", "qwen3", "qwen3-tied", "mistral"]
+# model, tp, pp with sequence parallel
+SP_CASES = [("llama", 2, 1), ("qwen2", 2, 2), ("qwen3", 2, 1), ("qwen3-tied", 2, 2), ("mistral", 2, 1)]
+REWARD_MODELS = ["rm", "rm-qwen3", "rm-mistral"]
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +25,20 @@ def models(tmp_path_factory):
         # Qwen2: untied, qkv bias, GQA, vocab 300 (not a multiple of 128 * tp).
         "qwen2": make_tiny_model(str(root / "qwen2"), "qwen2", hidden=64, layers=4, heads=4, kv_heads=2,
                                  ffn=96, vocab=300, rope_theta=1e6, seed=2),
+        # Qwen3: q/k norms per head, head_dim 32 != hidden / heads (16), untied; and a tied one.
+        "qwen3": make_tiny_model(str(root / "qwen3"), "qwen3", hidden=64, layers=4, heads=4, kv_heads=2,
+                                 ffn=96, vocab=300, head_dim=32, rope_theta=1e6, seed=5),
+        "qwen3-tied": make_tiny_model(str(root / "qwen3-tied"), "qwen3", hidden=64, layers=4, heads=4,
+                                      kv_heads=2, ffn=96, tie=True, seed=6),
+        # Mistral: a sliding window longer than every sequence here (the same as full attention).
+        "mistral": make_tiny_model(str(root / "mistral"), "mistral", hidden=64, layers=4, heads=4, kv_heads=2,
+                                   ffn=96, vocab=300, head_dim=32, sliding_window=64, seed=7),
         "rm": make_tiny_model(str(root / "rm"), "qwen2", hidden=64, layers=4, heads=4, kv_heads=2,
                               ffn=96, vocab=300, reward=True, seed=3),
+        "rm-qwen3": make_tiny_model(str(root / "rm-qwen3"), "qwen3", hidden=64, layers=4, heads=4, kv_heads=2,
+                                    ffn=96, vocab=300, head_dim=32, reward=True, seed=8),
+        "rm-mistral": make_tiny_model(str(root / "rm-mistral"), "mistral", hidden=64, layers=4, heads=4,
+                                      kv_heads=2, ffn=96, vocab=300, reward=True, seed=9),
     }
 
 
@@ -30,18 +46,19 @@ def models(tmp_path_factory):
 def launched(models, tmp_path_factory):
     """check(case): every multi-process case of this module runs in one launch per world size (process
     starts and imports are most of a small case's time on CPU); transformers' outputs computed once."""
-    logits = {family: _hf_logits(models[family]) for family in ("llama", "qwen2")}
-    rm = _hf_scores(models["rm"])
+    logits = {name: _hf_logits(models[name]) for name in ACTORS}
+    scores = {name: _hf_scores(models[name]) for name in REWARD_MODELS}
     cases = {1: {}, 2: {}, 4: {}}
-    for family in ("llama", "qwen2"):
+    for name in ACTORS:
         for tp, pp in LAYOUTS:
-            cases[tp * pp][f"actor-{family}-{tp}-{pp}"] = (_actor_body, (models[family], tp, pp, logits[family]))
-    for family, tp, pp in SP_CASES:
-        cases[tp * pp][f"actor-sp-{family}-{tp}-{pp}"] = (_actor_body, (models[family], tp, pp, logits[family], True))
+            cases[tp * pp][f"actor-{name}-{tp}-{pp}"] = (_actor_body, (models[name], tp, pp, logits[name]))
+    for name, tp, pp in SP_CASES:
+        cases[tp * pp][f"actor-sp-{name}-{tp}-{pp}"] = (_actor_body, (models[name], tp, pp, logits[name], True))
     cases[2]["odd-length"] = (_odd_length_body, (models["llama"],))
-    for tp, pp in LAYOUTS:
-        cases[tp * pp][f"rm-{tp}-{pp}"] = (_rm_body, (models["rm"], tp, pp, rm))
-    cases[2]["rm-sp"] = (_rm_body, (models["rm"], 2, 1, rm, True))
+    for name in REWARD_MODELS:
+        for tp, pp in LAYOUTS:
+            cases[tp * pp][f"{name}-{tp}-{pp}"] = (_rm_body, (models[name], tp, pp, scores[name]))
+        cases[2][f"{name}-sp"] = (_rm_body, (models[name], 2, 1, scores[name], True))
     rope_path, ids, expected, moved = _llama3_rope_case(tmp_path_factory.mktemp("rope"))
     cases[2]["rope"] = (_rope_body, (rope_path, ids, expected))
     top = str(tmp_path_factory.mktemp("launches"))
@@ -118,16 +135,16 @@ def _actor_body(rank, world, model_dir, tp, pp, expected, sp=False):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("model", ACTORS)
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
-def test_actor_logits_match_transformers(launched, family, tp, pp):
-    launched[0].check(f"actor-{family}-{tp}-{pp}")
+def test_actor_logits_match_transformers(launched, model, tp, pp):
+    launched[0].check(f"actor-{model}-{tp}-{pp}")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,tp,pp", SP_CASES)
-def test_actor_sequence_parallel_matches_transformers(launched, family, tp, pp):
-    launched[0].check(f"actor-sp-{family}-{tp}-{pp}")
+@pytest.mark.parametrize("model,tp,pp", SP_CASES)
+def test_actor_sequence_parallel_matches_transformers(launched, model, tp, pp):
+    launched[0].check(f"actor-sp-{model}-{tp}-{pp}")
 
 
 def _odd_length_body(rank, world, model_dir):
@@ -185,14 +202,16 @@ def _hf_scores(model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", REWARD_MODELS)
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
-def test_reward_model_scores_match_transformers(launched, tp, pp):
-    launched[0].check(f"rm-{tp}-{pp}")
+def test_reward_model_scores_match_transformers(launched, model, tp, pp):
+    launched[0].check(f"{model}-{tp}-{pp}")
 
 
 @pytest.mark.slow
-def test_reward_model_sequence_parallel_matches_transformers(launched):
-    launched[0].check("rm-sp")
+@pytest.mark.parametrize("model", REWARD_MODELS)
+def test_reward_model_sequence_parallel_matches_transformers(launched, model):
+    launched[0].check(f"{model}-sp")
 
 
 def _rope_body(rank, world, model_dir, ids, expected):

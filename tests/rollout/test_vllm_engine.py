@@ -159,6 +159,28 @@ def test_vllm_matches_the_actor(tp, pp, rollout_tp, world, compile_mode, tiny_ll
     run_distributed(_body, world_size=world, args=(tiny_llama, tp, pp, rollout_tp, compile_mode))
 
 
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    from tools.make_tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("families")
+    return {
+        # per-head q/k norms, head_dim 64 != hidden / heads (32), untied
+        "qwen3": make_tiny_model(str(root / "qwen3"), "qwen3", hidden=128, layers=2, heads=4, kv_heads=2, ffn=96,
+                                 head_dim=64, seed=12),
+        # a sliding window as long as the engine's max_model_len: full attention for every sequence
+        "mistral": make_tiny_model(str(root / "mistral"), "mistral", hidden=128, layers=2, heads=4, kv_heads=2,
+                                   ffn=96, sliding_window=64, seed=13),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,rollout_tp", [("qwen3", 1), ("qwen3", 2), ("mistral", 1)])
+def test_vllm_matches_the_actor_of_each_family(family, rollout_tp, family_models):
+    """Actor TP=2 on two processes; engines of rollout.tp 1 and 2 (Qwen3), 1 (Mistral)."""
+    run_distributed(_body, world_size=2, args=(family_models[family], 2, 1, rollout_tp))
+
+
 def test_compile_mode_and_device():
     from remax_megatron.config import RolloutConfig
     from remax_megatron.rollout.vllm_engine import compiles

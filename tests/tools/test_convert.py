@@ -27,10 +27,12 @@ def _tensors(model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,tie", [("qwen2", False), ("llama", True)])
-def test_round_trip_tp2_pp2_is_bitwise(tmp_path, family, tie):
+@pytest.mark.parametrize("family,tie,options", [("qwen2", False, {}), ("llama", True, {}),
+                                                ("qwen3", False, {"head_dim": 32}), ("qwen3", True, {}),
+                                                ("mistral", False, {"head_dim": 32, "sliding_window": 256})])
+def test_round_trip_tp2_pp2_is_bitwise(tmp_path, family, tie, options):
     hf = make_tiny_model(str(tmp_path / "hf"), family, hidden=64, layers=4, heads=4, kv_heads=2, ffn=96,
-                         vocab=300, tie=tie, seed=5)
+                         vocab=300, tie=tie, seed=5, **options)
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     r = _run([PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf, "--out", ckpt])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -207,9 +209,11 @@ def test_converter_refuses_unsupported_architecture(tmp_path):
     cfg_path = os.path.join(hf, "config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
-    cfg["architectures"] = ["MixtralForCausalLM"]
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
     line = _one_error_line(_run([PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf, "--out", str(tmp_path / "c")]))
-    assert "unsupported architecture ['MixtralForCausalLM']" in line, line
+    assert "unsupported architecture 'GPTNeoXForCausalLM'" in line, line
+    # The message lists the registry's families and what each serves.
+    assert "qwen3 (Qwen3ForCausalLM, Qwen3ForSequenceClassification)" in line, line
     assert not os.path.exists(tmp_path / "c")

@@ -212,7 +212,10 @@ BAD_INPUT = [
     (["rollout.kv_cache_gib=1000"], 1, "rollout.kv_cache_gib=1000.0"),
     (["actor.model={tmp}/head16"], 1, "head_dim=16"),
     (["data.max_prompt_tokens=500", "rollout.max_new_tokens=64"], 1,
-     "exceeds the actor's max_position_embeddings=512"),
+     "= 564 exceeds actor.model"),
+    # Mistral with a 16-token sliding window, sequences up to 16 + 4: full causal attention is not the model's
+    (["actor.model={tmp}/mistral-window16", "rollout.engine=native"], 1,
+     "'s sliding_window=16, which remax-megatron does not implement"),
 ]
 
 
@@ -230,6 +233,11 @@ def test_bad_input_is_refused_by_the_checks(tmp_path_factory, monkeypatch, overr
         from remax_megatron.builtin.tiny import make_tiny_model
 
         make_tiny_model(str(tmp / "head16"), "llama", hidden=64, heads=4, kv_heads=2)
+    if "mistral-window16" in " ".join(overrides):
+        from remax_megatron.builtin.tiny import make_tiny_model
+
+        make_tiny_model(str(tmp / "mistral-window16"), "mistral", hidden=64, heads=2, kv_heads=2,
+                        sliding_window=16)
     monkeypatch.setenv("REMAX_CACHE", str(tmp / "cache"))
     out = tmp / "out"
     with pytest.raises((ValueError, FileNotFoundError)) as refused:
@@ -240,3 +248,24 @@ def test_bad_input_is_refused_by_the_checks(tmp_path_factory, monkeypatch, overr
     assert message in line and "\n" not in line, line
     assert not out.exists()
     assert not (tmp / "cache").exists() or _built(tmp / "cache") == []
+
+
+@pytest.mark.slow
+def test_a_qwen3_actor_trains_with_vllm(env, tmp_path):
+    """A tiny random Qwen3 (per-head q/k norms, head_dim 64 != hidden / heads) at actor TP=2 with one vLLM
+    engine per rank on the built-in arithmetic prompts: a reward that random text sometimes earns (a
+    digit anywhere), so advantages and gradients are nonzero, and the engine samples from exactly the
+    weights the actor trains, every step."""
+    from tools.make_tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "qwen3"), "qwen3", hidden=128, layers=2, heads=4, kv_heads=2, ffn=128,
+                            head_dim=64, seed=21)
+    records = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "run"), f"actor.model={model}",
+                     "trainer.steps=5", "trainer.eval_every=0", "checkpoint.save_every=0",
+                     "reward.functions=[format]", r"reward.format_pattern=\d")
+    train = [r for r in records if "loss" in r]
+    assert len(train) == 5
+    assert all(r["grad_norm"] > 0 and r["advantage/std"] > 0 for r in train), \
+        [(r["grad_norm"], r["advantage/std"]) for r in train]
+    gaps = [r["logprob/engine_vs_actor_max_diff"] for r in train]
+    assert max(gaps) <= 1e-5, gaps

@@ -1,0 +1,134 @@
+"""What a model family is: the HF architectures it serves, how their config reads into a ModelArch,
+and which HF tensors make each megatron parameter.
+
+A family file (llama.py, qwen3.py, ...) subclasses `Family` and overrides only what differs; the
+registry (families/__init__.py) maps architecture names to families. The one weight mapping
+(weights/mapping.py) turns a family's `TensorRule`s into load / export / conversion, and the
+planner counts parameters from the same rules, so a family never says twice what it is.
+
+Megatron names are those of megatron-core's local layer spec (the TE spec's fused norm names are
+translated in weights/mapping.py); shapes are the HF tensors' shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from remax_megatron.models.arch import ModelArch
+
+CAUSAL_LM, REWARD = "causal_lm", "reward"
+
+# How a megatron parameter is made of its HF tensors and split over tensor parallelism
+# (weights/mapping.py implements each kind).
+REPLICATED = "replicated"   # one HF tensor, the same on every TP rank (norms, the reward head)
+VOCAB = "vocab"             # split over the padded vocab on dim 0 (embedding, output layer)
+ROW = "row"                 # row-parallel linear: split on dim 1 (attention output, MLP down)
+QKV = "qkv"                 # q, k, v fused per query group: [q heads of g; k_g; v_g] for each group g
+FC1 = "fc1"                 # gate, up fused: per TP rank [its gate rows; its up rows]
+KINDS = (REPLICATED, VOCAB, ROW, QKV, FC1)
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """One megatron parameter of a decoder layer and the HF tensors it is made of."""
+
+    megatron: str                       # name inside the layer, e.g. "self_attention.linear_qkv.weight"
+    hf: tuple[str, ...]                 # names inside the HF layer, in the order `kind` concatenates them
+    kind: str                           # one of KINDS
+    shapes: tuple[tuple[int, ...], ...]  # the HF tensors' shapes, one per name of `hf`
+
+
+class Family:
+    """A model family. Subclasses set `name` and `architectures` and override what differs.
+
+    The defaults describe a Llama-shaped decoder: RMSNorm, RoPE, grouped-query attention without
+    biases, a SwiGLU MLP, HF names `model.layers.{i}.self_attn.q_proj.weight` and so on.
+    """
+
+    name: str = ""
+    # HF architecture name -> CAUSAL_LM or REWARD (a *ForSequenceClassification with one label)
+    architectures: dict[str, str] = {}
+    # transformers config and model classes for tiny test models (builtin/tiny.py)
+    hf_config_class: str = ""
+    # HF tensor names outside the decoder layers
+    hf_embedding = "model.embed_tokens.weight"
+    hf_final_norm = "model.norm.weight"
+    hf_lm_head = "lm_head.weight"
+    hf_score = "score.weight"
+    hf_layer_prefix = "model.layers.{layer}."
+
+    # ---- HF config -> ModelArch ----------------------------------------------------------
+    def features(self, cfg, path: str) -> dict:
+        """ModelArch fields this family sets beyond `read_common`'s (e.g. qkv_bias); raise ValueError
+        (one line naming the setting in `path`) for what the family cannot run exactly."""
+        if getattr(cfg, "attention_bias", False):
+            raise ValueError(f"attention_bias=True in {path} is not supported: it adds a bias to o_proj, which "
+                             "megatron-core only has together with MLP biases (add_bias_linear)")
+        return {}
+
+    # ---- weights ------------------------------------------------------------------------
+    def layer_rules(self, arch: ModelArch, layer: int) -> list[TensorRule]:
+        """The parameters of decoder layer `layer`, in HF order."""
+        return attention_rules(arch, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_layernorm) + dense_mlp_rules(arch)
+
+    def hf_layer(self, layer: int) -> str:
+        return self.hf_layer_prefix.format(layer=layer)
+
+    # ---- tiny models --------------------------------------------------------------------
+    def tiny_config(self, common: dict, **options):
+        """A transformers config of this family from `common` (the shared tiny-model fields, see
+        builtin/tiny.py) and family options such as head_dim; unknown options raise ValueError."""
+        import transformers
+
+        unknown = sorted(k for k, v in options.items() if v is not None)
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)} is not an option of the {self.name} family")
+        return getattr(transformers, self.hf_config_class)(**common)
+
+    def architecture_for(self, task: str) -> str:
+        return next(a for a, t in self.architectures.items() if t == task)
+
+
+def attention_rules(arch: ModelArch, *, qkv_bias: bool, qk_norm: bool) -> list[TensorRule]:
+    """Pre-norm grouped-query attention: input norm, fused q/k/v (+ bias), per-head q/k RMSNorm, output."""
+    d, hd, q, kv = arch.hidden_size, arch.head_dim, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    rules = [
+        TensorRule("input_layernorm.weight", ("input_layernorm.weight",), REPLICATED, ((d,),)),
+        TensorRule("self_attention.linear_qkv.weight",
+                   ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), QKV,
+                   ((q, d), (kv, d), (kv, d))),
+    ]
+    if qkv_bias:
+        rules.append(TensorRule("self_attention.linear_qkv.bias",
+                                ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), QKV,
+                                ((q,), (kv,), (kv,))))
+    if qk_norm:  # RMSNorm over one head's head_dim, shared by the heads
+        rules += [TensorRule("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), REPLICATED, ((hd,),)),
+                  TensorRule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), REPLICATED, ((hd,),))]
+    rules.append(TensorRule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), ROW, ((d, q),)))
+    return rules
+
+
+def dense_mlp_rules(arch: ModelArch) -> list[TensorRule]:
+    """Pre-norm SwiGLU MLP: post-attention norm, fused gate/up, down."""
+    d, f = arch.hidden_size, arch.ffn_hidden_size
+    return [
+        TensorRule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), REPLICATED, ((d,),)),
+        TensorRule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), FC1, ((f, d), (f, d))),
+        TensorRule("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), ROW, ((d, f),)),
+    ]
+
+
+def sliding_window_of(cfg) -> int | None:
+    """The attention window an HF config applies to any layer, None for full attention everywhere.
+
+    transformers 5 lists each layer's attention in `layer_types` ("sliding_attention" where the
+    window applies); configs without it (Mistral) window every layer when `sliding_window` is set.
+    """
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
