@@ -144,7 +144,7 @@ class VllmEngine(RolloutEngine):
             raise ValueError(f"rollout.engine=vllm but vLLM is not installed: {INSTALL_HINT}")
         cuda = torch.cuda.is_available()
         if arch is not None and not cuda and arch.head_dim not in CPU_HEAD_SIZES:
-            raise ValueError(f"rollout.engine=vllm: head_dim={arch.head_dim} (hidden_size / num_attention_heads) "
+            raise ValueError(f"rollout.engine=vllm: head_dim={arch.head_dim} (the config's head_dim, else hidden / heads) "
                              f"is not one vLLM's CPU attention runs ({', '.join(map(str, CPU_HEAD_SIZES))}): use "
                              "such a model or rollout.engine=native")
         if not cuda:

@@ -201,3 +201,16 @@ def test_builtin_model_is_planned_from_its_config_without_building_it(tmp_path, 
                            "--gpus-per-node", "2")
     assert est["params"] > 0 and code == 0
     assert not is_built(builtin_model_path("tiny-arith"))
+
+
+def test_qwen3_8b_parameters_are_the_published_count(tmp_path, capsys):
+    """Qwen3-8B's model card: 8.2 B parameters, 6.95 B without the embeddings; the count comes from the
+    qwen3 family's tensor rules (q/k norms included)."""
+    config = tmp_path / "qwen3.yaml"
+    config.write_text(f"actor:\n  model: {os.path.join(REPO, 'configs', 'models', 'qwen3-8b')}\n  dtype: bfloat16\n"
+                      "reward:\n  functions: [exact_match]\ntrainer:\n  prompts_per_step: 64\n")
+    code, est = _plan_json(capsys, "--config", str(config), "--gpus-per-node", "8")
+    d, f, layers, heads, kv, hd, vocab = 4096, 12288, 36, 32, 8, 128, 151936
+    layer = 2 * d * heads * hd + 2 * d * kv * hd + 2 * hd + 3 * d * f + 2 * d   # q, o; k, v; q/k norms; MLP; norms
+    assert est["params"] == 2 * vocab * d + layers * layer + d == 8_190_735_360
+    assert round((est["params"] - 2 * vocab * d) / 1e9, 2) == 6.95
