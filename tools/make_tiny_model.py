@@ -4,6 +4,7 @@
         --hidden 64 --layers 4 --heads 4 --kv-heads 2 --ffn 128 --vocab 300
     python tools/make_tiny_model.py --family qwen3 --out /tmp/tiny-qwen3 --hidden 128 --head-dim 64
     python tools/make_tiny_model.py --family mistral --out /tmp/tiny-mistral --sliding-window 256
+    python tools/make_tiny_model.py --family qwen3_moe --out /tmp/tiny-moe --hidden 128 --ffn 64 --experts 4 --top-k 2
     python tools/make_tiny_model.py --family llama --tie --out /tmp/tiny-llama
     python tools/make_tiny_model.py --family llama --reward --out /tmp/tiny-rm
 
@@ -38,6 +39,9 @@ def main(argv=None):
     p.add_argument("--reward", action="store_true", help="a *ForSequenceClassification reward model (1 label)")
     p.add_argument("--head-dim", type=int, default=None, help="qwen3, mistral: head_dim (default hidden / heads)")
     p.add_argument("--sliding-window", type=int, default=None, help="mistral: an attention window (default none)")
+    p.add_argument("--experts", type=int, default=None, help="qwen3_moe, mixtral: experts per layer (default 4)")
+    p.add_argument("--top-k", type=int, default=None, help="qwen3_moe, mixtral: experts per token (default 2); "
+                   "--ffn is each expert's width")
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--max-positions", type=int, default=512)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -45,7 +49,8 @@ def main(argv=None):
     p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)
     try:
-        options = {k: v for k, v in (("head_dim", a.head_dim), ("sliding_window", a.sliding_window)) if v is not None}
+        options = {k: v for k, v in (("head_dim", a.head_dim), ("sliding_window", a.sliding_window),
+                                     ("experts", a.experts), ("top_k", a.top_k)) if v is not None}
         out = make_tiny_model(a.out, a.family, a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, a.vocab, a.tie,
                               a.reward, a.rope_theta, a.max_positions, a.dtype, a.seed, a.overwrite, **options)
     except (ValueError, FileExistsError) as e:

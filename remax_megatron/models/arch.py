@@ -39,3 +39,23 @@ class ModelArch:
     qkv_bias: bool = False             # biases on q, k, v (Qwen2)
     qk_layernorm: bool = False         # RMSNorm over each head's queries and keys (Qwen3)
     sliding_window: int | None = None  # attention window of some layer; None: full attention everywhere
+    # Mixture of experts (Qwen3-MoE, Mixtral): every decoder layer's MLP is routed; 0 experts: dense
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0       # one expert's FFN width
+    moe_top_k: int = 0                 # experts per token
+    moe_pre_softmax: bool = False      # softmax over all experts, then top-k, no renormalisation
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+@dataclass(frozen=True)
+class ExpertOptions:
+    """How a MoE model's experts run (actor.ep, actor.etp, actor.moe_dispatcher, actor.moe_experts)."""
+
+    ep: int = 1                     # expert parallel: experts split over this many ranks
+    etp: int = 1                    # expert tensor parallel: each expert's MLP split over this many (1 or tp)
+    dispatcher: str = "alltoall"    # megatron's token dispatcher: alltoall | allgather
+    grouped_gemm: bool = False      # TE's grouped experts (CUDA + Transformer Engine); else SequentialMLP
+    routing_replay: bool = False    # megatron's RouterReplay: forward on routes given from outside (the engine's)

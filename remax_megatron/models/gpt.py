@@ -23,7 +23,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from torch import nn
 
 from remax_megatron.kernels import fused_logprobs
-from remax_megatron.models.arch import DTYPES, ModelArch
+from remax_megatron.models.arch import DTYPES, ExpertOptions, ModelArch
 from remax_megatron.models.hf_config import padded_vocab_size, transformer_config
 from remax_megatron.parallel import cpu_compat
 from remax_megatron.parallel.nested import NestedGroups, nested_groups
@@ -82,9 +82,10 @@ def layer_spec(config, pp_rank: int | None = None):
     Returns the block spec of pipeline stage `pp_rank` (default: megatron's global PP rank): its
     layers and the final norm. config.qk_layernorm (Qwen3) adds the per-head q/k norms.
     """
+    moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     if transformer_engine_usable():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **moe)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm, **moe)
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
     if config.qk_layernorm:
@@ -247,13 +248,15 @@ class RewardModel(GPTModel):
 def build_policy(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32,
                  sequence_parallel: bool = False, recompute_granularity: str | None = None,
                  make_vocab_size_divisible_by: int = 128, init_weights: bool = True,
-                 trainable: bool = True) -> PolicyModel:
-    """The actor (trainable=True) or the frozen reference model (trainable=False)."""
+                 trainable: bool = True, experts: ExpertOptions | None = None) -> PolicyModel:
+    """The actor (trainable=True) or the frozen reference model (trainable=False). experts: how a MoE
+    model's experts run (EP must match the layout's expert_model_parallel_size)."""
     if arch.task != "causal_lm":
         raise ValueError(f"{arch.architecture} is a reward model; the actor and reference need a *ForCausalLM")
     config = transformer_config(arch, tp=tp, pp=pp, params_dtype=params_dtype,
                                 sequence_parallel=sequence_parallel,
-                                recompute_granularity=recompute_granularity, init_weights=init_weights)
+                                recompute_granularity=recompute_granularity, init_weights=init_weights,
+                                experts=experts)
     with cpu_compat.redirect_cuda():
         model = PolicyModel(config=config, share_embeddings_and_output_weights=arch.tie_word_embeddings,
                             **_gpt_kwargs(arch, config, tp, make_vocab_size_divisible_by))

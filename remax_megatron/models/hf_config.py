@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 
 from remax_megatron.models import families
-from remax_megatron.models.arch import ModelArch
+from remax_megatron.models.arch import ExpertOptions, ModelArch
 
 
 def read_hf_config(model_dir: str) -> ModelArch:
@@ -100,13 +100,20 @@ def check_run_length(arch: ModelArch, longest: int, what: str, how: str) -> None
                          f"most {arch.sliding_window} tokens, or use a model without a sliding window")
 
 
-def check_layout(arch: ModelArch, tp: int, pp: int, what: str = "actor") -> None:
-    """One-line errors for a TP/PP layout the model cannot be split into.
+def check_layout(arch: ModelArch, tp: int, pp: int, what: str = "actor", ep: int = 1) -> None:
+    """One-line errors for a TP/PP/EP layout the model cannot be split into.
 
     `what` names the setting: a config section ("actor" -> actor.tp) or a command-line prefix
     ("--" -> --tp).
     """
     tp_name, pp_name = (f"{what}tp", f"{what}pp") if what.endswith("-") else (f"{what}.tp", f"{what}.pp")
+    ep_name = f"{what}ep" if what.endswith("-") else f"{what}.ep"
+    if ep > 1 and not arch.is_moe:
+        raise ValueError(f"{ep_name}={ep} but {arch.architecture} has no experts: expert parallelism needs a "
+                         f"mixture-of-experts model (set {ep_name}=1)")
+    if arch.is_moe and arch.num_experts % ep:
+        raise ValueError(f"{ep_name}={ep} does not divide the {arch.num_experts} experts of {arch.architecture}: "
+                         f"choose ep from the divisors of {arch.num_experts}")
     if arch.num_heads % tp:
         raise ValueError(f"{tp_name}={tp} does not divide num_attention_heads={arch.num_heads}: "
                          f"choose tp from the divisors of {arch.num_heads}")
@@ -133,13 +140,16 @@ def transformer_config(
     sequence_parallel: bool = False,
     recompute_granularity: str | None = None,
     init_weights: bool = True,
+    experts: ExpertOptions | None = None,
 ):
     """The megatron TransformerConfig of `arch` at this layout (see PITFALLS: TP/PP sizes must be set)."""
     from megatron.core.transformer import TransformerConfig
 
-    check_layout(arch, tp, pp)
+    experts = experts or ExpertOptions()
+    check_layout(arch, tp, pp, ep=experts.ep)
     cuda = torch.cuda.is_available()
     return TransformerConfig(
+        **(_moe_kwargs(arch, experts) if arch.is_moe else {}),
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -175,4 +185,27 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=cuda,
+    )
+
+
+def _moe_kwargs(arch: ModelArch, experts: ExpertOptions) -> dict:
+    """megatron's MoE settings for `arch`: HF's routing (softmax scores, top-k, renormalised unless
+    moe_pre_softmax) computed in fp32, no capacity limit (no token dropped), and megatron's own
+    load-balancing loss off: the trainer adds its own, globally normalised (models/moe.py)."""
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_topk=arch.moe_top_k,
+        moe_router_pre_softmax=arch.moe_pre_softmax,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type=experts.dispatcher,
+        moe_grouped_gemm=experts.grouped_gemm,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        moe_enable_routing_replay=experts.routing_replay,
+        expert_model_parallel_size=experts.ep,
+        expert_tensor_parallel_size=experts.etp,
     )

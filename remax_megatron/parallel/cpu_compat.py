@@ -20,6 +20,16 @@ called once per process by ParallelLayout.initialize, on CPU-only machines):
 4. `torch.cuda.current_device` -> "cpu" and `torch.cuda.synchronize` -> no-op, for EVERY
    library in the process (megatron's RoPE, attention and p2p code place tensors on the
    current device; on a CPU-only torch build both would raise anyway).
+5. MoE, the alltoall token dispatcher: it creates a `torch.cuda.Stream()` for its device-to-host
+   copies in `__init__`, and its `_maybe_dtoh_and_synchronize` copies the split sizes to the
+   host on that stream as numpy arrays -- on CPU they stay tensors, which gloo's
+   `all_to_all_single` refuses as split sizes (TypeError). The CPU version turns them into
+   numpy arrays at the same point, with no streams.
+
+`install_moe()` (called by ParallelLayout.initialize on every machine, CUDA too): megatron-core
+0.16.1's `RouterGatingLinearFunction` reads `te_general_gemm`, which moe_utils defines only when
+Transformer Engine imports; without TE the router's forward raised NameError. It is set to None
+there (megatron's own fallback: torch.mm in the router dtype). Inert where TE is installed.
 
 `redirect_cuda()` is scoped (a TorchFunctionMode while it is active): tensor factories called
 with `device="cuda"` (the pipeline schedules) and `.cuda()` (GPTModel's tied embedding at
@@ -119,7 +129,36 @@ def install() -> None:
     # RoPE, attention and p2p code place tensors on `torch.cuda.current_device()`.
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
+
+
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_STREAM  # __init__ creates one only while it is None
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
     _installed = True
+
+
+_NO_STREAM = object()  # stands for the dispatcher's CUDA side stream on CPU
+
+
+def _cpu_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None):
+    """MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize on CPU: at the dispatcher's device-to-host
+    point the split sizes become numpy arrays (host values, as the CUDA version leaves them); nothing
+    to synchronise."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def install_moe() -> None:
+    """Define moe_utils.te_general_gemm (None) when Transformer Engine did not import; see the docstring."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 @functools.lru_cache

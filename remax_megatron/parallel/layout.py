@@ -1,11 +1,15 @@
-"""The parallel layout (TP x PP x DP) and process-group set-up under torchrun.
+"""The parallel layout (TP x PP x DP, and EP x ETP for MoE experts) and process-group set-up under torchrun.
 
     layout = ParallelLayout(tp=2, pp=2, world_size=8)   # dp = 2, validated
+    layout = ParallelLayout(tp=1, pp=1, world_size=2, ep=2)   # MoE: experts split over 2 ranks
     init_distributed(timeout_minutes=30)                 # NCCL with CUDA, gloo without
     groups = layout.initialize()                         # megatron parallel_state
 
 Megatron orders ranks tp-fastest: with tp=2, pp=2, dp=2 ranks 0,1 form one TP
-group, ranks {0,2} hold the two pipeline stages of one replica, etc.
+group, ranks {0,2} hold the two pipeline stages of one replica, etc. Experts are
+laid out over the same ranks as etp x ep x edp x pp (megatron carves EP x ETP
+from each stage's TP x DP ranks), so an expert-parallel group may span data-
+parallel replicas.
 """
 
 from __future__ import annotations
@@ -25,25 +29,46 @@ class ParallelLayout:
     tp: int
     pp: int
     world_size: int
+    ep: int = 1    # expert parallel (MoE)
+    etp: int = 0   # expert tensor parallel; 0: tp (megatron's default)
 
     def __post_init__(self):
-        for name in ("tp", "pp", "world_size"):
+        for name in ("tp", "pp", "world_size", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not isinstance(self.etp, int) or self.etp < 0:
+            raise ValueError(f"etp={self.etp!r} must be a positive integer (0: the tp size)")
         if self.world_size % (self.tp * self.pp) != 0:
             raise ValueError(
                 f"tp({self.tp}) * pp({self.pp}) = {self.tp * self.pp} does not divide "
                 f"world({self.world_size}): choose tp*pp from the divisors of {self.world_size} "
                 f"or launch a multiple of {self.tp * self.pp} processes"
             )
+        ep, etp, ranks = self.ep, self.expert_tp, self.tp * self.dp
+        if etp not in (1, self.tp):
+            raise ValueError(f"etp({etp}) with tp({self.tp}): expert tensor parallel must be 1 (whole experts) "
+                             f"or equal to tp")
+        if ranks % (ep * etp):
+            raise ValueError(f"ep({ep}) * etp({etp}) = {ep * etp} does not divide tp({self.tp}) * dp({self.dp}) = "
+                             f"{ranks}, the ranks of a pipeline stage megatron carves the experts from: choose "
+                             f"ep * etp from the divisors of {ranks}")
+        if ep == 1 and etp < self.tp:
+            raise ValueError(f"etp({etp}) < tp({self.tp}) with ep(1): experts whole on every TP rank need ep > 1 "
+                             "(megatron only sums expert gradients over TP through expert parallelism): set "
+                             f"etp={self.tp} or ep > 1")
 
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp)
 
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
     def __str__(self) -> str:
-        return f"tp({self.tp}) * pp({self.pp}) * dp({self.dp}) = world({self.world_size})"
+        moe = f", ep({self.ep}) * etp({self.expert_tp})" if self.ep > 1 or self.expert_tp != self.tp else ""
+        return f"tp({self.tp}) * pp({self.pp}) * dp({self.dp}) = world({self.world_size}){moe}"
 
     def initialize(self, seed: int = 0, timeout_minutes: int = 30) -> "ProcessGroups":
         """Initialise megatron's parallel_state and RNG trackers for this layout; return the groups."""
@@ -54,11 +79,14 @@ class ParallelLayout:
         if dist.get_world_size() != self.world_size:
             raise ValueError(f"layout {self} but torch.distributed has world {dist.get_world_size()}")
         cpu_compat.install()
+        cpu_compat.install_moe()
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=self.tp,
             pipeline_model_parallel_size=self.pp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.expert_tp,
             distributed_timeout_minutes=timeout_minutes,
             create_gloo_process_groups=cpu_compat.cuda_present(),
         )
@@ -82,6 +110,13 @@ class ProcessGroups:
     tp_size: int
     pp_size: int
     dp_size: int
+    # MoE experts: expert-parallel group (this stage's ranks holding the other experts; may span DP
+    # replicas) and the group an expert gradient's norm is summed over (etp x ep x pp)
+    ep: dist.ProcessGroup | None = None
+    expert_mp: dist.ProcessGroup | None = None
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_size: int = 1
 
     @property
     def mp_size(self) -> int:
@@ -116,6 +151,11 @@ class ProcessGroups:
             tp_size=ps.get_tensor_model_parallel_world_size(),
             pp_size=ps.get_pipeline_model_parallel_world_size(),
             dp_size=ps.get_data_parallel_world_size(),
+            ep=ps.get_expert_model_parallel_group(),
+            expert_mp=ps.get_expert_tensor_model_pipeline_parallel_group(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            ep_size=ps.get_expert_model_parallel_world_size(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(),
         )
 
 

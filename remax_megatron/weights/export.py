@@ -16,6 +16,14 @@ made a gloo broadcast 3-7x slower (page faults; docs/benchmarks.md). Callers on
 CUDA `release()` them after each export (the caching allocator hands the blocks
 back cheaply and training gets the memory).
 
+MoE experts are split over expert parallelism, whose groups span data-parallel
+replicas (and TP ranks): before a bucket's broadcasts, each expert-parallel rank
+of the owning stage broadcasts its experts of the bucket over its expert-parallel
+group, so every rank of that stage holds all of them (its expert-TP shard); the
+model-parallel broadcasts then carry them to the other stages as usual. A tensor
+that every rank of the model-parallel group already holds (replicated over TP at
+PP = 1: norms, the router, experts at etp = 1) is not broadcast again.
+
 Data-parallel replicas export independently (their weights are equal). Used by
 the rollout weight sync, HF export and checkpoint conversion.
 """
@@ -29,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from remax_megatron.parallel.layout import ProcessGroups, comm_device
-from remax_megatron.weights.load import mapping_for, uses_te_names
-from remax_megatron.weights.mapping import REPLICATED, ParamSpec, WeightMapping
+from remax_megatron.weights.load import expert_layout, local_param_name, mapping_for
+from remax_megatron.weights.mapping import ParamSpec, WeightMapping
 
 
 def export_hf_weights(model, dtype: torch.dtype | None = None, bucket_mb: float = 256.0,
@@ -57,14 +65,17 @@ class HFExporter:
         groups = groups or ProcessGroups.current()  # `model`'s layout: the actor's groups
         if not bucket_mb > 0:
             raise ValueError(f"export bucket size {bucket_mb!r} MiB must be > 0 (rollout.sync_bucket_mb)")
-        self.mapping = mapping = mapping_for(model)
+        self.model, self.mapping = model, (mapping := mapping_for(model))
         self.params = {k: v for k, v in model.state_dict(keep_vars=True).items()
                        if not k.endswith("_extra_state")}
-        self.te_names = uses_te_names(self.params)
         first = next(iter(self.params.values()))
         self.plan = _plan_buckets(mapping, int(bucket_mb * 2**20 / (dtype or first.dtype).itemsize))
         self.me = (groups.pp_rank, groups.tp_rank)
         self.group = groups.mp if mapping.tp * mapping.pp > 1 else None
+        _, _, self.ep_rank, _ = expert_layout(model)
+        self.ep_group = groups.ep if mapping.ep > 1 else None
+        self._gathered: dict[str, torch.Tensor] = {}      # this bucket's experts of the other EP ranks
+        self._ep_buffer: torch.Tensor | None = None
         # The buffers live where the group's collectives run (the current GPU under NCCL).
         self.dtype = dtype or first.dtype
         self.device = comm_device(self.group) if self.group is not None else first.device
@@ -73,12 +84,19 @@ class HFExporter:
         self._merged: torch.Tensor | None = None         # flat, HF-shaped views per bucket
 
     def _local(self, spec: ParamSpec) -> torch.Tensor:
-        """This rank's shard of `spec` (a live parameter)."""
-        return self.params[spec.local_name(self.mapping.layers_per_stage, te_names=self.te_names)].detach()
+        """This rank's shard of `spec`: a live parameter, or an expert another EP rank sent."""
+        if spec.megatron in self._gathered:
+            return self._gathered[spec.megatron]
+        return self.params[local_param_name(self.model, self.mapping, spec, self.params)].detach()
+
+    def _broadcast(self, spec: ParamSpec) -> bool:
+        """Whether `spec` travels over the model-parallel group: not when every rank of it already holds
+        the same tensor (PP = 1 and replicated over TP)."""
+        return self.group is not None and (self.mapping.pp > 1 or self.mapping.split(spec) > 1)
 
     def release(self) -> None:
         """Free the buffers (the next export allocates them again)."""
-        self._receive = self._merged = None
+        self._receive = self._merged = self._ep_buffer = None
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for bucket in self.buckets():
@@ -101,6 +119,8 @@ class HFExporter:
         if self.group is not None and self._source_of is None:
             self._source_of = _source_ranks(self.group, *self.me)
         for stage, specs in self.plan:
+            if self.ep_group is not None and self.me[0] == stage:
+                self._gather_experts(specs)
             shards = self._receive_bucket(stage, specs) if self.group is not None else \
                 {s.megatron: [self._local(s)] for s in specs}
             bucket, offset = [], 0
@@ -122,8 +142,12 @@ class HFExporter:
         Returns megatron name -> the TP shards in rank order (views into the receive buffers).
         """
         shards: dict[str, list[torch.Tensor]] = {s.megatron: [] for s in specs}
+        for spec in specs:
+            if not self._broadcast(spec):
+                shards[spec.megatron].append(self._local(spec))
+        specs = [s for s in specs if self._broadcast(s)]
         for t in range(self.mapping.tp):
-            sent = [s for s in specs if _sends(s, t)]
+            sent = [s for s in specs if _sends(self.mapping, s, t)]
             if not sent:
                 continue
             flat, offset = self._receive[t][:_sent_numel(self.mapping, specs, t)], 0
@@ -137,10 +161,45 @@ class HFExporter:
             dist.broadcast(flat, src=self._source_of[stage, t], group=self.group)
         return shards
 
+    def _gather_experts(self, specs: list[ParamSpec]) -> None:
+        """Every EP rank of this stage broadcasts its experts among `specs` (its expert-TP shards) over its
+        expert-parallel group; afterwards `_local` finds every expert of the bucket on every rank."""
+        mapping, experts = self.mapping, [s for s in specs if s.expert is not None]
+        self._gathered = {}
+        if not experts:
+            return
+        need = max(_ep_numel(mapping, specs) for _, specs in self.plan)
+        if self._ep_buffer is None or self._ep_buffer.numel() < need:
+            self._ep_buffer = torch.empty(need, dtype=self.dtype, device=self.device)
+        offset = 0
+        for k in range(mapping.ep):
+            theirs = [s for s in experts if mapping.owns(s, k)]
+            size = sum(math.prod(mapping.shard_shape(s)) for s in theirs)
+            if not size:
+                continue
+            flat = self._ep_buffer[offset:offset + size]
+            views, at = [], 0
+            for spec in theirs:
+                shape = mapping.shard_shape(spec)
+                views.append(flat[at:at + math.prod(shape)].view(shape))
+                at += views[-1].numel()
+                if k == self.ep_rank:
+                    views[-1].copy_(self._local(spec))
+            dist.broadcast(flat, src=dist.get_global_rank(self.ep_group, k), group=self.ep_group)
+            if k != self.ep_rank:
+                self._gathered.update({s.megatron: v for s, v in zip(theirs, views)})
+            offset += size
 
-def _sends(spec: ParamSpec, tp_rank: int) -> bool:
-    """Replicated tensors are sent by TP rank 0 only; split ones by every TP rank."""
-    return spec.kind != REPLICATED or tp_rank == 0
+
+def _sends(mapping: WeightMapping, spec: ParamSpec, tp_rank: int) -> bool:
+    """A tensor split over TP is sent by every TP rank; one that is not (replicated, or an expert at
+    etp = 1, which every TP rank holds whole) by TP rank 0 only."""
+    return mapping.split(spec) > 1 or tp_rank == 0
+
+
+def _ep_numel(mapping: WeightMapping, specs: list[ParamSpec]) -> int:
+    """Elements of the expert shards (one expert-TP shard of every expert) of a bucket of `specs`."""
+    return sum(math.prod(mapping.shard_shape(s)) for s in specs if s.expert is not None)
 
 
 def _plan_buckets(mapping: WeightMapping, bucket_elems: int) -> list[tuple[int, list[ParamSpec]]]:
@@ -163,8 +222,8 @@ def _merged_numel(mapping: WeightMapping, specs: list[ParamSpec]) -> int:
 
 
 def _sent_numel(mapping: WeightMapping, specs: list[ParamSpec], tp_rank: int) -> int:
-    """Elements TP rank `tp_rank` sends for a bucket of `specs`."""
-    return sum(math.prod(mapping.shard_shape(s)) for s in specs if _sends(s, tp_rank))
+    """Elements TP rank `tp_rank` sends for a bucket of `specs` (at most: those that travel)."""
+    return sum(math.prod(mapping.shard_shape(s)) for s in specs if _sends(mapping, s, tp_rank))
 
 
 def _source_ranks(group, pp_rank: int, tp_rank: int) -> dict[tuple[int, int], int]:

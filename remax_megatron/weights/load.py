@@ -6,7 +6,7 @@ import torch
 
 from remax_megatron.models.hf_config import padded_vocab_size
 from remax_megatron.weights.hf_io import HFCheckpointReader
-from remax_megatron.weights.mapping import WeightMapping
+from remax_megatron.weights.mapping import ParamSpec, WeightMapping, resolve_name
 
 
 def _layout(model) -> tuple[int, int, int, int]:
@@ -14,13 +14,37 @@ def _layout(model) -> tuple[int, int, int, int]:
     return model.tp_group.size(), model.pp_group.size(), model.tp_group.rank(), model.pp_group.rank()
 
 
+def expert_layout(model) -> tuple[int, int, int, int]:
+    """(ep, etp, ep_rank, etp_rank) of a MoE model (megatron's expert groups); (1, 1, 0, 0) when dense."""
+    if not model.arch.is_moe:
+        return 1, 1, 0, 0
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
+
+
 def mapping_for(model) -> WeightMapping:
     """The WeightMapping of a model built by remax_megatron.models (its arch and layout)."""
     tp, pp, _, _ = _layout(model)
+    ep, etp, _, _ = expert_layout(model)
     vocab_rows = model.embedding.word_embeddings.weight.shape[0] if model.pre_process else None
     if vocab_rows is None:
         vocab_rows = _padded_rows_from_output(model)
-    return WeightMapping(model.arch, tp=tp, pp=pp, padded_vocab=vocab_rows * tp)
+    return WeightMapping(model.arch, tp=tp, pp=pp, padded_vocab=vocab_rows * tp, ep=ep, etp=etp)
+
+
+def local_param_name(model, mapping: WeightMapping, spec: ParamSpec, params) -> str | None:
+    """`spec`'s name in this rank's state dict `params` (local layer and expert indices, local or TE
+    spec names); None when this rank does not hold it (another stage or expert-parallel rank, or the
+    tied output weight at PP=1, which lives in the embedding)."""
+    _, _, ep_rank, _ = expert_layout(model)
+    if not mapping.owns(spec, ep_rank):
+        return None
+    try:
+        return resolve_name(spec.local_name(mapping.layers_per_stage, mapping.first_expert(ep_rank)), params)
+    except KeyError:
+        return None
 
 
 def _padded_rows_from_output(model) -> int:
@@ -32,10 +56,6 @@ def _padded_rows_from_output(model) -> int:
     return model.output_layer.weight.shape[0]
 
 
-def uses_te_names(state_dict) -> bool:
-    return any(k.endswith("linear_qkv.layer_norm_weight") for k in state_dict)
-
-
 @torch.no_grad()
 def load_hf_weights(model, model_dir: str | HFCheckpointReader) -> None:
     """Fill every parameter of this rank's stage from `model_dir`, reading only this rank's slices.
@@ -45,19 +65,20 @@ def load_hf_weights(model, model_dir: str | HFCheckpointReader) -> None:
     reader = model_dir if isinstance(model_dir, HFCheckpointReader) else HFCheckpointReader(model_dir)
     mapping = mapping_for(model)
     _, _, tp_rank, stage = _layout(model)
+    _, _, ep_rank, etp_rank = expert_layout(model)
     params = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
-    te = uses_te_names(params)
-    for spec in mapping.stage_specs(stage):
+    mine = [s for s in mapping.stage_specs(stage) if mapping.owns(s, ep_rank)]
+    for spec in mine:
         for name in spec.hf:
             if name not in reader:
                 raise ValueError(f"{reader.model_dir} lacks tensor {name} that a {model.arch.architecture} "
                                  "needs: is the checkpoint complete and of this architecture?")
     shards, seen = {}, set()
-    for spec in mapping.stage_specs(stage):
-        local = spec.local_name(mapping.layers_per_stage, te_names=te)
-        if local not in params:
+    for spec in mine:
+        local = local_param_name(model, mapping, spec, params)
+        if local is None:
             continue  # tied output weight at PP=1 lives in the embedding
-        shard = mapping.load_shard(spec, reader.read, tp_rank)
+        shard = mapping.load_shard(spec, reader.read, etp_rank if spec.expert is not None else tp_rank)
         target = params[local]
         if tuple(shard.shape) != tuple(target.shape):
             raise ValueError(f"{spec.hf} -> {local}: shape {tuple(shard.shape)} but the model has "

@@ -16,11 +16,16 @@ Megatron layouts (per TP rank r of tp, checked against transformers, PITFALLS.md
   on dim 0; rows past the tokenizer's vocab are zero padding, dropped on export.
 - layers: stage s of pp holds global layers [s * L/pp, (s+1) * L/pp) as local
   indices 0..L/pp-1.
+- MoE experts (SequentialMLP): expert-parallel rank k of ep holds global experts
+  [k * E/ep, (k+1) * E/ep) as `local_experts.0..E/ep-1`; each expert's fc1 / fc2 is
+  split over expert tensor parallelism (etp: 1, or tp) like the dense MLP over tp.
+  The router is replicated.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,11 +35,33 @@ from remax_megatron.models.arch import DTYPES, ModelArch
 from remax_megatron.models.families import family_named
 from remax_megatron.models.families.base import FC1, QKV, REPLICATED, ROW, VOCAB
 
-# Norm names differ between the local layer spec and Transformer Engine's fused one.
+# Norm names differ between the local layer spec and Transformer Engine's fused one (a MoE layer keeps
+# its pre-MLP norm apart: no fused fc1 there).
 _LOCAL_TO_TE = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
+# TE's grouped experts (TEGroupedMLP) name local expert j's weights `linear_fc1.weight{j}`.
+_SEQUENTIAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+def resolve_name(name: str, params) -> str:
+    """`name` (local layer spec) as the model's state dict spells it: local spec, TE's fused norms, or
+    TE's grouped experts. KeyError when none is there."""
+    if name in params:
+        return name
+    candidates = []
+    if name.startswith("decoder.layers."):
+        layer, rest = name[len("decoder.layers."):].split(".", 1)
+        if rest in _LOCAL_TO_TE:
+            candidates.append(f"decoder.layers.{layer}.{_LOCAL_TO_TE[rest]}")
+        grouped = _SEQUENTIAL_EXPERT.search(rest)
+        if grouped:
+            candidates.append(f"decoder.layers.{layer}.mlp.experts.{grouped.group(2)}.weight{grouped.group(1)}")
+    for candidate in candidates:
+        if candidate in params:
+            return candidate
+    raise KeyError(name)
 
 
 @dataclass(frozen=True)
@@ -47,24 +74,27 @@ class ParamSpec:
     stage: int               # pipeline stage that owns it
     layer: int | None = None  # global layer index, None outside the decoder layers
     shapes: tuple[tuple[int, ...], ...] = ()  # the HF tensors' shapes, one per name of `hf`
+    expert: int | None = None  # MoE: the global expert index (its megatron name carries it)
 
-    def local_name(self, layers_per_stage: int, te_names: bool = False) -> str:
-        """The name in the owning stage's state_dict (local layer index)."""
+    def local_name(self, layers_per_stage: int, first_expert: int = 0) -> str:
+        """The name in the owning stage's state_dict of the local layer spec (local layer index; an
+        expert's local index on the expert-parallel rank whose first expert is `first_expert`)."""
         if self.layer is None:
             return self.megatron
         local = self.layer - self.stage * layers_per_stage
         rest = self.megatron.split(".", 3)[3]
-        if te_names:
-            rest = _LOCAL_TO_TE.get(rest, rest)
+        if self.expert is not None:
+            rest = rest.replace(f"local_experts.{self.expert}.", f"local_experts.{self.expert - first_expert}.")
         return f"decoder.layers.{local}.{rest}"
 
 
 class WeightMapping:
-    """All parameters of a model of `arch` at (tp, pp), with shard/unshard rules."""
+    """All parameters of a model of `arch` at (tp, pp, ep, etp), with shard/unshard rules."""
 
-    def __init__(self, arch: ModelArch, tp: int, pp: int, padded_vocab: int):
-        self.arch, self.tp, self.pp, self.padded_vocab = arch, tp, pp, padded_vocab
+    def __init__(self, arch: ModelArch, tp: int, pp: int, padded_vocab: int, ep: int = 1, etp: int = 1):
+        self.arch, self.tp, self.pp, self.padded_vocab, self.ep, self.etp = arch, tp, pp, padded_vocab, ep, etp
         self.layers_per_stage = arch.num_layers // pp
+        self.experts_per_rank = arch.num_experts // ep if arch.is_moe else 0
         self.specs = self._build_specs()
         self._hf_shapes = {name: shape for spec in self.specs for name, shape in zip(spec.hf, spec.shapes)}
 
@@ -76,7 +106,7 @@ class WeightMapping:
         for i in range(a.num_layers):
             stage, prefix = i // self.layers_per_stage, family.hf_layer(i)
             specs += [ParamSpec(f"decoder.layers.{i}.{rule.megatron}", tuple(prefix + n for n in rule.hf), rule.kind,
-                                stage, i, rule.shapes) for rule in family.layer_rules(a, i)]
+                                stage, i, rule.shapes, rule.expert) for rule in family.layer_rules(a, i)]
         specs.append(ParamSpec("decoder.final_layernorm.weight", (family.hf_final_norm,), REPLICATED, last,
                                shapes=((a.hidden_size,),)))
         if a.task == "reward":
@@ -99,8 +129,24 @@ class WeightMapping:
         return [s for s in self.specs if s.stage == stage]
 
     def stage_numel(self, stage: int) -> int:
-        """Parameters one TP rank of pipeline stage `stage` holds (vocab padding and replicas included)."""
-        return sum(math.prod(self.shard_shape(s)) for s in self.stage_specs(stage))
+        """Parameters one rank of pipeline stage `stage` holds (vocab padding and replicas included; its
+        expert-parallel share of the experts)."""
+        return sum(math.prod(self.shard_shape(s)) // (self.ep if s.expert is not None else 1)
+                   for s in self.stage_specs(stage))
+
+    # ---- experts --------------------------------------------------------------------------
+    def first_expert(self, ep_rank: int) -> int:
+        return ep_rank * self.experts_per_rank
+
+    def owns(self, spec: ParamSpec, ep_rank: int) -> bool:
+        """Whether expert-parallel rank `ep_rank` holds `spec` (every rank holds the non-expert ones)."""
+        return spec.expert is None or spec.expert // self.experts_per_rank == ep_rank
+
+    def split(self, spec: ParamSpec) -> int:
+        """How many shards `spec` is split into: tp, etp for an expert's weights, 1 if replicated."""
+        if spec.kind == REPLICATED:
+            return 1
+        return self.etp if spec.expert is not None else self.tp
 
     def numel(self) -> int:
         """Parameters of the whole model at this vocab padding, each counted once (the planner's P)."""
@@ -112,9 +158,10 @@ class WeightMapping:
         """Build TP rank `tp_rank`'s shard of `spec`.
 
         `read(hf_name, dim, start, stop)` returns that slice of an HF tensor (dim None:
-        the whole tensor), so a rank reads only the rows/columns it owns.
+        the whole tensor), so a rank reads only the rows/columns it owns. For an expert's weights
+        `tp_rank` is the expert-tensor-parallel rank (split over etp).
         """
-        a, tp, r = self.arch, self.tp, tp_rank
+        a, tp, r = self.arch, self.split(spec), tp_rank
         if spec.kind == REPLICATED:
             return read(spec.hf[0], None, None, None)
         if spec.kind == ROW:
@@ -190,8 +237,8 @@ class WeightMapping:
         return list(zip(spec.hf, out))
 
     def shard_shape(self, spec: ParamSpec) -> tuple[int, ...]:
-        """Shape of one TP shard of `spec` (same on every TP rank)."""
-        a, tp = self.arch, self.tp
+        """Shape of one TP (an expert's: ETP) shard of `spec` (same on every rank)."""
+        a, tp = self.arch, self.split(spec)
         full = _hf_shape(self, spec.hf[0])
         if spec.kind == REPLICATED:
             return full

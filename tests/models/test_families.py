@@ -17,12 +17,14 @@ from tools.make_tiny_model import make_tiny_model
 BUILTIN = {"llama": ["LlamaForCausalLM", "LlamaForSequenceClassification"],
            "qwen2": ["Qwen2ForCausalLM", "Qwen2ForSequenceClassification"],
            "qwen3": ["Qwen3ForCausalLM", "Qwen3ForSequenceClassification"],
-           "mistral": ["MistralForCausalLM", "MistralForSequenceClassification"]}
+           "mistral": ["MistralForCausalLM", "MistralForSequenceClassification"],
+           "qwen3_moe": ["Qwen3MoeForCausalLM"], "mixtral": ["MixtralForCausalLM"]}
 
 # family, options, tie, reward: the shapes the parameter count is checked on
 SHAPES = [("llama", {}, True, False), ("llama", {}, False, True), ("qwen2", {}, False, False),
           ("qwen3", {"head_dim": 32}, False, False), ("qwen3", {}, True, False), ("qwen3", {}, False, True),
-          ("mistral", {"head_dim": 8, "sliding_window": 128}, False, False)]
+          ("mistral", {"head_dim": 8, "sliding_window": 128}, False, False),
+          ("qwen3_moe", {"experts": 4, "top_k": 2}, False, False), ("mixtral", {"experts": 3, "top_k": 2}, True, False)]
 
 
 def test_registry_serves_the_builtin_families():
@@ -60,11 +62,15 @@ def test_parameter_count_matches_transformers(tmp_path, family, options, tie, re
     cls = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
     hf = cls.from_pretrained(path)
     assert plan.param_count(arch, arch.vocab_size) == sum(p.numel() for p in hf.parameters())
-    # Every HF tensor is made by exactly one rule (nothing left out, nothing invented).
+    # Every HF tensor of the checkpoint is made by exactly one rule (nothing left out, nothing invented).
+    from safetensors import safe_open
+
     from remax_megatron.weights.mapping import WeightMapping
 
-    mapped = {n for s in WeightMapping(arch, 1, 1, arch.vocab_size).exported_specs() for n in s.hf}
-    assert mapped == set(hf.state_dict()) - ({"lm_head.weight"} if tie else set())
+    mapped = [n for s in WeightMapping(arch, 1, 1, arch.vocab_size).exported_specs() for n in s.hf]
+    assert len(mapped) == len(set(mapped))
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        assert set(mapped) == set(f.keys())
 
 
 def test_qwen3_and_mistral_read_their_features(tmp_path):

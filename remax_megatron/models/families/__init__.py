@@ -15,6 +15,14 @@ from remax_megatron.models.families.base import CAUSAL_LM, REWARD, Family, Tenso
 
 _BY_NAME: dict[str, Family] = {}
 _BY_ARCHITECTURE: dict[str, Family] = {}
+# Architectures people ask for that no family can run exactly: refused with the reason, never approximated.
+NOT_SUPPORTED = {
+    "DeepseekV3ForCausalLM": "its sigmoid router with a per-expert bias, multi-latent attention and shared experts",
+    "DeepseekV2ForCausalLM": "multi-latent attention and shared experts",
+    "Qwen2MoeForCausalLM": "its shared expert with a sigmoid gate",
+    "Qwen3NextForCausalLM": "its linear-attention (gated DeltaNet) layers and gated shared expert",
+    "GptOssForCausalLM": "its attention sinks, biased experts and clamped SwiGLU",
+}
 
 
 def register(family: Family) -> Family:
@@ -56,15 +64,16 @@ def lookup(architecture: str, where: str) -> tuple[Family, str]:
     family = _BY_ARCHITECTURE.get(architecture)
     if family is None:
         listed = "; ".join(f"{f.name} ({', '.join(f.architectures)})" for f in _BY_NAME.values())
-        raise ValueError(f"unsupported architecture {architecture!r} in {where}: remax-megatron's model "
+        why = f" ({NOT_SUPPORTED[architecture]} would be approximated)" if architecture in NOT_SUPPORTED else ""
+        raise ValueError(f"unsupported architecture {architecture!r} in {where}{why}: remax-megatron's model "
                          f"families are {listed}")
     return family, family.architectures[architecture]
 
 
 def _register_builtin() -> None:
-    from remax_megatron.models.families import llama, mistral, qwen2, qwen3
+    from remax_megatron.models.families import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 
-    for module in (llama, qwen2, qwen3, mistral):
+    for module in (llama, qwen2, qwen3, mistral, qwen3_moe, mixtral):
         register(module.FAMILY)
 
 

@@ -36,6 +36,9 @@ class TensorRule:
     hf: tuple[str, ...]                 # names inside the HF layer, in the order `kind` concatenates them
     kind: str                           # one of KINDS
     shapes: tuple[tuple[int, ...], ...]  # the HF tensors' shapes, one per name of `hf`
+    # MoE: the global index of the expert this parameter belongs to (split over expert parallelism, and
+    # over expert tensor parallelism instead of TP); its megatron name carries that global index
+    expert: int | None = None
 
 
 class Family:
@@ -86,7 +89,11 @@ class Family:
         return getattr(transformers, self.hf_config_class)(**common)
 
     def architecture_for(self, task: str) -> str:
-        return next(a for a, t in self.architectures.items() if t == task)
+        for architecture, served in self.architectures.items():
+            if served == task:
+                return architecture
+        raise ValueError(f"the {self.name} family has no {'reward model' if task == REWARD else 'causal LM'} "
+                         f"architecture (it serves {', '.join(self.architectures)})")
 
 
 def attention_rules(arch: ModelArch, *, qkv_bias: bool, qk_norm: bool) -> list[TensorRule]:
@@ -117,6 +124,29 @@ def dense_mlp_rules(arch: ModelArch) -> list[TensorRule]:
         TensorRule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), FC1, ((f, d), (f, d))),
         TensorRule("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), ROW, ((d, f),)),
     ]
+
+
+def check_routing(top_k: int, renormalise: bool, path: str) -> None:
+    """Top-1 routing renormalised over its one expert (weight 1.0) is what megatron-core refuses to
+    build (its router would get no gradient); refuse it by name rather than change the weights."""
+    if top_k == 1 and renormalise:
+        raise ValueError(f"num_experts_per_tok=1 with renormalised routing weights in {path} is not supported: "
+                         "megatron-core's router needs the softmax before a top-1 selection")
+
+
+def moe_mlp_rules(arch: ModelArch, *, router: str, expert: str, gate: str, up: str, down: str) -> list[TensorRule]:
+    """Pre-norm routed MLP: post-attention norm, the router [experts, hidden], and per expert a SwiGLU MLP
+    (megatron's SequentialMLP names, global expert index; `expert` is the HF prefix with `{}` for it)."""
+    d, f, n = arch.hidden_size, arch.moe_ffn_hidden_size, arch.num_experts
+    rules = [TensorRule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), REPLICATED, ((d,),)),
+             TensorRule("mlp.router.weight", (router,), REPLICATED, ((n, d),))]
+    for e in range(n):
+        prefix = expert.format(e)
+        rules += [TensorRule(f"mlp.experts.local_experts.{e}.linear_fc1.weight", (prefix + gate, prefix + up), FC1,
+                             ((f, d), (f, d)), expert=e),
+                  TensorRule(f"mlp.experts.local_experts.{e}.linear_fc2.weight", (prefix + down,), ROW, ((d, f),),
+                             expert=e)]
+    return rules
 
 
 def sliding_window_of(cfg) -> int | None:
