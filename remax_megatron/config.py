@@ -31,6 +31,9 @@ Schedule = Literal["constant", "linear", "cosine"]
 Overlong = Literal["drop", "truncate"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Compile = Literal["auto", "always", "never"]
+MoeDispatcher = Literal["alltoall", "allgather"]
+MoeExperts = Literal["auto", "grouped", "sequential"]
+MoeAuxLoss = Literal["aux", "seq_aux", "none"]
 DTYPE_NAMES = typing.get_args(Dtype)
 
 
@@ -86,10 +89,17 @@ class ActorConfig:
     recompute: Recompute = knob("none", "activation recompute (megatron's granularity)")
     make_vocab_size_divisible_by: int = knob(128, "vocab padded to a multiple of this * tp")
     offload_during_rollout: bool = knob(False, "params, grads, optimizer state to host while the engine generates")
+    ep: int = knob(1, "MoE: expert-parallel size (experts split over this many ranks, carved from tp x dp)")
+    etp: int = knob(0, "MoE: expert tensor-parallel size, 1 (experts whole) or actor.tp; 0: actor.tp")
+    moe_dispatcher: MoeDispatcher = knob("alltoall", "MoE: megatron's token dispatcher")
+    moe_experts: MoeExperts = knob("auto", "MoE: grouped = Transformer Engine's grouped GEMM (CUDA), sequential = "
+                                   "megatron's SequentialMLP; auto = grouped where TE runs, else sequential")
 
     def __post_init__(self):
         _positive("actor.tp", self.tp)
         _positive("actor.pp", self.pp)
+        _positive("actor.ep", self.ep)
+        _positive("actor.etp", self.etp, zero_ok=True)
         _check_choices("actor", self)
         _positive("actor.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
 
@@ -143,6 +153,8 @@ class RolloutConfig:
     compile: Compile = knob("auto", "vLLM's torch.compile of the model: auto = on CUDA (with CUDA graphs), eager on "
                             "CPU; always = on CPU too (~25 s more start-up, ~10% faster decoding on a 60M model); "
                             "never = eager everywhere")
+    routing_replay: bool = knob(False, "MoE: the actor's training forward routes each sampled token to the experts "
+                                "the engine chose (router probabilities from the live router); vLLM on CUDA only")
 
     def __post_init__(self):
         _check_choices("rollout", self)
@@ -173,6 +185,9 @@ class AlgoConfig:
                              "DP ranks)")
     clip_ratio: float = knob(0.2, "ratio clip when trainer.mini_batches > 1")
     advantage_clip: float = knob(0.0, "clip advantages to [-c, c] (0: off)")
+    moe_aux_loss: MoeAuxLoss = knob("aux", "MoE load-balancing loss: aux = per micro-batch, token-weighted over the "
+                                    "update; seq_aux = per sequence; none")
+    moe_aux_loss_coef: float = knob(1e-3, "MoE load-balancing loss coefficient (summed over layers; 0: off)")
 
     def __post_init__(self):
         _positive("algo.kl_coef", self.kl_coef, zero_ok=True)
@@ -184,6 +199,7 @@ class AlgoConfig:
         _positive("algo.kl_horizon", self.kl_horizon)
         _positive("algo.clip_ratio", self.clip_ratio)
         _positive("algo.advantage_clip", self.advantage_clip, zero_ok=True)
+        _positive("algo.moe_aux_loss_coef", self.moe_aux_loss_coef, zero_ok=True)
 
 
 @dataclass
@@ -276,7 +292,8 @@ class Config:
     def check_world(self, world_size: int) -> None:
         """Layout checks that need the launched world size (one line, every factor named)."""
         try:
-            ParallelLayout(tp=self.actor.tp, pp=self.actor.pp, world_size=world_size)
+            ParallelLayout(tp=self.actor.tp, pp=self.actor.pp, world_size=world_size, ep=self.actor.ep,
+                           etp=self.actor.etp)
         except ValueError as e:
             raise ValueError(f"actor layout: {e}") from None
         dp = world_size // (self.actor.tp * self.actor.pp)

@@ -99,7 +99,11 @@ class CpuAdamW:
                                            weight_decay=cfg.weight_decay, **ADAMW_IMPL)
         for group in self.optimizer.param_groups:
             group["weight_decay"] = cfg.weight_decay * group["wd_mult"]
-        self.model_parallel_group = (process_groups or ProcessGroups.current()).mp  # the grad norm's
+        groups = process_groups or ProcessGroups.current()
+        # The grad norm's groups: dense parameters are summed over the model-parallel ranks, MoE experts split
+        # over expert parallelism (megatron marks them allreduce=False) over etp x ep x pp, as megatron does.
+        self.model_parallel_group = groups.mp
+        self.expert_group = groups.expert_mp if any(not getattr(p, "allreduce", True) for p in self.params) else None
 
     @property
     def param_groups(self):
@@ -108,10 +112,17 @@ class CpuAdamW:
     @torch.no_grad()
     def grad_norm(self) -> float:
         # fp64 accumulation (an fp32 sum would be off by ~4e-4 relative on 16M-element vocab grads).
-        norms = [fp64_norm(p.main_grad) for p in self.params
-                 if p.main_grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
-        total = torch.stack(norms).square().sum() if norms else torch.zeros((), dtype=torch.float64)
-        dist.all_reduce(total, group=self.model_parallel_group)
+        counted = [p for p in self.params
+                   if p.main_grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+        total = torch.zeros((), dtype=torch.float64)
+        parts = [(self.model_parallel_group, [p for p in counted if getattr(p, "allreduce", True)])]
+        if self.expert_group is not None:  # every rank holds experts (E / ep of them) or none does
+            parts.append((self.expert_group, [p for p in counted if not getattr(p, "allreduce", True)]))
+        for group, params in parts:
+            part = torch.stack([fp64_norm(p.main_grad) for p in params]).square().sum() if params else \
+                torch.zeros((), dtype=torch.float64)
+            dist.all_reduce(part, group=group)
+            total += part
         return math.sqrt(total.item()) if math.isfinite(total.item()) else float("nan")
 
     @torch.no_grad()

@@ -9,6 +9,7 @@ warnings to show: megatron-core warns while it is imported.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from remax_megatron.builtin.models import resolve_model
 from remax_megatron.data.prompts import Prompt, PromptSampler, load_prompts
 from remax_megatron.models import build_policy, build_reward_model, check_layout, read_hf_config
 from remax_megatron.models.gpt import params_dtype_of
-from remax_megatron.models.arch import ModelArch
+from remax_megatron.models.arch import ExpertOptions, ModelArch
 from remax_megatron.models.hf_config import check_run_length
 from remax_megatron.optimizer import attach_to_schedule, build_optimizer, build_scheduler, wrap_ddp
 from remax_megatron.parallel import ParallelLayout, init_distributed
@@ -72,6 +73,7 @@ class CheckedInputs:
     train: list[Prompt]
     eval: list[Prompt]
     data_counts: dict                  # what the data loader kept and dropped, for the first log line
+    experts: ExpertOptions             # how a MoE actor's experts run (dense: the defaults)
 
 
 def check_inputs(cfg, world_size: int) -> CheckedInputs:
@@ -82,7 +84,8 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     check_writable(cfg.checkpoint.dir, "checkpoint.dir")
     actor_dir = resolve_model(cfg.actor.model, "actor.model", build=False)
     arch = read_hf_config(actor_dir)
-    check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor")
+    check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor", ep=cfg.actor.ep)
+    experts = expert_options(cfg, arch)
     check_rollout(cfg.rollout, arch, world_size)
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     how = f"data.max_prompt_tokens({cfg.data.max_prompt_tokens}) + rollout.max_new_tokens({cfg.rollout.max_new_tokens})"
@@ -112,7 +115,28 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
         rm_inputs.check_prompts([q.text for q in train + evals])
     return CheckedInputs(arch=arch, actor_dir=actor_dir, ref_dir=ref_dir, rm_dir=rm_dir, rm_arch=rm_arch,
                          rm_inputs=rm_inputs, functions=functions, tokenizer=tokenizer, train=train, eval=evals,
-                         data_counts=counts)
+                         data_counts=counts, experts=experts)
+
+
+def expert_options(cfg, arch: ModelArch) -> ExpertOptions:
+    """How the actor's (and reference's) experts run; one-line errors for what cannot run here."""
+    a = cfg.actor
+    if not arch.is_moe:
+        if cfg.rollout.routing_replay:
+            raise ValueError(f"rollout.routing_replay=true but {arch.architecture} has no experts to route: "
+                             "set it to false")
+        return ExpertOptions()
+    if a.tp > 1 and not a.sequence_parallel:
+        raise ValueError(f"actor.tp={a.tp} with a mixture-of-experts model needs actor.sequence_parallel=true "
+                         "(megatron-core trains MoE layers under TP only with sequence parallelism)")
+    from remax_megatron.models.gpt import transformer_engine_usable
+
+    grouped = a.moe_experts == "grouped" or (a.moe_experts == "auto" and transformer_engine_usable())
+    if grouped and not transformer_engine_usable():
+        raise ValueError("actor.moe_experts=grouped needs CUDA and Transformer Engine (TEGroupedMLP): use "
+                         "actor.moe_experts=sequential (megatron's SequentialMLP) or auto")
+    return ExpertOptions(ep=a.ep, etp=a.etp or a.tp, dispatcher=a.moe_dispatcher, grouped_gemm=grouped,
+                         routing_replay=cfg.rollout.routing_replay)
 
 
 def build(cfg, checked: CheckedInputs):
@@ -123,18 +147,20 @@ def build(cfg, checked: CheckedInputs):
     ref_dir = checked.ref_dir and resolve_model(cfg.reference.model or cfg.actor.model, "reference.model")
     rm_dir = checked.rm_dir and resolve_model(cfg.reward.model, "reward.model")
     _, world = init_distributed(cfg.trainer.dist_timeout_minutes)
-    groups = ParallelLayout(tp=cfg.actor.tp, pp=cfg.actor.pp, world_size=world).initialize(
-        seed=cfg.trainer.seed, timeout_minutes=cfg.trainer.dist_timeout_minutes)
+    groups = ParallelLayout(tp=cfg.actor.tp, pp=cfg.actor.pp, world_size=world, ep=cfg.actor.ep,
+                            etp=cfg.actor.etp).initialize(seed=cfg.trainer.seed,
+                                                          timeout_minutes=cfg.trainer.dist_timeout_minutes)
     torch.manual_seed(cfg.trainer.seed)
     dtype = params_dtype_of(cfg.actor.dtype)
     recompute = None if cfg.actor.recompute == "none" else cfg.actor.recompute
     common = dict(tp=cfg.actor.tp, pp=cfg.actor.pp, params_dtype=dtype, sequence_parallel=cfg.actor.sequence_parallel,
                   make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by, init_weights=False)
-    actor = build_policy(checked.arch, recompute_granularity=recompute, **common)
+    actor = build_policy(checked.arch, recompute_granularity=recompute, experts=checked.experts, **common)
     load_hf_weights(actor, actor_dir)
     reference = None
-    if ref_dir:
-        reference = build_policy(checked.arch, trainable=False, **common)
+    if ref_dir:  # the reference routes on its own (no replay)
+        reference = build_policy(checked.arch, trainable=False, **common,
+                                 experts=dataclasses.replace(checked.experts, routing_replay=False))
         load_hf_weights(reference, ref_dir)
     reward_model = None
     if rm_dir:

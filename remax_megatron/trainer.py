@@ -45,6 +45,7 @@ from remax_megatron.metrics import MetricsLogger, count_weighted, global_mean, p
 from remax_megatron.models.forward import broadcast_from_last_stage, forward_only, run_schedule, to_model_device
 from remax_megatron.data.prompts import Prompt, PromptSampler
 from remax_megatron.models.gpt import PolicyModel, sequence_multiple
+from remax_megatron.models.moe import LoadBalancing, padding_mask
 from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer
 from remax_megatron.parallel import ProcessGroups, all_reduce_cpu
 from remax_megatron.reward.scoring import RewardScorer
@@ -53,6 +54,8 @@ from remax_megatron.rollout import RolloutEngine, SamplingParams, WeightSync, lo
 
 # Statistics of the loss that are summed over micro-batches and DP ranks (each already normalised globally).
 LOSS_STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac")
+# MoE: the update's load-balancing loss (mean over layers) and expert load (models/moe.py)
+MOE_STATS = ("moe/aux_loss", "moe/expert_load")
 
 
 @dataclass
@@ -83,6 +86,10 @@ class Trainer:
         self._decoded_tokens = 0  # tokens this rank's engine decoded in the step's rollout
         self.preempt = PreemptionFlag()
         self._save_seconds = 0.0  # the last save's duration: a stop-signal save must fit torchrun's grace
+        # MoE: the load-balancing loss and expert-load statistics (hooks on the actor's routers)
+        self.balance = LoadBalancing(self.actor_module, self.cfg.algo.moe_aux_loss, self.cfg.algo.moe_aux_loss_coef,
+                                     self.groups.tp, self.groups.dp, self.groups.pp) \
+            if self.actor_module.arch.is_moe else None
 
     @functools.cached_property
     def offload(self) -> TrainStateOffload:
@@ -248,7 +255,7 @@ class Trainer:
         cfg, parts = self.cfg, self.parts
         total = batch["input_ids"].shape[0]
         per_update = total // cfg.trainer.mini_batches
-        summed = {k: 0.0 for k in LOSS_STATS}
+        summed = {k: 0.0 for k in LOSS_STATS + (MOE_STATS if self.balance else ())}
         grad_norms, behaviour, advantages = [], [], []
         for u in range(cfg.trainer.mini_batches):
             rows = range(u * per_update, (u + 1) * per_update)
@@ -256,7 +263,13 @@ class Trainer:
             num_tokens = self._dp_sum(mask.sum().double()).item()
             num_seqs = self._dp_sum(torch.tensor(float(len(rows)), dtype=torch.float64)).item()
             micro = self._micro_batches(batch, rows, {"old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs})
+            if self.balance:  # normalised by every token the routers see (prompt and response, no padding)
+                self.balance.begin_update(self._dp_sum(batch["lengths"][rows.start:rows.stop].sum().double()).item(),
+                                          num_seqs)
             stats = self._forward_backward(micro, num_tokens, num_seqs, behaviour, advantages)
+            if self.balance:
+                stats.update(self.balance.end_update())
+                stats["loss"] += self.balance.total_loss(stats)
             ok, norm = parts.optimizer.step()
             if ok:
                 parts.scheduler.step(increment=1)
@@ -265,7 +278,7 @@ class Trainer:
                 print0(f"step {self.step}: skipped an update (grad norm {norm})")
             parts.optimizer.zero_grad()
             grad_norms.append(norm)
-            for k in LOSS_STATS:
+            for k in summed:
                 summed[k] += stats.get(k, 0.0) / cfg.trainer.mini_batches
         summed["grad_norm"] = sum(grad_norms) / len(grad_norms)
         last = self.groups.is_last_stage
@@ -282,7 +295,8 @@ class Trainer:
         kl_in_loss = cfg.algo.kl_mode == "loss"
         def step_fn(data_iterator, ddp_model):
             mb = to_model_device(next(data_iterator), model)
-            hidden = ddp_model(mb["input_ids"], _positions(mb["input_ids"]), attention_mask=None)
+            moe = {"padding_mask": padding_mask(model, mb["input_ids"], mb["lengths"])} if self.balance else {}
+            hidden = ddp_model(mb["input_ids"], _positions(mb["input_ids"]), attention_mask=None, **moe)
 
             def loss_fn(output):
                 old, ref = mb.get("old_logprobs"), mb.get("ref_logprobs")
@@ -401,6 +415,7 @@ class Trainer:
             "logprob/engine_vs_actor_max_diff": totals["gap_max"],
             "logprob/engine_vs_actor_mean_diff": totals["gap_sum"] / n_tok,
         }
+        record.update({k: stats[k] for k in MOE_STATS if k in stats})
         record.update(self._global_reward_metrics(reward_metrics))
         return record
 

@@ -1,0 +1,170 @@
+"""Mixture-of-experts pieces the trainer owns, read off megatron's routers by forward hooks: the
+load-balancing loss with the policy loss's global normalisation, and the experts' load.
+
+    balance = LoadBalancing(actor, kind="aux", coef=1e-3, groups=groups)
+    balance.begin_update(global_tokens, global_sequences)   # before each optimizer update
+    ... megatron's forward-backward schedule (the hooks add the loss's gradient) ...
+    metrics = balance.end_update()   # {"moe/aux_loss": ..., "moe/expert_load": ...}, every rank
+
+The loss (the switch / GShard form, megatron's `switch_load_balancing_loss_func`), per MoE layer,
+over the valid (non-padding) tokens T of a micro-batch, E experts, k per token:
+
+    aux = E * sum_e f_e * P_e,    f_e = |tokens routed to e| / (k |T|),   P_e = mean_{t in T} softmax(logits_t)_e
+
+kind "aux": the update's loss is the token-weighted mean over its micro-batches and DP ranks,
+sum_mb |T_mb| aux_mb / sum_mb |T_mb| (f and P are batch statistics: the same micro-batches give
+the same loss whichever ranks run them). kind "seq_aux": the same per sequence, averaged over the
+update's sequences (DeepSeek-V3's form; independent of the grouping). The trainer adds
+coef * (sum over MoE layers) to the policy loss; `moe/aux_loss` logs the mean over layers (1.0 for a
+perfectly balanced router). megatron's own aux loss is off (hf_config._moe_kwargs): its gradient
+scale follows megatron's per-micro-batch token counts, not this trainer's global normalisation.
+
+Each hook recomputes the router's logits from its input (one [tokens, hidden] x [hidden, experts]
+GEMM, small beside the experts') so that P_e carries the router's gradient; with sequence
+parallelism the counts are summed over TP and each rank's P covers its shard of the sequence. The
+hooks act only in a training forward with gradients (so a fully recomputed layer counts once).
+
+`moe/expert_load`: over the update's valid tokens, the most loaded expert's token count over the
+mean count, the maximum over layers (1.0 = perfectly balanced).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+AUX_KINDS = ("aux", "seq_aux", "none")
+
+
+class _AddLoss(torch.autograd.Function):
+    """Returns `activation` unchanged; its backward also starts the backward of `loss` (gradient 1):
+    how a loss computed inside a layer joins the step's loss wherever the layer sits in the pipeline."""
+
+    @staticmethod
+    def forward(ctx, activation: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        return activation
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss)
+
+
+def routers(model) -> list:
+    """megatron's TopKRouter modules of `model`, in layer order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in model.modules() if isinstance(m, TopKRouter)]
+
+
+class LoadBalancing:
+    """Forward hooks on every router of `model`; see the module docstring."""
+
+    def __init__(self, model, kind: str, coef: float, tp_group, dp_group, pp_group):
+        if kind not in AUX_KINDS:
+            raise ValueError(f"algo.moe_aux_loss={kind!r} is not one of {', '.join(AUX_KINDS)}")
+        self.kind, self.coef = kind, float(coef)
+        self.tp_group = tp_group if dist.get_world_size(tp_group) > 1 else None
+        self.dp_group, self.pp_group = dp_group, pp_group
+        self.routers = routers(model)
+        self.num_layers = model.config.num_layers  # every layer is MoE (the families refuse dense ones)
+        self._norm: float | None = None            # 1 / global tokens ("aux") or sequences ("seq_aux")
+        self._aux = torch.zeros(len(self.routers), dtype=torch.float64)  # this rank's weighted share per layer
+        self._counts = torch.zeros(len(self.routers), model.config.num_moe_experts, dtype=torch.float64)
+        for index, router in enumerate(self.routers):
+            router.register_forward_hook(self._hook(index))
+
+    @property
+    def active(self) -> bool:
+        return self.kind != "none" and self.coef > 0
+
+    def begin_update(self, global_tokens: float, global_sequences: float) -> None:
+        """The update's normalisation: valid tokens (aux) or sequences (seq_aux) over every DP rank."""
+        self._norm = 1.0 / max(global_sequences if self.kind == "seq_aux" else global_tokens, 1.0)
+        self._aux.zero_()
+        self._counts.zero_()
+
+    def end_update(self) -> dict[str, float]:
+        """The update's load-balancing loss (mean over layers) and expert load, the same on every rank."""
+        aux = self._aux.clone()
+        counts = self._counts.clone()
+        if self.tp_group is not None:   # each TP rank's share of the loss covers its sequence shard
+            dist.all_reduce(aux, group=self.tp_group)
+        if dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(aux, group=self.dp_group)
+            dist.all_reduce(counts, group=self.dp_group)
+        total = aux.sum().reshape(1)
+        load = counts.max(-1).values / counts.mean(-1).clamp(min=1e-12) if len(self.routers) else torch.zeros(1)
+        load = load.max().reshape(1) if counts.sum() > 0 else torch.zeros(1, dtype=torch.float64)
+        if dist.get_world_size(self.pp_group) > 1:  # each stage holds its own layers
+            dist.all_reduce(total, group=self.pp_group)
+            dist.all_reduce(load, op=dist.ReduceOp.MAX, group=self.pp_group)
+        self._norm = None
+        return {"moe/aux_loss": total.item() / self.num_layers, "moe/expert_load": load.item()}
+
+    def total_loss(self, metrics: dict[str, float]) -> float:
+        """What the update added to the loss: coef * sum over layers."""
+        return self.coef * metrics["moe/aux_loss"] * self.num_layers if self.active else 0.0
+
+    # ---- the hook ----------------------------------------------------------------------------
+    def _hook(self, index: int):
+        def hook(router, args, output):
+            if not (router.training and torch.is_grad_enabled()) or self._norm is None:
+                return None
+            hidden = args[0]
+            padding = args[1] if len(args) > 1 else None
+            probs, routing_map = output                          # [T, E] each, T = local s x b (s-major)
+            valid = torch.ones(routing_map.shape[0], dtype=torch.bool, device=routing_map.device) \
+                if padding is None else ~padding.reshape(-1)       # [T]
+            counts = (routing_map & valid[:, None]).sum(0).double()  # [E], this rank's shard
+            if self.tp_group is not None:
+                dist.all_reduce(counts, group=self.tp_group)
+            self._counts[index] += counts.cpu()
+            if not self.active:
+                return None
+            loss = self._loss(router, hidden, valid, routing_map, s_local=hidden.shape[0])
+            self._aux[index] += loss.detach().double().cpu() / self.coef
+            # fp16 scales the policy loss's gradient (megatron's grad_scale_func): the same here
+            scale = router.config.grad_scale_func
+            scaled = loss * scale(torch.ones((), device=loss.device)) if scale is not None else loss
+            return _AddLoss.apply(probs, scaled.to(probs.dtype)), routing_map
+        return hook
+
+    def _loss(self, router, hidden, valid, routing_map, s_local: int) -> torch.Tensor:
+        """coef * this rank's share of the layer's weighted load-balancing loss (differentiable in the
+        router's weight through the recomputed scores)."""
+        experts, k = routing_map.shape[1], router.topk
+        scores = torch.softmax(router.gating(hidden).reshape(-1, experts).float(), dim=-1)   # [T, E]
+        scores = scores * valid[:, None]
+        routed = (routing_map & valid[:, None]).float()
+        if self.kind == "aux":
+            stats = torch.stack([routed.sum(0), valid.sum().float().expand(experts)])         # [2, E]
+            if self.tp_group is not None:
+                dist.all_reduce(stats, group=self.tp_group)
+            counts, tokens = stats[0], stats[1, 0]
+            aux = experts * (counts * scores.sum(0)).sum() / (k * tokens * tokens).clamp(min=1.0)
+            # token-weighted: this micro-batch's tokens over the update's
+            return self.coef * aux * tokens * self._norm
+        b = hidden.shape[1]                                       # seq_aux: per sequence
+        routed, scores = routed.view(s_local, b, experts), scores.view(s_local, b, experts)
+        stats = torch.cat([routed.sum(0), valid.view(s_local, b).sum(0).float()[:, None]], dim=1)  # [b, E + 1]
+        if self.tp_group is not None:
+            dist.all_reduce(stats, group=self.tp_group)
+        counts, tokens = stats[:, :experts], stats[:, experts]
+        aux = experts * (counts * scores.sum(0)).sum(-1) / (k * tokens * tokens).clamp(min=1.0)   # [b]
+        return self.coef * aux[tokens > 0].sum() * self._norm
+
+
+def padding_mask(model, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[b, s] True past each row's length (right padding), as megatron's MoE routing reads it.
+
+    megatron's GPTModel splits it over the sequence for sequence parallelism on the first pipeline
+    stage only; the later stages get their TP rank's slice here."""
+    b, s = input_ids.shape
+    mask = torch.arange(s, device=input_ids.device)[None, :] >= lengths.to(input_ids.device)[:, None]
+    config = model.config
+    if config.sequence_parallel and not model.pre_process:
+        tp, rank = model.tp_group.size(), model.tp_group.rank()
+        mask = mask[:, rank * s // tp:(rank + 1) * s // tp]
+    return mask
