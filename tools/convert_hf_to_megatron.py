@@ -2,6 +2,7 @@
 
     python tools/convert_hf_to_megatron.py --hf-dir HF --out CKPT
     torchrun --nproc_per_node=4 tools/convert_hf_to_megatron.py --hf-dir HF --out CKPT --tp 2 --pp 2
+    torchrun --nproc_per_node=2 tools/convert_hf_to_megatron.py --hf-dir MOE --out CKPT --ep 2   # MoE experts split
 
 The checkpoint is layout-free: any TP/PP loads it (tools/convert_megatron_to_hf.py,
 the trainer). Under torchrun each rank reads only its own slices of the HF
@@ -22,9 +23,12 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def convert(hf_dir: str, out: str, tp: int = 1, pp: int = 1, overwrite: bool = False) -> str:
+def convert(hf_dir: str, out: str, tp: int = 1, pp: int = 1, overwrite: bool = False, ep: int = 1,
+            etp: int = 0) -> str:
     import torch.distributed as dist
 
+    from remax_megatron.models.arch import ExpertOptions
+    from remax_megatron.models.families import family_named
     from remax_megatron.models.hf_config import check_layout, read_hf_config
     from remax_megatron.parallel import ParallelLayout, init_distributed
     from remax_megatron.weights import HFCheckpointReader, load_hf_weights
@@ -34,12 +38,13 @@ def convert(hf_dir: str, out: str, tp: int = 1, pp: int = 1, overwrite: bool = F
     out = os.path.abspath(out)
     replacing = check_out_dir(out, overwrite, model_checkpoint_entries, "a model checkpoint")
     arch = read_hf_config(hf_dir)
-    check_layout(arch, tp, pp, what="--")
+    check_layout(arch, tp, pp, what="--", ep=ep)
     reader = HFCheckpointReader(hf_dir)          # opens and checks every file before any work
     _, world = init_distributed()
-    ParallelLayout(tp=tp, pp=pp, world_size=world).initialize()
-    dtype = reader.dtype("model.embed_tokens.weight")
-    model = build_model_for(arch, tp=tp, pp=pp, params_dtype=dtype, init_weights=False)
+    ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize()
+    dtype = reader.dtype(family_named(arch.family).hf_embedding)
+    model = build_model_for(arch, tp=tp, pp=pp, params_dtype=dtype, init_weights=False,
+                            experts=ExpertOptions(ep=ep, etp=etp or tp))
     load_hf_weights(model, reader)
 
     # Every rank writes into one temporary directory that rank 0 created.
@@ -66,11 +71,13 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="checkpoint directory to create")
     p.add_argument("--tp", type=int, default=1, help="TP used to split the work (the result is layout-free)")
     p.add_argument("--pp", type=int, default=1, help="PP used to split the work")
+    p.add_argument("--ep", type=int, default=1, help="MoE: expert parallel used to split the work")
+    p.add_argument("--etp", type=int, default=0, help="MoE: expert tensor parallel, 1 or --tp (default: --tp)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a model checkpoint this tool wrote before at --out (nothing else)")
     a = p.parse_args(argv)
     try:
-        out = convert(a.hf_dir, a.out, a.tp, a.pp, a.overwrite)
+        out = convert(a.hf_dir, a.out, a.tp, a.pp, a.overwrite, a.ep, a.etp)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -3,9 +3,12 @@ path the rollout weight sync uses (TP shards gathered, PP stages broadcast).
 
     python tools/convert_megatron_to_hf.py --ckpt CKPT --out HF --tp 1 --pp 1
     torchrun --nproc_per_node=4 tools/convert_megatron_to_hf.py --ckpt CKPT --out HF --tp 2 --pp 2
+    torchrun --nproc_per_node=2 tools/convert_megatron_to_hf.py --ckpt MOE_CKPT --out HF --ep 2
 
 CKPT is a model checkpoint (tools/convert_hf_to_megatron.py) or a training
-checkpoint (its actor). The world size must equal tp * pp. An existing --out (a file or a
+checkpoint (its actor). The world size must be the smallest that holds the layout: tp * pp, times
+what expert parallelism needs beyond tp (--ep 2 at --tp 1: 2 processes; --tp 2 --ep 2: 2 with whole
+experts, --etp 1, or 4 with --etp 2). An existing --out (a file or a
 non-empty directory) is refused; --overwrite replaces only an HF directory this tool wrote (its
 remax_written_by.json lists the files) and says what it removes. Errors are one line on stderr, exit 2.
 """
@@ -22,10 +25,10 @@ TOOL = "convert_megatron_to_hf"  # recorded in the HF directory it writes (what 
 
 
 def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
-            overwrite: bool = False) -> str:
+            overwrite: bool = False, ep: int = 1, etp: int = 0) -> str:
     import torch.distributed as dist
 
-    from remax_megatron.models.arch import DTYPES
+    from remax_megatron.models.arch import DTYPES, ExpertOptions
     from remax_megatron.models.hf_config import check_layout
     from remax_megatron.parallel import ParallelLayout, init_distributed
     from remax_megatron.weights import export_hf_weights
@@ -37,13 +40,17 @@ def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = N
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
     arch, params_dtype = read_checkpoint_meta(ckpt)
-    check_layout(arch, tp, pp, what="--")
-    _, world = init_distributed()
-    if world != tp * pp:
-        raise ValueError(f"world size {world} != tp({tp}) * pp({pp}): launch with "
-                         f"torchrun --nproc_per_node={tp * pp}")
-    ParallelLayout(tp=tp, pp=pp, world_size=world).initialize()
-    model = build_model_for(arch, tp=tp, pp=pp, params_dtype=params_dtype, init_weights=False)
+    check_layout(arch, tp, pp, what="--", ep=ep)
+    needed = ParallelLayout.smallest_world(tp, pp, ep, etp)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; checked before any process group exists
+    if world != needed:
+        layout = f"tp({tp}) * pp({pp})" + (f" with ep({ep}) * etp({etp or tp})" if ep > 1 else "")
+        raise ValueError(f"world size {world} but {layout} needs {needed} processes: launch with "
+                         f"torchrun --nproc_per_node={needed}")
+    init_distributed()
+    ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize()
+    model = build_model_for(arch, tp=tp, pp=pp, params_dtype=params_dtype, init_weights=False,
+                            experts=ExpertOptions(ep=ep, etp=etp or tp))
     load_model(model, ckpt)
     tensors = export_hf_weights(model, dtype=DTYPES[dtype] if dtype else None)
     if dist.get_rank() == 0:
@@ -66,12 +73,14 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="Hugging Face directory to create")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="MoE: expert parallel")
+    p.add_argument("--etp", type=int, default=0, help="MoE: expert tensor parallel, 1 or --tp (default: --tp)")
     p.add_argument("--dtype", default=None, help="cast to float32 | bfloat16 | float16 (default: as saved)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an HF directory this tool wrote before at --out (nothing else)")
     a = p.parse_args(argv)
     try:
-        out = convert(a.ckpt, a.out, a.tp, a.pp, a.dtype, a.overwrite)
+        out = convert(a.ckpt, a.out, a.tp, a.pp, a.dtype, a.overwrite, a.ep, a.etp)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

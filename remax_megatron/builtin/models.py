@@ -13,6 +13,13 @@ first use (about a minute per model on one core) and reusing it afterwards:
   exact match ~0-0.1), while a temperature-1 sample is correct ~1/3 of the
   time. ReMax (advantage = r(sample) - r(greedy)) therefore flips greedy to
   the correct answer within a few steps.
+* ``tiny-arith-moe``: ``tiny-arith`` upcycled into a MixtralForCausalLM (Komatsuzaki et al., 2022:
+  every expert starts as a copy of the dense MLP): 4 experts of the dense width, 2 per token, each
+  copy perturbed by 1% relative noise so that routing matters from the first step, and a random
+  router. With renormalised top-2 weights the model starts as the dense warm start (same greedy
+  mistakes, same sampling odds) and RL trains its experts apart: the embedded MoE default
+  (configs/tiny_cpu_moe.yaml, expert parallel over 2 processes). Built in seconds from
+  ``tiny-arith`` (which it builds first if needed).
 * ``tiny-arith-rm``: a LlamaForSequenceClassification (num_labels=1) of the
   same shape, scored HF style at the last non-pad token (pad id 0, right
   padding) of ``prompt + response + </s>``. Trained by squared error to 1 for
@@ -57,9 +64,14 @@ BUILTIN_VERSION = "3"  # 3: built on one thread (2: on min(2, cores) threads)
 MARKER = "remax_builtin.json"  # written last inside the directory: its presence marks a complete build
 
 ARCH = dict(family="llama", hidden=128, layers=4, heads=4, kv_heads=2, ffn=256, tie=False)  # head_dim 32: vLLM CPU runs it
+# The dense default's shape with its MLP as 4 experts, 2 per token (Mixtral: Llama's attention, so the
+# upcycled model starts as exactly the dense one up to the experts' noise).
+MOE_ARCH = dict(ARCH, family="mixtral", options=dict(experts=4, top_k=2))
 RECIPES = {
     "tiny-arith": dict(kind="actor", task="arith", arch=ARCH, seed=0, p_correct=0.25, wrong_offset=1,
                        steps=400, lr=3e-3, warmup_frac=0.1, betas=(0.9, 0.98), clip=1.0),
+    "tiny-arith-moe": dict(kind="upcycled", base="tiny-arith", task="arith", arch=MOE_ARCH, seed=0,
+                           expert_noise=0.01, router_std=0.02),
     "tiny-arith-rm": dict(kind="reward", task="arith", arch=ARCH, seed=0, negatives_per_prompt=1,
                           max_answer=19, steps=600, lr=3e-3, warmup_frac=0.1, betas=(0.9, 0.98), clip=1.0,
                           lm_aux_weight=1.0),
@@ -72,7 +84,9 @@ BUILD_THREADS = 1
 
 
 def recipe_hash(name: str) -> str:
-    blob = json.dumps({"version": BUILTIN_VERSION, "name": name, "recipe": RECIPES[name]}, sort_keys=True)
+    recipe = RECIPES[name]
+    base = recipe_hash(recipe["base"]) if "base" in recipe else None  # an upcycled model changes with its base
+    blob = json.dumps({"version": BUILTIN_VERSION, "name": name, "recipe": recipe, "base": base}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
@@ -150,6 +164,10 @@ def build_model(name: str, out: str) -> dict:
         if recipe["kind"] == "actor":
             model, tok = _train_actor(out, recipe)
             metrics = evaluate_actor(model, tok, recipe["task"])
+        elif recipe["kind"] == "upcycled":
+            model, tok = _upcycle(out, ensure_builtin_model(recipe["base"], os.path.dirname(out)),
+                                  recipe)
+            metrics = evaluate_actor(model, tok, recipe["task"])
         else:
             model, tok = _train_reward(out, recipe)
             metrics = evaluate_reward(model, tok, recipe["task"])
@@ -166,7 +184,7 @@ def _tiny_args(recipe: dict) -> dict:
     """remax_megatron.builtin.tiny's arguments for a recipe's architecture."""
     a = recipe["arch"]
     return dict(family=a["family"], hidden=a["hidden"], layers=a["layers"], heads=a["heads"], kv_heads=a["kv_heads"],
-                ffn=a["ffn"], tie=a["tie"], reward=recipe["kind"] == "reward")
+                ffn=a["ffn"], tie=a["tie"], reward=recipe["kind"] == "reward", **a.get("options", {}))
 
 
 def builtin_model_spec(name: str, cache_dir: str | None = None) -> str:
@@ -190,7 +208,11 @@ def builtin_model_spec(name: str, cache_dir: str | None = None) -> str:
     return spec
 
 
-def _load(out: str, cls_name: str):
+def _load(out: str, task: str):
+    """The built model's HF class for `task` (its family's causal LM or reward architecture)."""
+    with open(os.path.join(out, "config.json")) as f:
+        cls_name = json.load(f)["architectures"][0]
+    assert cls_name.endswith("ForCausalLM" if task == "actor" else "ForSequenceClassification"), cls_name
     model = getattr(transformers, cls_name).from_pretrained(out)
     tok = transformers.AutoTokenizer.from_pretrained(out)
     return model, tok
@@ -233,7 +255,7 @@ def response_logprobs(model, tok, prompts: list[str], responses: list[str]):
 
 
 def _train_actor(out: str, recipe: dict):
-    model, tok = _load(out, "LlamaForCausalLM")
+    model, tok = _load(out, "actor")
     model.train()
     train = builtin_task(recipe["task"])["train"]
     prompts = [r["prompt"] for r in train]
@@ -247,6 +269,29 @@ def _train_actor(out: str, recipe: dict):
         return -(p * lp[:n] + (1 - p) * lp[n:]).mean()  # exact expected NLL of the p_correct mixture
 
     _fit(model, recipe, loss)
+    return model, tok
+
+
+@torch.no_grad()
+def _upcycle(out: str, dense_dir: str, recipe: dict):
+    """The dense model's weights into the MoE model at `out`: attention, norms and embeddings as they are,
+    every expert's gate / up / down a copy of the dense MLP's times (1 + expert_noise * N(0, 1)), and the
+    router N(0, router_std)."""
+    model, tok = _load(out, "actor")
+    dense = transformers.AutoModelForCausalLM.from_pretrained(dense_dir).state_dict()
+    noise = recipe["expert_noise"]
+    for name, param in model.named_parameters():  # transformers' in-memory names (fused experts [E, ...])
+        if ".mlp.gate." in name:
+            param.normal_(0.0, recipe["router_std"])
+        elif ".mlp.experts." in name:
+            layer = name.split(".mlp.")[0]
+            source = {"gate_up_proj": torch.cat([dense[f"{layer}.mlp.gate_proj.weight"],
+                                                 dense[f"{layer}.mlp.up_proj.weight"]]),
+                      "down_proj": dense[f"{layer}.mlp.down_proj.weight"]}[name.rsplit(".", 1)[-1]]
+            param.copy_(source.expand_as(param) * (1 + noise * torch.randn(param.shape)))
+        else:
+            param.copy_(dense[name])
+    model.eval()
     return model, tok
 
 
@@ -286,7 +331,7 @@ def _wrong_answer(a: int, gen, max_answer: int) -> int:
 
 
 def _train_reward(out: str, recipe: dict):
-    model, tok = _load(out, "LlamaForSequenceClassification")
+    model, tok = _load(out, "reward")
     model.train()
     train = builtin_task(recipe["task"])["train"]
     gen = torch.Generator().manual_seed(recipe["seed"])

@@ -15,6 +15,7 @@ parallel replicas.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass
 
@@ -61,6 +62,12 @@ class ParallelLayout:
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp)
+
+    @staticmethod
+    def smallest_world(tp: int, pp: int, ep: int = 1, etp: int = 0) -> int:
+        """The fewest processes that hold this layout: tp * pp * dp with ep * etp dividing tp * dp."""
+        experts = ep * (etp or tp)
+        return tp * pp * (experts // math.gcd(experts, tp))
 
     @property
     def expert_tp(self) -> int:

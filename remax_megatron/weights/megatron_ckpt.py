@@ -23,7 +23,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
 from remax_megatron.models import build_policy, build_reward_model, read_hf_config
-from remax_megatron.models.arch import DTYPES, ModelArch
+from remax_megatron.models.arch import DTYPES, ExpertOptions, ModelArch
 from remax_megatron.weights.hf_io import SIDE_FILES
 
 FORMAT_VERSION = 1
@@ -31,12 +31,13 @@ META = "remax_checkpoint.json"
 
 
 def build_model_for(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype, init_weights: bool,
-                    trainable: bool = False):
-    """The policy or reward model that `arch` describes, on the current layout."""
+                    trainable: bool = False, experts: ExpertOptions | None = None):
+    """The policy or reward model that `arch` describes, on the current layout (experts: a MoE model's
+    expert layout, matching the initialised expert-parallel groups)."""
     if arch.task == "reward":
         return build_reward_model(arch, tp=tp, pp=pp, params_dtype=params_dtype, init_weights=init_weights)
     return build_policy(arch, tp=tp, pp=pp, params_dtype=params_dtype, init_weights=init_weights,
-                        trainable=trainable)
+                        trainable=trainable, experts=experts)
 
 
 def save_model(model, ckpt_dir: str, hf_dir: str) -> None:

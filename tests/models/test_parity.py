@@ -1,6 +1,7 @@
 """Megatron actor logits and reward-model scores vs transformers, at several TP x PP layouts (gloo),
 with and without sequence parallel, for every registered dense family (Llama tied, Qwen2, Qwen3 tied
-and untied with head_dim != hidden / heads, Mistral) and reward models of Qwen2, Qwen3 and Mistral."""
+and untied with head_dim != hidden / heads, Mistral), reward models of Qwen2, Qwen3 and Mistral, and the
+MoE families (Qwen3-MoE, Mixtral) at expert-parallel layouts with both token dispatchers."""
 
 import pytest
 import torch
@@ -13,6 +14,11 @@ ACTORS = ["llama", "qwen2", "qwen3", "qwen3-tied", "mistral"]
 # model, tp, pp with sequence parallel
 SP_CASES = [("llama", 2, 1), ("qwen2", 2, 2), ("qwen3", 2, 1), ("qwen3-tied", 2, 2), ("mistral", 2, 1)]
 REWARD_MODELS = ["rm", "rm-qwen3", "rm-mistral"]
+# MoE: (tp, pp, ep) on (world) processes; TP=2 with sequence parallel (what MoE training needs) and whole
+# experts split over EP; both of megatron's token dispatchers
+MOE_LAYOUTS = [(1, 1, 1, 1), (1, 1, 2, 2), (2, 1, 2, 4), (1, 2, 2, 4)]
+MOE_MODELS = ["qwen3_moe", "mixtral"]
+DISPATCHERS = ["alltoall", "allgather"]
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +41,11 @@ def models(tmp_path_factory):
                                    ffn=96, vocab=300, head_dim=32, sliding_window=64, seed=7),
         "rm": make_tiny_model(str(root / "rm"), "qwen2", hidden=64, layers=4, heads=4, kv_heads=2,
                               ffn=96, vocab=300, reward=True, seed=3),
+        # MoE: 4 experts of width 32, 2 per token; Qwen3-MoE renormalises the top-k (norm_topk_prob)
+        "qwen3_moe": make_tiny_model(str(root / "qwen3_moe"), "qwen3_moe", hidden=64, layers=4, heads=4,
+                                     kv_heads=2, ffn=32, vocab=300, experts=4, top_k=2, seed=10),
+        "mixtral": make_tiny_model(str(root / "mixtral"), "mixtral", hidden=64, layers=4, heads=4, kv_heads=2,
+                                   ffn=32, vocab=300, experts=4, top_k=2, seed=11),
         "rm-qwen3": make_tiny_model(str(root / "rm-qwen3"), "qwen3", hidden=64, layers=4, heads=4, kv_heads=2,
                                     ffn=96, vocab=300, head_dim=32, reward=True, seed=8),
         "rm-mistral": make_tiny_model(str(root / "rm-mistral"), "mistral", hidden=64, layers=4, heads=4,
@@ -46,7 +57,7 @@ def models(tmp_path_factory):
 def launched(models, tmp_path_factory):
     """check(case): every multi-process case of this module runs in one launch per world size (process
     starts and imports are most of a small case's time on CPU); transformers' outputs computed once."""
-    logits = {name: _hf_logits(models[name]) for name in ACTORS}
+    logits = {name: _hf_logits(models[name]) for name in ACTORS + MOE_MODELS}
     scores = {name: _hf_scores(models[name]) for name in REWARD_MODELS}
     cases = {1: {}, 2: {}, 4: {}}
     for name in ACTORS:
@@ -55,6 +66,11 @@ def launched(models, tmp_path_factory):
     for name, tp, pp in SP_CASES:
         cases[tp * pp][f"actor-sp-{name}-{tp}-{pp}"] = (_actor_body, (models[name], tp, pp, logits[name], True))
     cases[2]["odd-length"] = (_odd_length_body, (models["llama"],))
+    for name in MOE_MODELS:
+        for tp, pp, ep, world in MOE_LAYOUTS:
+            for dispatcher in DISPATCHERS:
+                cases[world][f"moe-{name}-{tp}{pp}{ep}-{dispatcher}"] = (
+                    _moe_body, (models[name], tp, pp, ep, dispatcher, logits[name]))
     for name in REWARD_MODELS:
         for tp, pp in LAYOUTS:
             cases[tp * pp][f"{name}-{tp}-{pp}"] = (_rm_body, (models[name], tp, pp, scores[name]))
@@ -145,6 +161,38 @@ def test_actor_logits_match_transformers(launched, model, tp, pp):
 @pytest.mark.parametrize("model,tp,pp", SP_CASES)
 def test_actor_sequence_parallel_matches_transformers(launched, model, tp, pp):
     launched[0].check(f"actor-sp-{model}-{tp}-{pp}")
+
+
+def _moe_body(rank, world, model_dir, tp, pp, ep, dispatcher, expected):
+    from remax_megatron.models import build_policy, read_hf_config
+    from remax_megatron.models.arch import ExpertOptions
+    from remax_megatron.models.forward import forward_only
+    from remax_megatron.parallel import ParallelLayout
+    from remax_megatron.weights import load_hf_weights
+
+    etp = 1 if ep > 1 else tp
+    ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize()
+    arch = read_hf_config(model_dir)
+    model = build_policy(arch, tp=tp, pp=pp, sequence_parallel=tp > 1,
+                         experts=ExpertOptions(ep=ep, etp=etp, dispatcher=dispatcher))
+    load_hf_weights(model, model_dir)
+    ids = _inputs(arch.vocab_size)
+    S = ids.shape[1]
+    if tp > 1:
+        ids, _ = _sp_pad(ids, None, fill=5)
+    (logits,) = forward_only(model, [{"input_ids": ids}], lambda m, hidden, batch: m.full_logits(hidden)[:, :S]) \
+        or (None,)
+    if logits is not None:
+        err = (logits - expected).abs().max().item()
+        assert err < 1e-5, f"{arch.architecture} tp={tp} pp={pp} ep={ep} {dispatcher}: max |logits - HF| = {err}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MOE_MODELS)
+@pytest.mark.parametrize("tp,pp,ep,world", MOE_LAYOUTS)
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+def test_moe_logits_match_transformers(launched, model, tp, pp, ep, world, dispatcher):
+    launched[0].check(f"moe-{model}-{tp}{pp}{ep}-{dispatcher}")
 
 
 def _odd_length_body(rank, world, model_dir):

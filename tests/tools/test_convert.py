@@ -50,6 +50,42 @@ def test_round_trip_tp2_pp2_is_bitwise(tmp_path, family, tie, options):
     assert model.config.tie_word_embeddings == tie
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family,to_megatron,to_hf", [
+    # (HF -> megatron layout, megatron -> HF layout): (nproc, tp, ep, etp)
+    ("qwen3_moe", (2, 1, 2, 0), (2, 2, 2, 1)),   # EP=2, then TP2 x EP2 with whole experts (EP over the TP ranks)
+    ("mixtral", (4, 2, 2, 2), (2, 1, 2, 0)),     # TP2 x EP2 with experts split over TP too, then EP=2
+])
+def test_moe_round_trip_through_expert_parallel_layouts_is_bitwise(tmp_path, family, to_megatron, to_hf):
+    hf = make_tiny_model(str(tmp_path / "hf"), family, hidden=64, layers=2, heads=4, kv_heads=2, ffn=32,
+                         vocab=300, experts=4, top_k=2, seed=6)
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+
+    def layout(nproc, tp, ep, etp):
+        return [TORCHRUN, f"--nproc_per_node={nproc}"], ["--tp", str(tp), "--ep", str(ep), "--etp", str(etp)]
+
+    launch, flags = layout(*to_megatron)
+    r = _run([*launch, "tools/convert_hf_to_megatron.py", "--hf-dir", hf, "--out", ckpt, *flags])
+    assert r.returncode == 0, r.stderr[-3000:]
+    launch, flags = layout(*to_hf)
+    r = _run([*launch, "tools/convert_megatron_to_hf.py", "--ckpt", ckpt, "--out", out, *flags])
+    assert r.returncode == 0, r.stderr[-3000:]
+    before, after = _tensors(hf), _tensors(out)
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+
+
+def test_megatron_to_hf_names_the_world_an_expert_layout_needs(tmp_path):
+    from tools import convert_megatron_to_hf
+
+    hf = make_tiny_model(str(tmp_path / "hf"), "mixtral", hidden=32, layers=2, heads=2, kv_heads=1, ffn=32, experts=4)
+    r = _run([PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf, "--out", str(tmp_path / "ckpt")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    with pytest.raises(ValueError, match=r"world size 1 but tp\(1\) \* pp\(1\) with ep\(2\) \* etp\(1\) needs 2 "
+                                         r"processes: launch with torchrun --nproc_per_node=2"):
+        convert_megatron_to_hf.convert(str(tmp_path / "ckpt"), str(tmp_path / "out"), ep=2)
+
+
 def test_sharded_hf_dir_round_trip(tmp_path):
     """A sharded (indexed) HF directory is read and written through the same code."""
     from remax_megatron.weights import HFCheckpointReader, write_hf_dir

@@ -349,3 +349,149 @@ def test_recompute_really_recomputes(launched):
     assert counts["None"] == {"layer": once, "core_attention": once}, counts
     assert counts["full"] == {"layer": 2 * once, "core_attention": 2 * once}, counts
     assert counts["selective"] == {"layer": once, "core_attention": 2 * once}, counts
+
+
+# ---- mixture of experts ----------------------------------------------------------------------------------
+
+MOE_LAYOUTS = [(1, 1, 2, 2), (2, 1, 2, 2), (2, 1, 2, 4), (1, 2, 2, 4)]  # tp, pp, ep, world (DP = the rest)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("moe") / "qwen3_moe"), "qwen3_moe", hidden=64, layers=2,
+                           heads=4, kv_heads=2, ffn=32, vocab=128, experts=4, top_k=2, seed=3)
+
+
+def _moe_batch():
+    batch = _batch()
+    batch["lengths"] = torch.tensor([5 + i % 7 + i % 3 for i in range(8)])  # prompt + response tokens per row
+    return batch
+
+
+def _moe_update_body(rank, world, model_dir, tp, pp, ep, kind, micro_batch_size, out_path):
+    """One update of a tiny Qwen3-MoE (load-balancing coefficient 0.5, so it moves the update) on this DP
+    rank's share of the global batch; whole experts split over EP, sequence parallel at TP=2."""
+    from types import SimpleNamespace
+
+    from remax_megatron.config import load_config
+    from remax_megatron.models import build_policy, read_hf_config
+    from remax_megatron.models.arch import ExpertOptions
+    from remax_megatron.optimizer import attach_to_schedule, build_optimizer, build_scheduler, wrap_ddp
+    from remax_megatron.parallel import ParallelLayout
+    from remax_megatron.trainer import Trainer
+    from remax_megatron.weights import export_hf_weights, load_hf_weights
+
+    etp = 1 if ep > 1 else tp
+    groups = ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize(seed=0)
+    cfg = load_config(None, ["reward.functions=[exact_match]", f"trainer.micro_batch_size={micro_batch_size}",
+                             "optim.lr=1e-2", "optim.grad_clip=0", "optim.eps=1e-3", f"algo.moe_aux_loss={kind}",
+                             "algo.moe_aux_loss_coef=0.5"])
+    actor = build_policy(read_hf_config(model_dir), tp=tp, pp=pp, init_weights=False, sequence_parallel=tp > 1,
+                         experts=ExpertOptions(ep=ep, etp=etp))
+    load_hf_weights(actor, model_dir)
+    ddp = wrap_ddp(actor, False)
+    opt = build_optimizer(ddp, cfg.optim)
+    attach_to_schedule(ddp, opt)
+    parts = SimpleNamespace(cfg=cfg, groups=groups, actor=ddp, optimizer=opt,
+                            scheduler=build_scheduler(opt, cfg.optim, 10), kl=SimpleNamespace(coef=0.0))
+    trainer = Trainer(parts, logger=None)
+    batch, g = _moe_batch(), trainer.groups
+    rows = batch["input_ids"].shape[0] // g.dp_size
+    stats = trainer._train_on({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()},
+                              None, None).stats
+    weights = {n: t.clone() for n, t in export_hf_weights(actor)}
+    if rank == 0:
+        torch.save({"stats": stats, "weights": weights}, out_path)
+
+
+def _aux_vs_megatron_body(rank, world, model_dir, out_path):
+    """One training forward + backward at world 1 with megatron's own load-balancing loss switched on beside
+    the trainer's hooks: both values per layer, over the same valid tokens."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    from remax_megatron.models import build_policy, read_hf_config
+    from remax_megatron.models.moe import LoadBalancing, padding_mask, routers
+    from remax_megatron.parallel import ParallelLayout
+
+    groups = ParallelLayout(tp=1, pp=1, world_size=world).initialize(seed=0)
+    actor = build_policy(read_hf_config(model_dir), tp=1, pp=1)
+    for router in routers(actor):
+        router.routing_type = "aux_loss"   # megatron's own aux loss, coefficient 1
+    actor.config.moe_aux_loss_coeff = 1.0
+    balance = LoadBalancing(actor, "aux", 1.0, groups.tp, groups.dp, groups.pp)
+    batch = _moe_batch()
+    balance.begin_update(float(batch["lengths"].sum()), 8.0)
+    clear_aux_losses_tracker()
+    hidden = actor(batch["input_ids"], torch.arange(12).expand(8, 12), attention_mask=None,
+                   padding_mask=padding_mask(actor, batch["input_ids"], batch["lengths"]))
+    hidden.sum().backward()
+    ours = balance._aux.clone()
+    theirs = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].clone()
+    torch.save({"ours": ours, "megatron": theirs, "metrics": balance.end_update()}, out_path)
+
+
+def _moe_launches(moe_dir, top):
+    cases = {1: {}, 2: {}, 4: {}}
+    for kind in ("aux", "seq_aux"):
+        for mbs in (2, 4):
+            cases[1][f"moe-{kind}-111-w1-mbs{mbs}"] = (_moe_update_body, (moe_dir, 1, 1, 1, kind, mbs,
+                                                                         os.path.join(top, f"moe-{kind}-111-w1-mbs{mbs}.pt")))
+        for tp, pp, ep, world in MOE_LAYOUTS:
+            name = f"moe-{kind}-{tp}{pp}{ep}-w{world}-mbs2"
+            cases[world][name] = (_moe_update_body, (moe_dir, tp, pp, ep, kind, 2, os.path.join(top, name + ".pt")))
+    cases[1]["aux-vs-megatron"] = (_aux_vs_megatron_body, (moe_dir, os.path.join(top, "aux-vs-megatron.pt")))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def moe_launched(moe_dir, tmp_path_factory):
+    top = str(tmp_path_factory.mktemp("moe-update"))
+    launches = SharedLaunches(_moe_launches(moe_dir, top), top)
+
+    def result(name):
+        launches.check(name)
+        return torch.load(os.path.join(top, name + ".pt"))
+
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["aux", "seq_aux"])
+def test_moe_update_equals_one_rank(moe_launched, kind):
+    """(ep2, dp2), (tp2, ep2) on 2 and on 4 processes and (pp2, ep2, dp2) each equal the world-1 update on the
+    same global batch in 4 micro-batches: loss including the load-balancing loss, that loss itself, grad
+    norm and weights within 1e-6 (fp32)."""
+    base = moe_launched(f"moe-{kind}-111-w1-mbs2")
+    assert base["stats"]["moe/aux_loss"] > 0.9 and base["stats"]["moe/expert_load"] >= 1.0
+    assert base["stats"]["loss"] - base["stats"]["pg_loss"] > 0.5, "the load-balancing loss must count here"
+    for tp, pp, ep, world in MOE_LAYOUTS:
+        got = moe_launched(f"moe-{kind}-{tp}{pp}{ep}-w{world}-mbs2")
+        for key in ("loss", "moe/aux_loss", "grad_norm"):
+            assert abs(got["stats"][key] - base["stats"][key]) < 1e-6, (tp, pp, ep, world, key, got["stats"], base["stats"])
+        assert got["stats"]["moe/expert_load"] == pytest.approx(base["stats"]["moe/expert_load"], abs=1e-9)
+        worst = max((got["weights"][k] - base["weights"][k]).abs().max().item() for k in base["weights"])
+        assert worst < 1e-6, (tp, pp, ep, world, worst)
+
+
+@pytest.mark.slow
+def test_moe_load_balancing_is_normalised_over_the_update(moe_launched):
+    """seq_aux (per sequence over the update's sequences) does not depend on how the rows are grouped into
+    micro-batches: 4 micro-batches of 2 == 2 of 4. The batch-level aux does (f and P are micro-batch
+    statistics), which shows the grouping is not ignored by the comparison."""
+    seq2, seq4 = moe_launched("moe-seq_aux-111-w1-mbs2"), moe_launched("moe-seq_aux-111-w1-mbs4")
+    assert abs(seq2["stats"]["moe/aux_loss"] - seq4["stats"]["moe/aux_loss"]) < 1e-7
+    assert abs(seq2["stats"]["loss"] - seq4["stats"]["loss"]) < 1e-6
+    worst = max((seq2["weights"][k] - seq4["weights"][k]).abs().max().item() for k in seq2["weights"])
+    assert worst < 1e-6, worst
+    aux2, aux4 = moe_launched("moe-aux-111-w1-mbs2"), moe_launched("moe-aux-111-w1-mbs4")
+    assert abs(aux2["stats"]["moe/aux_loss"] - aux4["stats"]["moe/aux_loss"]) > 1e-4
+
+
+@pytest.mark.slow
+def test_load_balancing_loss_is_megatrons_formula(moe_launched):
+    """The trainer's per-layer load-balancing loss over one micro-batch equals megatron-core's own
+    (switch_load_balancing_loss_func, padding excluded), computed in the same forward."""
+    out = moe_launched("aux-vs-megatron")
+    assert out["ours"].shape == out["megatron"].shape == (2,)
+    assert torch.allclose(out["ours"].float(), out["megatron"].float(), rtol=1e-5, atol=1e-6), out
+    assert out["metrics"]["moe/aux_loss"] == pytest.approx(out["ours"].mean().item(), rel=1e-6)
