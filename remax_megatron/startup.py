@@ -129,6 +129,13 @@ def expert_options(cfg, arch: ModelArch) -> ExpertOptions:
     if a.tp > 1 and not a.sequence_parallel:
         raise ValueError(f"actor.tp={a.tp} with a mixture-of-experts model needs actor.sequence_parallel=true "
                          "(megatron-core trains MoE layers under TP only with sequence parallelism)")
+    if cfg.rollout.routing_replay and cfg.actor.recompute == "full":
+        raise ValueError("rollout.routing_replay=true with actor.recompute=full: the recomputed forward would route "
+                         "on its own (megatron's REPLAY_BACKWARD is not driven by the schedule); use "
+                         "actor.recompute=selective or none")
+    if cfg.rollout.routing_replay and cfg.trainer.mini_batches > 1:
+        raise ValueError(f"rollout.routing_replay=true with trainer.mini_batches={cfg.trainer.mini_batches}: the old "
+                         "log-prob pass does not replay routes yet; use trainer.mini_batches=1")
     from remax_megatron.models.gpt import transformer_engine_usable
 
     grouped = a.moe_experts == "grouped" or (a.moe_experts == "auto" and transformer_engine_usable())

@@ -45,7 +45,7 @@ from remax_megatron.metrics import MetricsLogger, count_weighted, global_mean, p
 from remax_megatron.models.forward import broadcast_from_last_stage, forward_only, run_schedule, to_model_device
 from remax_megatron.data.prompts import Prompt, PromptSampler
 from remax_megatron.models.gpt import PolicyModel, sequence_multiple
-from remax_megatron.models.moe import LoadBalancing, padding_mask
+from remax_megatron.models.moe import LoadBalancing, end_replay, padding_mask, replay_routes
 from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer
 from remax_megatron.parallel import ProcessGroups, all_reduce_cpu
 from remax_megatron.reward.scoring import RewardScorer
@@ -296,6 +296,8 @@ class Trainer:
         def step_fn(data_iterator, ddp_model):
             mb = to_model_device(next(data_iterator), model)
             moe = {"padding_mask": padding_mask(model, mb["input_ids"], mb["lengths"])} if self.balance else {}
+            if "routed_experts" in mb:  # rollout.routing_replay: the engine's experts for these tokens
+                replay_routes(model, mb["routed_experts"])
             hidden = ddp_model(mb["input_ids"], _positions(mb["input_ids"]), attention_mask=None, **moe)
 
             def loss_fn(output):
@@ -328,7 +330,11 @@ class Trainer:
 
             return hidden, loss_fn
 
-        outputs = run_schedule(model, step_fn, micro, forward_only=False, wrapped=self.parts.actor)
+        try:
+            outputs = run_schedule(model, step_fn, micro, forward_only=False, wrapped=self.parts.actor)
+        finally:
+            if self.balance:
+                end_replay(model)
         local = {k: sum(float(out[k]) for out in outputs if k in out) for k in LOSS_STATS} \
             if self.groups.is_last_stage else None
         return reduce_totals(self._from_last_stage(local, LOSS_STATS), self._dp_group)

@@ -26,6 +26,13 @@ hooks act only in a training forward with gradients (so a fully recomputed layer
 
 `moe/expert_load`: over the update's valid tokens, the most loaded expert's token count over the
 mean count, the maximum over layers (1.0 = perfectly balanced).
+
+Routing replay (rollout.routing_replay; Rollout Routing Replay, R3): `replay_routes(model, routes)` hands
+each router the experts the engine chose for the micro-batch's tokens (megatron's RouterReplay,
+REPLAY_FORWARD): the forward routes every token there, with the probabilities the live router gives
+those experts (renormalised as its routing does), so the router keeps its gradient. Positions the engine
+gave no route (padding, the final token) get experts 0..k-1: their outputs are neither trained nor read.
+`end_replay(model)` returns the routers to their own routing.
 """
 
 from __future__ import annotations
@@ -168,3 +175,29 @@ def padding_mask(model, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch
         tp, rank = model.tp_group.size(), model.tp_group.rank()
         mask = mask[:, rank * s // tp:(rank + 1) * s // tp]
     return mask
+
+
+def replay_routes(model, routes: torch.Tensor) -> None:
+    """routes [b, s, layers, top_k] (global layer index; -1 where none was given) -> this stage's routers
+    route the micro-batch's tokens there (their [s_local * b, top_k] token order; sequence-parallel shard)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    b, s, _, k = routes.shape
+    filled = torch.where(routes < 0, torch.arange(k, device=routes.device), routes)
+    if model.config.sequence_parallel:
+        tp, rank = model.tp_group.size(), model.tp_group.rank()
+        filled = filled[:, rank * s // tp:(rank + 1) * s // tp]
+    for router in routers(model):
+        if router.router_replay is None:
+            raise RuntimeError("routing replay: the model was built without moe_enable_routing_replay")
+        layer = router.layer_number - 1  # megatron's layer numbers are global and 1-based
+        router.router_replay.clear_indices()
+        router.router_replay.set_target_indices(filled[:, :, layer].transpose(0, 1).reshape(-1, k).contiguous())
+        router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def end_replay(model) -> None:
+    for router in routers(model):
+        if router.router_replay is not None:
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()

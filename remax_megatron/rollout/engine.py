@@ -93,6 +93,9 @@ class Completion:
     token_ids: list[int]            # generated tokens, including the one that ended it
     logprobs: list[float]           # engine log-prob per token (module docstring convention)
     finish_reason: str              # "stop" (EOS / stop string) | "length"
+    # MoE with rollout.routing_replay: the experts the engine routed each input token of prompt + response to,
+    # int [tokens, layers, top_k] (vLLM's CompletionOutput.routed_experts); None otherwise
+    routed_experts: object = None
 
 
 @dataclass

@@ -119,6 +119,9 @@ class NativeEngine(RolloutEngine):
         if cfg.tp != 1:
             raise ValueError(f"rollout.tp={cfg.tp} needs rollout.engine=vllm: the native engine keeps one "
                              "full replica per rank; set rollout.tp=1")
+        if getattr(cfg, "routing_replay", False):
+            raise ValueError("rollout.routing_replay=true needs the routes the engine took, which the native engine "
+                             "does not record: use rollout.engine=vllm on CUDA, or set rollout.routing_replay=false")
 
     @property
     def tokenizer(self):

@@ -109,6 +109,9 @@ def pack_sequences(prompt_ids: list[list[int]], completions: list, pad_id: int,
         lengths         [B] long, prompt + response tokens
         prompt_lengths  [B] long
         response_lengths [B] long
+        routed_experts  [B, S, layers, top_k] long, only when every completion carries the engine's routes
+                        (rollout.routing_replay): the experts of each input token, -1 where none was given
+                        (the final token, which the engine never fed through the model, and padding)
     """
     if len(prompt_ids) != len(completions):
         raise ValueError(f"pack_sequences got {len(prompt_ids)} prompts for {len(completions)} completions: "
@@ -140,7 +143,7 @@ def pack_sequences(prompt_ids: list[list[int]], completions: list, pad_id: int,
             # The token at position p + i is predicted at position p + i - 1.
             labels[b, p - 1:p - 1 + r] = response
             engine_logprobs[b, p - 1:p - 1 + r] = torch.tensor(list(comp.logprobs), dtype=torch.float32)
-    return dict(
+    batch = dict(
         input_ids=input_ids,
         labels=labels,
         response_mask=labels != IGNORE_INDEX,
@@ -149,6 +152,23 @@ def pack_sequences(prompt_ids: list[list[int]], completions: list, pad_id: int,
         prompt_lengths=torch.tensor(prompt_len, dtype=torch.long),
         response_lengths=torch.tensor(resp_len, dtype=torch.long),
     )
+    if completions and all(getattr(c, "routed_experts", None) is not None for c in completions):
+        batch["routed_experts"] = pack_routes([c.routed_experts for c in completions], total, width)
+    return batch
+
+
+def pack_routes(routes: list, lengths: list[int], width: int) -> torch.Tensor:
+    """Per row the engine's routes [tokens, layers, top_k] (tokens: the row's first tokens; vLLM gives every
+    token it fed through the model) -> [B, width, layers, top_k] long, -1 where none was given."""
+    first = torch.as_tensor(routes[0])
+    out = torch.full((len(routes), width, *first.shape[1:]), -1, dtype=torch.long)
+    for b, (r, length) in enumerate(zip(routes, lengths)):
+        r = torch.as_tensor(r, dtype=torch.long)
+        if r.shape[1:] != first.shape[1:]:
+            raise ValueError(f"row {b}: routes of shape {tuple(r.shape)}, other rows {tuple(first.shape)}")
+        rows = min(r.shape[0], length)
+        out[b, :rows] = r[:rows]
+    return out
 
 
 def flatten_rollouts(prompts: list[list[int]], rollouts: list, include_greedy: bool = False

