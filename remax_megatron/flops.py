@@ -10,6 +10,9 @@ SwiGLU MLP) a forward over one sequence of length s costs
 (QKV and output projections, gate/up/down, causal attention scores and values
 at half of the full s^2, the logits). Training costs 3 forwards; a rollout
 (prefill + decode with a KV cache) one forward over prompt + response.
+
+MoE counts what a token actually passes through (active parameters): the router
+(2 h E) and its k experts, 6 h f_expert each, in place of the dense 6 h f.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ def forward_flops(arch, lengths: Iterable[int]) -> float:
     """FLOPs of one forward of `arch` over sequences of these lengths (see module docstring)."""
     h, f, L = arch.hidden_size, arch.ffn_hidden_size, arch.num_layers
     q = arch.num_heads * arch.head_dim  # == h unless the config sets head_dim
-    per_token = L * (2 * h * (q + 2 * arch.num_kv_heads * arch.head_dim) + 2 * q * h + 6 * h * f)
+    mlp = (2 * h * arch.num_experts + 6 * h * arch.moe_ffn_hidden_size * arch.moe_top_k) if arch.is_moe else 6 * h * f
+    per_token = L * (2 * h * (q + 2 * arch.num_kv_heads * arch.head_dim) + 2 * q * h + mlp)
     head = 2 * h * (arch.vocab_size if arch.task == "causal_lm" else 1)
     total = 0.0
     for s in lengths:

@@ -25,6 +25,10 @@ estimate, not a measurement):
     (a reward model has a [1, D] score head instead of the output layer.) P is counted from the
     model family's tensor rules (models/families), the ones every load and export uses.
 
+    MoE (actor.ep, actor.etp): P = P_dense + P_experts (every expert's fc1 and fc2), and the per-GPU
+    share below is P_dense / (tp*pp) + P_experts / (ep*etp*pp); the distributed optimizer shards the
+    experts' states over the expert-data-parallel ranks (tp*dp / (ep*etp)).
+
     weights     = P / (tp*pp) * bytes(actor.dtype)      bf16/fp16: 2, fp32: 4
     gradients   = P / (tp*pp) * 4                       fp32 grad buffer (grad_reduce_in_fp32)
     optimizer   = P / (tp*pp) * 12                      fp32 main weights + Adam m, v
@@ -43,6 +47,8 @@ stage's real parameter count.
         selective : 4*D/s + ((2*H + 2*KV)*hd + 3*F)/tp             (core attention recomputed)
         full      : D/s per layer, plus one layer's selective set while it is recomputed
       s = tp with actor.sequence_parallel, else 1 (norm in/outputs are replicated in TP)
+      MoE: the MLP's 3*F/tp becomes 3*F_expert*k/etp (each token's k experts), plus the dispatcher's
+      permuted copies of the token (2*k*D: the experts' input and output)
     activations = bytes(dtype) * tokens * (L/pp * per_layer [+ one layer, full]) * in_flight
       in_flight = min(pp, micro-batches per mini-batch)    (1F1B: the first stage holds pp)
     logits naive = 4 * tokens * V/tp * 3                fp32 logits, softmax, grad
@@ -64,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -76,6 +83,7 @@ TILE_ELEMS = 1 << 24  # remax_megatron/kernels/logprobs_torch.py DEFAULT_CHUNK_E
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+@functools.lru_cache(maxsize=None)  # the suggestion search asks again for the same layouts
 def param_count(arch, vocab: int) -> int:
     """P of the module docstring for a causal LM or a reward model with this vocab size, counted from
     the model family's tensor rules (the weight mapping every load and export uses)."""
@@ -84,12 +92,29 @@ def param_count(arch, vocab: int) -> int:
     return WeightMapping(arch, tp=1, pp=1, padded_vocab=vocab).numel()
 
 
-def heaviest_stage_params(arch, vocab: int, tp: int, pp: int) -> int:
-    """Parameters on the heaviest pipeline stage per TP rank (embedding first, output layer last; a tied
-    model's last stage holds its own copy of the embedding), from the same rules."""
+@functools.lru_cache(maxsize=None)  # the suggestion search asks again for the same layouts
+def expert_param_count(arch) -> int:
+    """The experts' parameters of a MoE model (every expert's fc1 and fc2), 0 for a dense one."""
     from remax_megatron.weights.mapping import WeightMapping
 
-    mapping = WeightMapping(arch, tp=tp, pp=pp, padded_vocab=vocab)
+    mapping = WeightMapping(arch, tp=1, pp=1, padded_vocab=arch.vocab_size)
+    return sum(math.prod(shape) for s in mapping.specs if s.expert is not None for shape in s.shapes)
+
+
+@functools.lru_cache(maxsize=None)  # the suggestion search asks again for the same layouts
+def active_param_count(arch, vocab: int) -> int:
+    """Parameters one token passes through: P minus the experts it is not routed to (top_k of them)."""
+    experts = expert_param_count(arch)
+    return param_count(arch, vocab) - experts + (experts * arch.moe_top_k // arch.num_experts if experts else 0)
+
+
+@functools.lru_cache(maxsize=None)  # the suggestion search asks again for the same layouts
+def heaviest_stage_params(arch, vocab: int, tp: int, pp: int, ep: int = 1, etp: int = 0) -> int:
+    """Parameters on the heaviest pipeline stage per rank (embedding first, output layer last; a tied
+    model's last stage holds its own copy of the embedding; its share of the experts), from the same rules."""
+    from remax_megatron.weights.mapping import WeightMapping
+
+    mapping = WeightMapping(arch, tp=tp, pp=pp, padded_vocab=vocab, ep=ep, etp=etp or tp)
     return max(mapping.stage_numel(stage) for stage in range(pp))
 
 
@@ -99,7 +124,7 @@ def validate(cfg, arch, world: int, max_tp: int | None = None) -> dict:
     from remax_megatron.rollout.factory import check_rollout
 
     cfg.check_world(world)
-    check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor")
+    check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor", ep=cfg.actor.ep)
     check_rollout(cfg.rollout, arch, world, this_machine=False)
     if max_tp is not None and cfg.actor.tp > max_tp:
         # only for suggestions: TP across nodes is legal but far too slow to propose
@@ -118,16 +143,21 @@ def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
 
     vocab = padded_vocab_size(arch.vocab_size, tp, a.make_vocab_size_divisible_by)
     params = param_count(arch, vocab)
+    experts = expert_param_count(arch)
+    ep, etp = a.ep, a.etp or tp
     nbytes = DTYPE_BYTES[a.dtype]
-    share = params / (tp * pp)
-    opt_full = share * (12 if nbytes < 4 else 8)
-    opt_dist = opt_full / sizes["dp"]
+    share = (params - experts) / (tp * pp) + experts / (ep * etp * pp)
+    state = 12 if nbytes < 4 else 8
+    opt_full = share * state
+    expert_dp = tp * sizes["dp"] // (ep * etp)
+    opt_dist = ((params - experts) / (tp * pp) / sizes["dp"] + experts / (ep * etp * pp) / expert_dp) * state
 
     d, hd, h, kv, f = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.ffn_hidden_size
     seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     tokens = cfg.trainer.micro_batch_size * seq
     s = tp if a.sequence_parallel and tp > 1 else 1
-    selective = 4 * d / s + ((2 * h + 2 * kv) * hd + 3 * f) / tp
+    mlp = (3 * arch.moe_ffn_hidden_size * arch.moe_top_k / etp + 2 * arch.moe_top_k * d) if arch.is_moe else 3 * f / tp
+    selective = 4 * d / s + (2 * h + 2 * kv) * hd / tp + mlp
     layers = arch.num_layers // pp
     if a.recompute == "none":
         per_token = layers * (selective + h * seq / tp)
@@ -167,7 +197,8 @@ def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
     rows = [dict(key=k, name=n, bytes=int(round(b)), counted=c) for k, n, b, c in rows]
     return dict(params=params, padded_vocab=vocab, seq_len=seq, engines=engines, prompts_per_engine=per_engine,
                 rows=rows, total_bytes=sum(r["bytes"] for r in rows if r["counted"]),
-                heaviest_stage_params=heaviest_stage_params(arch, vocab, tp, pp))
+                heaviest_stage_params=heaviest_stage_params(arch, vocab, tp, pp, ep, etp),
+                expert_params=experts, active_params=active_param_count(arch, vocab))
 
 
 # ---- suggestions -----------------------------------------------------------------------------
@@ -196,6 +227,7 @@ def _choices(cfg, arch, gpus_per_node: int) -> list[tuple[str, list]]:
         ("actor.tp", _doublings(cfg.actor.tp, gpus_per_node)),
         ("actor.pp", _doublings(cfg.actor.pp, arch.num_layers)),
         ("rollout.tp", _doublings(cfg.rollout.tp, min(gpus_per_node, arch.num_kv_heads))),
+        ("actor.ep", _doublings(cfg.actor.ep, arch.num_experts) if arch.is_moe else []),
         ("reward.tp", _doublings(cfg.reward.tp, gpus_per_node) if cfg.reward.model else []),
     ]
 
@@ -272,7 +304,9 @@ def render(cfg, arch, model_dir: str, nodes: int, gpn: int, gpu_bytes: int, size
     a, t = cfg.actor, cfg.trainer
     lines = [
         f"model: {arch.architecture} from {model_dir}: {est['params'] / 1e9:.2f} B params "
-        f"(vocab {arch.vocab_size} padded to {est['padded_vocab']}), dtype {a.dtype}",
+        f"(vocab {arch.vocab_size} padded to {est['padded_vocab']}), dtype {a.dtype}"
+        + (f"; {arch.num_experts} experts, {arch.moe_top_k} per token: {est['active_params'] / 1e9:.2f} B active, "
+           f"experts split over ep({a.ep}) * etp({a.etp or a.tp})" if arch.is_moe else ""),
         f"layout: {nodes} node(s) x {gpn} GPUs = world {sizes['world']}; actor tp({a.tp}) * pp({a.pp}) * "
         f"dp({sizes['dp']}); rollout tp {cfg.rollout.tp} -> {est['engines']} engines"
         + (f"; reward model tp({cfg.reward.tp}) * pp({cfg.reward.pp}), {_rm_placement(cfg)}"

@@ -214,3 +214,29 @@ def test_qwen3_8b_parameters_are_the_published_count(tmp_path, capsys):
     layer = 2 * d * heads * hd + 2 * d * kv * hd + 2 * hd + 3 * d * f + 2 * d   # q, o; k, v; q/k norms; MLP; norms
     assert est["params"] == 2 * vocab * d + layers * layer + d == 8_190_735_360
     assert round((est["params"] - 2 * vocab * d) / 1e9, 2) == 6.95
+
+
+def test_qwen3_30b_a3b_experts_are_split_over_ep(tmp_path, capsys):
+    """Qwen3-30B-A3B's model card: 30.5 B parameters, 3.3 B activated. With experts split over ep * etp and
+    the rest over tp * pp, the per-GPU weights follow; FLOPs count the active parameters."""
+    config = tmp_path / "moe.yaml"
+    config.write_text(f"actor:\n  model: {os.path.join(REPO, 'configs', 'models', 'qwen3-30b-a3b')}\n"
+                      "  dtype: bfloat16\n  tp: 2\n  sequence_parallel: true\n  ep: 8\n  etp: 1\n"
+                      "reward:\n  functions: [exact_match]\ntrainer:\n  prompts_per_step: 64\n")
+    code, est = _plan_json(capsys, "--config", str(config), "--gpus-per-node", "8")
+    d, layers, experts, f, vocab, padded = 2048, 48, 128, 768, 151936, 152064
+    expert_params = layers * experts * 3 * d * f
+    assert est["expert_params"] == expert_params
+    assert round(est["params"] / 1e9, 1) == 30.5 and int(est["active_params"] / 1e8) == 33  # 3.35 B
+    dense = est["params"] - expert_params                      # padded vocab included, tp 2 divides it
+    rows = {r["key"]: r for r in est["rows"]}
+    assert rows["weights"]["bytes"] == round((dense / 2 + expert_params / 8) * 2)
+    from remax_megatron.flops import forward_flops
+    from remax_megatron.models.hf_config import read_hf_config
+
+    arch = read_hf_config(os.path.join(REPO, "configs", "models", "qwen3-30b-a3b"))
+    # one token: 2 FLOPs per weight it meets -- q, o, k, v, the router and its 8 experts per layer, the logits
+    q, kv, k = 32 * 128, 4 * 128, 8
+    per_layer = 2 * d * (q + 2 * kv) + 2 * q * d + 2 * d * experts + 6 * d * f * k
+    assert forward_flops(arch, [1]) == layers * (per_layer + 2 * q) + 2 * d * vocab
+    assert padded > vocab

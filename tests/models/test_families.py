@@ -45,6 +45,7 @@ def test_unknown_architecture_lists_the_families(tmp_path):
         read_hf_config(path)
     line = str(refused.value)
     assert "unsupported architecture 'DeepseekV3ForCausalLM'" in line and "\n" not in line, line
+    assert "its sigmoid router with a per-expert bias" in line, line  # the reason it is refused, by name
     for name, archs in BUILTIN.items():
         assert f"{name} ({', '.join(archs)})" in line, line
 
