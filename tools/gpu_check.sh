@@ -13,7 +13,11 @@
 #            transformers, megatron DistributedOptimizer vs the CPU optimizer path on the same grads,
 #            train-state offload round trip with the DistributedOptimizer (GPU memory freed)
 #   kernels  tools/bench_kernels.py at the GPU shape (bf16, 16384 tokens, hidden 4096, vocab 151936)
+#            and tests/gpu/test_moe_cuda.py: TE grouped experts vs SequentialMLP vs transformers, vLLM's CUDA
+#            reload of MoE experts without the CPU re-processing
 #   train    10 steps of the tiny default on the GPU (TP=1, native engine, megatron optimizer)
+#   moe_train 10 steps of the MoE default on the GPU (EP=1 on one GPU, grouped experts where TE runs,
+#            megatron optimizer with its expert grad norm)
 #   cpu_tests the fast lane (pytest -m "not slow", tests/gpu left out) with CUDA present: the CPU-tensor
 #            tests must keep gloo and CPU placement there (issue 16; the full README command takes ~20 min)
 # megatron-core is installed from wheels in tools/wheels/ or .whl/ when the Python there lacks it.
@@ -75,6 +79,13 @@ step train 150 $PY -m torch.distributed.run --nproc_per_node=1 -m remax_megatron
     trainer.output_dir="$TRAIN_DIR" checkpoint.save_every=0 logging.progress_bar=false
 cp "$TRAIN_DIR/metrics.jsonl" "$OUT/train_metrics.jsonl" 2>/dev/null
 
+MOE_DIR=/tmp/gpu_check_moe
+rm -rf "$MOE_DIR"
+step moe_train 150 $PY -m torch.distributed.run --nproc_per_node=1 -m remax_megatron.train \
+    --config configs/tiny_cpu_moe.yaml actor.ep=1 rollout.engine=native trainer.steps=10 trainer.eval_every=10 \
+    trainer.output_dir="$MOE_DIR" checkpoint.save_every=0 logging.progress_bar=false
+cp "$MOE_DIR/metrics.jsonl" "$OUT/moe_train_metrics.jsonl" 2>/dev/null
+
 step cpu_tests 150 $PY -m pytest -q -p no:cacheprovider -m "not slow" tests --ignore=tests/gpu \
     --junitxml="$OUT/cpu_tests.xml"
 
@@ -113,6 +124,15 @@ try:
                         "eval": [(r["step"], r["eval/reward_mean"]) for r in evals]}
 except Exception as e:
     summary["train"] = {"error": str(e)}
+try:
+    records = [json.loads(l) for l in open(os.path.join(out, "moe_train_metrics.jsonl"))]
+    train = [r for r in records if "loss" in r]
+    summary["moe_train"] = {"steps": len(train), "eval": [(r["step"], r["eval/reward_mean"]) for r in records
+                                                          if "eval/reward_mean" in r],
+                            "last": {k: train[-1].get(k) for k in ("loss", "grad_norm", "moe/aux_loss",
+                                                                   "moe/expert_load", "time/step_s")}}
+except Exception as e:
+    summary["moe_train"] = {"error": str(e)}
 summary["ok"] = all(s["rc"] == 0 for s in summary["steps"])
 with open(os.path.join(out, "gpu_check.json"), "w") as f:
     json.dump(summary, f, indent=2)
