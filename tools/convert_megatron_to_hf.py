@@ -6,9 +6,9 @@ path the rollout weight sync uses (TP shards gathered, PP stages broadcast).
     torchrun --nproc_per_node=2 tools/convert_megatron_to_hf.py --ckpt MOE_CKPT --out HF --ep 2
 
 CKPT is a model checkpoint (tools/convert_hf_to_megatron.py) or a training
-checkpoint (its actor). The world size must be the smallest that holds the layout: tp * pp, times
-what expert parallelism needs beyond tp (--ep 2 at --tp 1: 2 processes; --tp 2 --ep 2: 2 with whole
-experts, --etp 1, or 4 with --etp 2). An existing --out (a file or a
+checkpoint (its actor). The world size must hold the layout: tp * pp, times what expert parallelism
+needs beyond tp (--ep 2 at --tp 1: 2 processes; --tp 2 --ep 2: 2 with whole experts, --etp 1, or 4
+with --etp 2), or a multiple of that (the extra data-parallel replicas export the same tensors). An existing --out (a file or a
 non-empty directory) is refused; --overwrite replaces only an HF directory this tool wrote (its
 remax_written_by.json lists the files) and says what it removes. Errors are one line on stderr, exit 2.
 """
@@ -43,9 +43,9 @@ def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = N
     check_layout(arch, tp, pp, what="--", ep=ep)
     needed = ParallelLayout.smallest_world(tp, pp, ep, etp)
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; checked before any process group exists
-    if world != needed:
+    if world % needed:
         layout = f"tp({tp}) * pp({pp})" + (f" with ep({ep}) * etp({etp or tp})" if ep > 1 else "")
-        raise ValueError(f"world size {world} but {layout} needs {needed} processes: launch with "
+        raise ValueError(f"world size {world} but {layout} needs {needed} processes (or a multiple): launch with "
                          f"torchrun --nproc_per_node={needed}")
     init_distributed()
     ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize()
