@@ -81,7 +81,7 @@ def _worker(rank, world_size, port, fn, args, errors, environ=None, cwd=None):
 PRELOAD = ["torch", "torch.distributed", "transformers", "megatron.core", "megatron.core.models.gpt",
            "megatron.core.pipeline_parallel", "megatron.core.distributed", "megatron.core.optimizer",
            "megatron.core.dist_checkpointing", "remax_megatron.models.gpt", "remax_megatron.trainer",
-           "remax_megatron.weights", "tests._dist"]
+           "remax_megatron.weights", "tests._dist", "vllm", "vllm.entrypoints.llm"]
 
 
 def _context():
@@ -170,3 +170,70 @@ class SharedLaunches:
             self.outcome[world] = run_distributed_cases(self.cases[world], world,
                                                         os.path.join(self.done_dir, f"world{world}"))
         assert self.outcome[world][name] is None, self.outcome[world][name]
+
+
+class Completed:
+    """What a launch of `main` left: its exit code and every rank's stdout and stderr, rank by rank (as
+    torchrun's own output holds its workers')."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def _main_worker(rank, world_size, port, module, argv, out_dir, environ, cwd):
+    """A torchrun worker without torchrun: the environment torchrun gives its workers, stdout and stderr
+    into files, `module.main(argv)` (which initialises the process group from that environment), and the
+    exit code the command would have."""
+    import importlib
+    import sys
+
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    for fd, name in ((1, "out"), (2, "err")):
+        with open(os.path.join(out_dir, f"rank{rank}.{name}"), "w") as f:
+            os.dup2(f.fileno(), fd)
+    code = 0
+    try:
+        importlib.import_module(module).main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the traceback goes where the command's would
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as the command's process ends: no fork-server bookkeeping after main
+
+
+def run_main(module: str, argv: list[str], nproc: int, env: dict | None = None, timeout: float = 900) -> Completed:
+    """`torchrun --nproc_per_node=nproc -m module *argv` with ranks forked from the warm fork server
+    (torch, megatron-core, transformers and vLLM imported once per test process instead of once per
+    rank and launch). For what the ranks compute; what torchrun itself does (its exit codes, signals,
+    its error report) is tested with the real command."""
+    import tempfile
+
+    ctx = _context()
+    out_dir = tempfile.mkdtemp(prefix="remax-main-")
+    port = _free_port()
+    environ = dict(os.environ, **(env or {}))
+    procs = [ctx.Process(target=_main_worker, args=(r, nproc, port, module, argv, out_dir, environ, os.getcwd()))
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    codes = [p.exitcode for p in procs]
+    read = lambda name: "".join(open(os.path.join(out_dir, f"rank{r}.{name}")).read() for r in range(nproc)
+                                if os.path.exists(os.path.join(out_dir, f"rank{r}.{name}")))
+    return Completed(max(codes, key=lambda c: c != 0), read("out"), read("err"))
