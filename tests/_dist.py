@@ -215,14 +215,15 @@ def _main_worker(rank, world_size, port, module, argv, out_dir, environ, cwd):
 def run_main(module: str, argv: list[str], nproc: int, env: dict | None = None, timeout: float = 900) -> Completed:
     """`torchrun --nproc_per_node=nproc -m module *argv` with ranks forked from the warm fork server
     (torch, megatron-core, transformers and vLLM imported once per test process instead of once per
-    rank and launch). For what the ranks compute; what torchrun itself does (its exit codes, signals,
-    its error report) is tested with the real command."""
+    rank and launch). `env`: the ranks' environment (default: this process's), as subprocess takes it.
+    For what the ranks compute; what torchrun itself does (its exit codes, signals, its error report) is
+    tested with the real command."""
     import tempfile
 
     ctx = _context()
     out_dir = tempfile.mkdtemp(prefix="remax-main-")
     port = _free_port()
-    environ = dict(os.environ, **(env or {}))
+    environ = dict(os.environ if env is None else env)
     procs = [ctx.Process(target=_main_worker, args=(r, nproc, port, module, argv, out_dir, environ, os.getcwd()))
              for r in range(nproc)]
     for p in procs:

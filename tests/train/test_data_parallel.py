@@ -1,4 +1,4 @@
-"""The trainer at DP > 1 (torchrun, gloo, the tiny default with the native engine):
+"""The trainer at DP > 1 (torchrun's ranks, gloo, the tiny default with the native engine):
 
 - every logged metric is global: tp1 x dp2 and tp2 x dp2 log what dp1 logs for the same global
   batch (per-prompt sampling streams make the rollouts independent of the layout), which also
@@ -12,15 +12,12 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from tests._ckpt import max_difference, saved_weights
+from tests._dist import run_main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 RUN_DEPENDENT = ("time/", "throughput/", "memory/", "perf/")
 # micro-batches of 4 sequences divide every DP share of 8 prompts x 2 samples (dp 1, 2, 4)
 COMMON = ["rollout.engine=native", "actor.tp=1", "trainer.micro_batch_size=4", "trainer.eval_every=0",
@@ -28,10 +25,9 @@ COMMON = ["rollout.engine=native", "actor.tp=1", "trainer.micro_batch_size=4", "
 
 
 def _train(out, *overrides, nproc):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [TORCHRUN, f"--nproc_per_node={nproc}", "-m", "remax_megatron.train", "--config", "configs/tiny_cpu.yaml",
-           f"trainer.output_dir={out}", *COMMON, *overrides]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    # torchrun's workers, forked from the tests' warm fork server (tests/_dist.run_main)
+    r = run_main("remax_megatron.train", ["--config", "configs/tiny_cpu.yaml", f"trainer.output_dir={out}", *COMMON,
+                                          *overrides], nproc, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

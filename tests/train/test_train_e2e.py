@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+from tests._dist import run_main
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 DESIGN_KEYS = ["reward/sampled_mean", "reward/greedy_mean", "advantage/mean", "advantage/std", "kl/mean", "loss",
@@ -40,11 +42,15 @@ def _timeless(records):
             for r in records]
 
 
-def _train_logged(env, config, out, *overrides, nproc=2):
-    """(metrics records, the run's stdout)."""
-    cmd = [TORCHRUN, f"--nproc_per_node={nproc}", "-m", "remax_megatron.train", "--config", config,
-           f"trainer.output_dir={out}", "logging.progress_bar=false", *overrides]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+def _train_logged(env, config, out, *overrides, nproc=2, command=False):
+    """(metrics records, the run's stdout). The ranks are forked from the tests' warm fork server
+    (tests/_dist.run_main: no imports per launch); command=True runs the real torchrun command."""
+    argv = ["--config", config, f"trainer.output_dir={out}", "logging.progress_bar=false", *overrides]
+    if command:
+        r = subprocess.run([TORCHRUN, f"--nproc_per_node={nproc}", "-m", "remax_megatron.train", *argv], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=900)
+    else:
+        r = run_main("remax_megatron.train", argv, nproc, env=env)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f], r.stdout
@@ -55,7 +61,7 @@ def default_run(env, tmp_path_factory):
     """The README's main command as it is (vLLM engine, 30 steps, a checkpoint every 10), evaluated
     at the start and the end: (output directory, metrics records, stdout)."""
     out = tmp_path_factory.mktemp("default") / "run"
-    records, stdout = _train_logged(env, "configs/tiny_cpu.yaml", str(out), "trainer.eval_every=30")
+    records, stdout = _train_logged(env, "configs/tiny_cpu.yaml", str(out), "trainer.eval_every=30", command=True)
     return out, records, stdout
 
 
