@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from remax_megatron.metrics import SUPERSEDED, MetricsLogger
+from tests._dist import run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH = [sys.executable, "-m", "remax_megatron.launch", "--nproc_per_node=2"]
@@ -35,8 +36,12 @@ def _run(cmd, env=None):
 
 
 def _train(out, *overrides, launcher=LAUNCH):
-    return _run([*launcher, "-m", "remax_megatron.train", "--config", "configs/tiny_cpu.yaml",
-                 f"trainer.output_dir={out}", *SHORT, *overrides])
+    """The job under `launcher`; launcher=None: torchrun's two ranks forked from the tests' warm fork
+    server (tests/_dist.run_main), for what the ranks do rather than what the launcher reports."""
+    argv = ["--config", "configs/tiny_cpu.yaml", f"trainer.output_dir={out}", *SHORT, *overrides]
+    if launcher is None:
+        return run_main("remax_megatron.train", argv, 2, env=_env())
+    return _run([*launcher, "-m", "remax_megatron.train", *argv])
 
 
 def _metrics_steps(out):
@@ -137,18 +142,18 @@ def test_logger_writes_nothing_before_the_first_record(tmp_path):
 @pytest.mark.slow
 def test_fallback_resume_has_each_step_once_and_short_steps_warn(tmp_path):
     out = str(tmp_path / "run")
-    r = _train(out, "trainer.steps=4", "checkpoint.save_every=2", "logging.tensorboard=false")
+    r = _train(out, "trainer.steps=4", "checkpoint.save_every=2", "logging.tensorboard=false", launcher=None)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     shard = next(os.path.join(d, n) for d, _, names in os.walk(os.path.join(out, "checkpoints", "step_000004"))
                  for n in sorted(names) if n.endswith(".distcp"))
     with open(shard, "r+b") as f:  # same size, other bytes: the checksum finds it
         f.write(b"\xff" * 64)
-    r = _train(out, "trainer.steps=4", "logging.tensorboard=false")
+    r = _train(out, "trainer.steps=4", "logging.tensorboard=false", launcher=None)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "resumed from" in r.stdout and "step_000002 at step 2" in r.stdout
     assert _metrics_steps(out) == [1, 2, 3, 4]
     assert [json.loads(line)["step"] for line in open(os.path.join(out, SUPERSEDED))] == [3, 4]
-    r = _train(out, "trainer.steps=3", "logging.tensorboard=false")
+    r = _train(out, "trainer.steps=3", "logging.tensorboard=false", launcher=None)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "done" not in r.stdout
     assert r.stderr.splitlines() == ["warning: the checkpoint resumed from is at step 4, past trainer.steps=3: "
