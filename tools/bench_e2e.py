@@ -70,7 +70,7 @@ class OursRun:
     runs and go on after it, as --rounds does)."""
 
     def __init__(self, args, overrides: list[str]):
-        from remax_megatron.metrics import quiet_library_warnings
+        from remax_megatron.console import quiet_library_warnings
 
         quiet_library_warnings()  # before megatron-core is imported
         from remax_megatron.memory import keep_freed_host_memory
