@@ -19,9 +19,6 @@ from typing import Literal
 
 import yaml
 
-from remax_megatron.parallel import ParallelLayout
-from remax_megatron.parallel.nested import check_nested
-
 # Fixed choices: the type is the one source of the allowed values (checked on load, listed by --help).
 Recompute = Literal["none", "selective", "full"]
 KlMode = Literal["reward", "loss"]
@@ -34,6 +31,7 @@ Compile = Literal["auto", "always", "never"]
 MoeDispatcher = Literal["alltoall", "allgather"]
 MoeExperts = Literal["auto", "grouped", "sequential"]
 MoeAuxLoss = Literal["aux", "seq_aux", "none"]
+LogLevel = Literal["debug", "info", "warning", "error"]
 DTYPE_NAMES = typing.get_args(Dtype)
 
 
@@ -265,6 +263,12 @@ class LoggingConfig:
     wandb_project: str = knob("", "non-empty: also log to Weights & Biases")
     progress_bar: bool = knob(True, "tqdm bar on rank 0")
     sample_completions: int = knob(3, "completions printed at each eval")
+    level: LogLevel = knob("warning", "libraries' log level on rank 0 (vLLM, transformers, torch's C++ log one level "
+                           "higher); other ranks show errors only; debug also shows the vLLM notices "
+                           "remax_megatron/console.py drops")
+
+    def __post_init__(self):
+        _check_choices("logging", self)
 
 
 @dataclass
@@ -291,6 +295,10 @@ class Config:
 
     def check_world(self, world_size: int) -> None:
         """Layout checks that need the launched world size (one line, every factor named)."""
+        # imported here: reading a config needs no torch (train.py refuses a bad key before importing it)
+        from remax_megatron.parallel import ParallelLayout
+        from remax_megatron.parallel.nested import check_nested
+
         try:
             ParallelLayout(tp=self.actor.tp, pp=self.actor.pp, world_size=world_size, ep=self.actor.ep,
                            etp=self.actor.etp)

@@ -192,6 +192,29 @@ def test_bad_input_is_one_line_exit_2_before_a_builtin_model_is_built(env, tmp_p
     assert _built(cache) == []
 
 
+# Runs the command line in a fresh interpreter and says, at exit, which of the big libraries it imported.
+_IMPORTS_AT_EXIT = ("import atexit, sys\n"
+                    "atexit.register(lambda: print('imported:', sorted({m.split('.')[0] for m in sys.modules} & "
+                    "{'megatron', 'vllm'}), flush=True))\n"
+                    "from remax_megatron.train import main\n"
+                    "main(sys.argv[1:])\n")
+
+
+def test_a_data_mistake_is_refused_before_megatron_or_vllm_is_imported(env, tmp_path):
+    """Every input check runs before megatron-core, vLLM and the models are imported or built: a missing
+    column is one line, exit 2, and neither library was loaded. (The time it takes under torchrun:
+    tools/bench_startup_error.py.)"""
+    data = _write(tmp_path / "d.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    r = subprocess.run([sys.executable, "-c", _IMPORTS_AT_EXIT, "--config", "configs/tiny_cpu.yaml", "actor.tp=1",
+                        f"data.train={data}", "data.eval_size=0", f"trainer.output_dir={tmp_path / 'out'}"], cwd=ROOT,
+                       env=dict(env, REMAX_CACHE=str(tmp_path / "cache")), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.splitlines() == [f"error: {data}:2 lacks the column 'answer' that reward function 'exact_match' "
+                                     "needs: add it or remove the row"], r.stderr[-3000:]
+    assert r.stdout.splitlines() == ["imported: []"], r.stdout
+    assert not (tmp_path / "out").exists()
+
+
 def _write(path, text):
     path.write_text(text)
     return path
