@@ -22,8 +22,6 @@ import sys
 
 from remax_megatron.config import config_help, load_config, save_config
 from remax_megatron.launch import report_error
-from remax_megatron.console import quiet_library_warnings
-from remax_megatron.metrics import MetricsLogger, is_rank0, print0
 
 
 class _EarlyStop:

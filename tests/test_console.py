@@ -65,3 +65,17 @@ def test_filters_sit_on_vllm_s_own_loggers(clean_env):
     assert any(isinstance(f, VllmNoise) for f in logging.getLogger(ROTARY_LOGGER).filters)
     for name in VLLM_NOISE:
         assert any(isinstance(f, VllmNoise) for f in logging.getLogger(name).filters), name
+
+
+def test_the_command_line_reads_its_config_before_torch_is_imported():
+    """quiet_console's knobs (TORCH_CPP_LOG_LEVEL, VLLM_LOGGING_LEVEL, ...) are read by the libraries at import:
+    the trainer's module and its config must not import torch before train.main has set them."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport remax_megatron.train\nfrom remax_megatron.config import load_config\n"
+            "load_config('configs/tiny_cpu.yaml', ['actor.tp=1'])\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'megatron', 'vllm'}))")
+    root = __file__.rsplit("/tests/", 1)[0]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr[-2000:]
