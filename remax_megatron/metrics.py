@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import warnings
 from typing import Callable
 
 import torch
@@ -19,8 +21,13 @@ def is_rank0() -> bool:
 
 
 def print0(*args, **kwargs) -> None:
+    """Print on rank 0, on a line of its own while a progress bar is shown (the bar is cleared and
+    redrawn around it: printed over the bar, "resumed from ..." was glued to its text)."""
     if is_rank0():
-        print(*args, **kwargs, flush=True)
+        from tqdm import tqdm
+
+        with tqdm.external_write_mode(file=kwargs.get("file")):
+            print(*args, **kwargs, flush=True)
 
 
 def reduce_totals(local: dict[str, float], group=None, maximum: tuple[str, ...] = ()) -> dict[str, float]:
@@ -84,6 +91,14 @@ class MetricsLogger:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="remax", dynamic_ncols=True)
+            # a warning shown while the bar is up gets a line of its own too
+            self._showwarning = warnings.showwarning
+
+            def showwarning(*args, **kwargs):
+                with tqdm.external_write_mode(file=sys.stderr):
+                    self._showwarning(*args, **kwargs)
+
+            warnings.showwarning = showwarning
 
     def _start(self, first_step: int) -> None:
         """Open the sinks at the first record, `first_step` being its step."""
@@ -125,13 +140,9 @@ class MetricsLogger:
                                  refresh=True)
 
     def write(self, text: str) -> None:
-        """Print without breaking the progress bar."""
-        if not self.active:
-            return
-        if self.bar is not None:
-            self.bar.write(text)
-        else:
-            print(text, flush=True)
+        """Print a line on rank 0 without breaking the progress bar."""
+        if self.active:
+            print0(text)
 
     def close(self) -> None:
         if not self.active:
@@ -142,6 +153,7 @@ class MetricsLogger:
             self.tb.close()
         if self.bar is not None:
             self.bar.close()
+            warnings.showwarning = self._showwarning
         if self.wandb is not None:
             self.wandb.finish()
 
