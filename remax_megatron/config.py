@@ -205,9 +205,12 @@ class DataConfig:
     train: str = knob("builtin:arith", "JSONL / Parquet file, or builtin:<task>")
     eval: str = knob("", "held-out file; empty: split eval_size prompts off the train set")
     eval_size: int = knob(32, "prompts split off the train set for eval when data.eval is empty (0: no eval)")
-    prompt_key: str = knob("prompt", "column holding the prompt text")
+    prompt_key: str = knob("prompt", "column holding the prompt: a string, or a list of {role, content} messages "
+                           "(e.g. messages; TRL's conversational prompt) rendered by the chat template")
     answer_key: str = knob("answer", "ground truth handed to reward functions")
-    chat_template: bool = knob(True, "apply the tokenizer's chat template when it has one")
+    chat_template: bool = knob(True, "apply the tokenizer's chat template when it has one (message-list prompts "
+                               "need it)")
+    system_prompt: str = knob("", "a system turn put before every string prompt (needs a chat template)")
     max_prompt_tokens: int = knob(256, "longest prompt in tokens (after the chat template); see data.overlong")
     overlong: Overlong = knob("drop", "prompts over max_prompt_tokens: drop them, or truncate from the left")
     shuffle: bool = knob(True, "deterministic per-epoch shuffle from trainer.seed")
@@ -247,10 +250,13 @@ class CheckpointConfig:
     dir: str = knob("", "default <trainer.output_dir>/checkpoints")
     save_every: int = knob(0, "steps between saves (0: only at the end)")
     resume: str = knob("auto", "auto (newest valid) | none | a checkpoint path")
-    keep: int = knob(2, "checkpoints kept")
+    keep: int = knob(2, "checkpoints kept (and HF exports)")
+    hf_every: int = knob(0, "steps between Hugging Face exports of the actor (and at the last step) into "
+                         "<trainer.output_dir>/hf/step_N, through the converter's export; 0: none")
 
     def __post_init__(self):
         _positive("checkpoint.save_every", self.save_every, zero_ok=True)
+        _positive("checkpoint.hf_every", self.hf_every, zero_ok=True)
         _positive("checkpoint.keep", self.keep)
         if self.resume not in ("auto", "none") and not os.path.exists(self.resume):
             raise ValueError(f"checkpoint.resume={self.resume!r}: no such path; use auto, none or an "

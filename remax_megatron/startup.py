@@ -20,7 +20,7 @@ from remax_megatron.builtin.models import resolve_model
 from remax_megatron.data.prompts import Prompt, load_prompts
 from remax_megatron.models.arch import ExpertOptions, ModelArch, transformer_engine_usable
 from remax_megatron.models.hf_config import check_layout, check_run_length, read_hf_config
-from remax_megatron.reward.functions import RewardFunctions
+from remax_megatron.reward.functions import PLACEHOLDER, RewardBatch, RewardFunctions
 from remax_megatron.reward.rm_inputs import RewardModelInputs, load_rm_tokenizer
 from remax_megatron.rollout.factory import check_rollout
 
@@ -101,13 +101,29 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
         "limit": cfg.reward.length_limit}) if cfg.reward.functions else None
     tokenizer = AutoTokenizer.from_pretrained(actor_dir)
     train, evals, counts = load_prompts(cfg.data, tokenizer, cfg.reward.functions)
+    if functions is not None:
+        probe_reward_functions(functions, train, cfg.data.train, tokenizer)
     rm_inputs = None
     if rm_dir:
         rm_inputs = RewardModelInputs(tokenizer, load_rm_tokenizer(rm_dir), chat_template=cfg.data.chat_template)
-        rm_inputs.check_prompts([q.text for q in train + evals])
+        rm_inputs.check_prompts([q.text for q in train + evals], [q.messages for q in train + evals])
     return CheckedInputs(arch=arch, actor_dir=actor_dir, ref_dir=ref_dir, rm_dir=rm_dir, rm_arch=rm_arch,
                          rm_inputs=rm_inputs, functions=functions, tokenizer=tokenizer, train=train, eval=evals,
                          data_counts=counts, experts=experts)
+
+
+def probe_reward_functions(functions: RewardFunctions, prompts: list[Prompt], source: str, tokenizer,
+                           rows: int = 2) -> None:
+    """Every reward function called once on the first `rows` prompts, each with a placeholder completion:
+    a wrong signature, count or type is one line now, not at the first evaluation a minute in."""
+    first = prompts[:rows]
+    ids = tokenizer(PLACEHOLDER, add_special_tokens=False)["input_ids"]
+    functions.probe(RewardBatch(prompts=[q.text for q in first], responses=[PLACEHOLDER] * len(first),
+                                columns={k: [q.columns.get(k) for q in first] for k in sorted({k for q in first
+                                                                                               for k in q.columns})},
+                                prompt_index=[q.index for q in first], raw_prompts=[q.raw for q in first],
+                                completion_ids=[list(ids) for _ in first], chat=any(q.is_chat for q in first)),
+                    f"the first {len(first)} rows of {source}")
 
 
 def expert_options(cfg, arch: ModelArch) -> ExpertOptions:

@@ -98,7 +98,9 @@ def _teardown(engine) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, epilog=config_help(),
+    from remax_megatron.reward.functions import contract_help
+
+    parser = argparse.ArgumentParser(description=__doc__, epilog=f"{contract_help()}\n\n{config_help()}",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="YAML config (configs/tiny_cpu.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2")

@@ -200,19 +200,30 @@ _IMPORTS_AT_EXIT = ("import atexit, sys\n"
                     "main(sys.argv[1:])\n")
 
 
-def test_a_data_mistake_is_refused_before_megatron_or_vllm_is_imported(env, tmp_path):
-    """Every input check runs before megatron-core, vLLM and the models are imported or built: a missing
-    column is one line, exit 2, and neither library was loaded. (The time it takes under torchrun:
-    tools/bench_startup_error.py.)"""
+@pytest.mark.parametrize("mistake", ["missing column", "reward function signature"])
+def test_a_mistake_is_refused_before_megatron_or_vllm_is_imported(env, tmp_path, mistake):
+    """Every input check runs before megatron-core, vLLM and the models are imported or built (no model build
+    can have started): a missing column, or a reward function whose signature is neither convention (called
+    once at start-up on the first rows), is one line, exit 2, and neither library was loaded. (The time it
+    takes under the README's command: tools/bench_startup_error.py.)"""
     data = _write(tmp_path / "d.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    overrides, line = {
+        "missing column": ([f"data.train={data}", "data.eval_size=0"],
+                           f"error: {data}:2 lacks the column 'answer' that reward function 'exact_match' needs: "
+                           "add it or remove the row"),
+        "reward function signature": (["reward.functions=[tests.reward.trl_rewards:typo]"],
+                                      "error: reward function 'tests.reward.trl_rewards:typo' raised TypeError: typo() "
+                                      "got multiple values for argument 'answer' at start-up (called on the first 2 "
+                                      "rows of builtin:arith with the placeholder completion '0'); a reward function "
+                                      "is fn(prompts, responses, **columns)"),
+    }[mistake]
     r = subprocess.run([sys.executable, "-c", _IMPORTS_AT_EXIT, "--config", "configs/tiny_cpu.yaml", "actor.tp=1",
-                        f"data.train={data}", "data.eval_size=0", f"trainer.output_dir={tmp_path / 'out'}"], cwd=ROOT,
+                        *overrides, f"trainer.output_dir={tmp_path / 'out'}"], cwd=ROOT,
                        env=dict(env, REMAX_CACHE=str(tmp_path / "cache")), capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-3000:]
-    assert r.stderr.splitlines() == [f"error: {data}:2 lacks the column 'answer' that reward function 'exact_match' "
-                                     "needs: add it or remove the row"], r.stderr[-3000:]
+    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(line), r.stderr[-3000:]
     assert r.stdout.splitlines() == ["imported: []"], r.stdout
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and _built(tmp_path / "cache") == []
 
 
 def _write(path, text):
