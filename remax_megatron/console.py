@@ -75,6 +75,11 @@ def quiet_console(level: str = "warning", rank: int | None = None) -> None:
     # torch's C++ log (e.g. vLLM's NUMA memory binding notice on every rank); a level below Python's,
     # as its warnings are about torch's own internals
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", {"debug": "INFO", "info": "WARNING"}.get(shown, "ERROR"))
+    if "transformers" in sys.modules:  # imported already (a tool's module): its own switches
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity(getattr(logging, os.environ["TRANSFORMERS_VERBOSITY"].upper(), logging.WARNING))
     if level != "debug":
         for name, messages in [*VLLM_NOISE.items(), (ROTARY_LOGGER, ())]:
             log = logging.getLogger(name)
