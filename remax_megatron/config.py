@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import typing
 from dataclasses import dataclass, field
@@ -153,6 +154,10 @@ class RolloutConfig:
                             "never = eager everywhere")
     routing_replay: bool = knob(False, "MoE: the actor's training forward routes each sampled token to the experts "
                                 "the engine chose (router probabilities from the live router); vLLM on CUDA only")
+    guided_regex: str = knob("", "guided decoding: every sampled AND greedy response matches this regex (vLLM's "
+                             "structured outputs, xgrammar); vLLM only")
+    guided_json: str = knob("", "guided decoding: every sampled and greedy response is JSON matching this JSON "
+                            "schema (JSON text; in YAML a quoted string); vLLM only")
 
     def __post_init__(self):
         _check_choices("rollout", self)
@@ -169,6 +174,18 @@ class RolloutConfig:
         _positive("rollout.kv_cache_gib", self.kv_cache_gib, zero_ok=True)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+        if self.guided_regex and self.guided_json:
+            raise ValueError("rollout.guided_regex and rollout.guided_json are both set: guided decoding takes one "
+                             "constraint; unset one of them")
+        if self.guided_json:
+            try:
+                schema = json.loads(self.guided_json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"rollout.guided_json is not valid JSON ({e.msg} at character {e.pos + 1}): give a "
+                                 "JSON schema as JSON text") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"rollout.guided_json={self.guided_json!r} is not a JSON object: give a JSON schema, "
+                                 'e.g. {"type": "object", "properties": {...}}')
 
 
 @dataclass

@@ -394,16 +394,17 @@ class Trainer:
         stats, old_lp, adv = update.stats, update.logprobs, update.advantages
         mask = batch["response_mask"].bool()
         # Token statistics live on the last stage: reduce there, then broadcast to every stage.
-        keys = ("adv_sum", "adv_sq", "adv_n", "kl_sum", "gap_max", "gap_sum")
+        keys = ("adv_sum", "adv_sq", "adv_n", "kl_sum", "gap_max", "gap_sum", "gap_below")
         local = None
         if self.groups.is_last_stage:
             a = adv[mask].double()
             kl = (old_lp - ref_lp)[mask].double().sum() if ref_lp is not None else 0.0
             gap = logprob_mismatch(old_lp, batch["engine_logprobs"], mask,
-                                   threshold=self.cfg.rollout.logprob_warn_threshold)
+                                   threshold=self.cfg.rollout.logprob_warn_threshold,
+                                   constrained=SamplingParams.from_config(self.cfg.rollout).guided is not None)
             local = dict(adv_sum=a.sum(), adv_sq=a.pow(2).sum(), adv_n=a.numel(), kl_sum=kl, gap_max=gap["max"],
-                         gap_sum=gap["mean"] * a.numel())
-        totals = reduce_totals(self._from_last_stage(local, keys), self._dp_group, maximum=("gap_max",))
+                         gap_sum=gap["mean"] * a.numel(), gap_below=gap["below"])
+        totals = reduce_totals(self._from_last_stage(local, keys), self._dp_group, maximum=("gap_max", "gap_below"))
         n_tok = max(totals["adv_n"], 1.0)
         adv_mean = totals["adv_sum"] / n_tok
         lengths = [len(c.token_ids) for r in rollouts for c in r.sampled]
@@ -421,6 +422,8 @@ class Trainer:
                                                     for r in rollouts for c in r.sampled]),
             "logprob/engine_vs_actor_max_diff": totals["gap_max"],
             "logprob/engine_vs_actor_mean_diff": totals["gap_sum"] / n_tok,
+            # how far the engine's log-probs fall below the actor's (under guided decoding, the one that counts)
+            "logprob/engine_below_actor_max_diff": totals["gap_below"],
         }
         record.update({k: stats[k] for k in MOE_STATS if k in stats})
         record.update(self._global_reward_metrics(reward_metrics))

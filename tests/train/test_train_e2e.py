@@ -260,6 +260,14 @@ BAD_INPUT = [
     (["actor.model=builtin:tiny-arith-moe", "actor.ep=2", "rollout.routing_replay=true", "rollout.engine=native"], 2,
      "which the native engine does not record"),
     (["rollout.routing_replay=true"], 1, "has no experts to route"),
+    # guided decoding: vLLM's structured outputs only; the constraint compiled by xgrammar at start-up
+    (["rollout.guided_regex='[0-9]+'", "rollout.engine=native"], 1,
+     "rollout.guided_regex needs rollout.engine=vllm (vLLM's structured outputs)"),
+    (["rollout.guided_regex='[0-9'"], 1,
+     "rollout.guided_regex='[0-9' does not compile with xgrammar (vLLM's structured outputs): Regex parsing error"),
+    (["rollout.guided_json='{{\"type\": 5}}'"], 1, "does not compile with xgrammar"),  # {{ }}: str.format
+    (["rollout.guided_json='[1, 2]'"], 1, "rollout.guided_json='[1, 2]' is not a JSON object"),
+    (["rollout.guided_regex='[0-9]+'", "rollout.guided_json='{{}}'"], 1, "are both set"),
     (["actor.ep=2"], 2, "has no experts: expert parallelism needs a mixture-of-experts model"),
     # Mistral with a 16-token sliding window, sequences up to 16 + 4: full causal attention is not the model's
     (["actor.model={tmp}/mistral-window16", "rollout.engine=native"], 1,
