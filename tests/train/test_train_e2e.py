@@ -35,33 +35,61 @@ def _train(env, config, out, *overrides, nproc=2):
     return _train_logged(env, config, out, *overrides, nproc=nproc)[0]
 
 
+README_LAUNCHER = (sys.executable, "-m", "remax_megatron.launch")  # the README's main command
+
+
 def _timeless(records):
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "memory/", "perf/"))}
             for r in records]
 
 
-def _train_logged(env, config, out, *overrides, nproc=2):
-    """(metrics records, the run's stdout)."""
-    cmd = [TORCHRUN, f"--nproc_per_node={nproc}", "-m", "remax_megatron.train", "--config", config,
-           f"trainer.output_dir={out}", "logging.progress_bar=false", *overrides]
+def _train_logged(env, config, out, *overrides, nproc=2, launcher=(TORCHRUN,), progress_bar=False):
+    """(metrics records, the run's stdout, its stderr)."""
+    cmd = [*launcher, f"--nproc_per_node={nproc}", "-m", "remax_megatron.train", "--config", config,
+           f"trainer.output_dir={out}", *([] if progress_bar else ["logging.progress_bar=false"]), *overrides]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f], r.stdout
+        return [json.loads(line) for line in f], r.stdout, r.stderr
 
 
 @pytest.fixture(scope="module")
 def default_run(env, tmp_path_factory):
-    """The README's main command as it is (vLLM engine, 30 steps, a checkpoint every 10), evaluated
-    at the start and the end: (output directory, metrics records, stdout)."""
+    """The README's main command as it is (the launcher, vLLM engine, 30 steps, a checkpoint every 10, the
+    progress bar, no PYTHONWARNINGS), evaluated at the start and the end: (output directory, metrics
+    records, stdout, stderr)."""
     out = tmp_path_factory.mktemp("default") / "run"
-    records, stdout = _train_logged(env, "configs/tiny_cpu.yaml", str(out), "trainer.eval_every=30")
-    return out, records, stdout
+    records, stdout, stderr = _train_logged({k: v for k, v in env.items() if k != "PYTHONWARNINGS"},
+                                            "configs/tiny_cpu.yaml", str(out), "trainer.eval_every=30",
+                                            launcher=README_LAUNCHER, progress_bar=True)
+    return out, records, stdout, stderr
+
+
+@pytest.mark.slow
+def test_tiny_default_console_is_its_own_lines_only(default_run):
+    """The default run's console: the first line, the progress bar, eval samples, saves and the last line.
+    No vLLM INFO line, no per-sync `RotaryEmbedding: Failed to load weights`, no library warning, on either
+    stream (before remax_megatron/console.py: ~140 vLLM INFO lines, 74 rotary warnings, ~20 start-up
+    warnings)."""
+    out, _, stdout, stderr = default_run
+    for text in (stdout, stderr):
+        assert " INFO " not in text and "Failed to load weights" not in text, text[-3000:]
+        assert "Warning" not in text and "WARNING" not in text and "warnings.warn" not in text, text[-3000:]
+    lines = stdout.splitlines()
+    assert lines[0].startswith("remax-megatron: rollout engine vllm") and lines[-1].startswith("done: metrics in")
+    for line in lines[1:-1]:
+        assert line.startswith(("  [eval step ", "saved checkpoint ")), line
+    assert sum(line.startswith("saved checkpoint") for line in lines) == 3
+    samples = [line for line in lines if line.startswith("  [eval step")]
+    assert len(samples) == 6 and all("(answer '" in line and ", reward " in line for line in samples), samples
+    # stderr: the progress bar only (tqdm redraws it with carriage returns)
+    rest = [part for part in stderr.replace("\r", "\n").splitlines() if part.strip()]
+    assert rest and all(part.startswith("remax:") for part in rest), rest[:10]
 
 
 @pytest.mark.slow
 def test_tiny_default_learns_with_vllm(default_run):
-    out, records, stdout = default_run
+    out, records, stdout, _ = default_run
     ours = [line for line in stdout.splitlines() if line.startswith("remax-megatron:")]
     assert ours and "rollout engine vllm" in ours[0], stdout[-3000:]
     evals = [r for r in records if "eval/reward_mean" in r]
@@ -88,7 +116,7 @@ def test_tiny_default_learns_with_vllm(default_run):
 def test_tiny_default_resumes_exactly_with_vllm(env, default_run, tmp_path):
     """Resumed from the default run's step-20 checkpoint, the last 10 steps and the final eval are
     those of the straight run (weights, Adam state, scheduler, data order and vLLM sampling seeds)."""
-    out, straight, _ = default_run
+    out, straight, _, _ = default_run
     resumed = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "resumed"), "trainer.eval_every=30",
                      f"checkpoint.resume={out / 'checkpoints' / 'step_000020'}")
     assert [r["step"] for r in resumed] == list(range(21, 31)) and "eval/reward_mean" in resumed[-1]
