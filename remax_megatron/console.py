@@ -72,8 +72,8 @@ def quiet_console(level: str = "warning", rank: int | None = None) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", shown.upper())
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", shown)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' load / save bars too
-    # torch's C++ log (e.g. vLLM's NUMA memory binding notice on every rank); a level below Python's,
-    # as its warnings are about torch's own internals
+    # torch's C++ log (e.g. vLLM's NUMA memory binding notice on every rank): one level stricter than
+    # the Python libraries', as its warnings are about torch's and vLLM's kernels' own internals
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", {"debug": "INFO", "info": "WARNING"}.get(shown, "ERROR"))
     if "transformers" in sys.modules:  # imported already (a tool's module): its own switches
         from transformers.utils import logging as hf_logging
