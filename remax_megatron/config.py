@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
 import yaml
-
-from remax_megatron.parallel import ParallelLayout
-from remax_megatron.parallel.nested import check_nested
 
 # Fixed choices: the type is the one source of the allowed values (checked on load, listed by --help).
 Recompute = Literal["none", "selective", "full"]
@@ -34,6 +32,7 @@ Compile = Literal["auto", "always", "never"]
 MoeDispatcher = Literal["alltoall", "allgather"]
 MoeExperts = Literal["auto", "grouped", "sequential"]
 MoeAuxLoss = Literal["aux", "seq_aux", "none"]
+LogLevel = Literal["debug", "info", "warning", "error"]
 DTYPE_NAMES = typing.get_args(Dtype)
 
 
@@ -155,6 +154,10 @@ class RolloutConfig:
                             "never = eager everywhere")
     routing_replay: bool = knob(False, "MoE: the actor's training forward routes each sampled token to the experts "
                                 "the engine chose (router probabilities from the live router); vLLM on CUDA only")
+    guided_regex: str = knob("", "guided decoding: every sampled AND greedy response matches this regex (vLLM's "
+                             "structured outputs, xgrammar); vLLM only")
+    guided_json: str = knob("", "guided decoding: every sampled and greedy response is JSON matching this JSON "
+                            "schema (JSON text; in YAML a quoted string); vLLM only")
 
     def __post_init__(self):
         _check_choices("rollout", self)
@@ -171,6 +174,18 @@ class RolloutConfig:
         _positive("rollout.kv_cache_gib", self.kv_cache_gib, zero_ok=True)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+        if self.guided_regex and self.guided_json:
+            raise ValueError("rollout.guided_regex and rollout.guided_json are both set: guided decoding takes one "
+                             "constraint; unset one of them")
+        if self.guided_json:
+            try:
+                schema = json.loads(self.guided_json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"rollout.guided_json is not valid JSON ({e.msg} at character {e.pos + 1}): give a "
+                                 "JSON schema as JSON text") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"rollout.guided_json={self.guided_json!r} is not a JSON object: give a JSON schema, "
+                                 'e.g. {"type": "object", "properties": {...}}')
 
 
 @dataclass
@@ -207,9 +222,12 @@ class DataConfig:
     train: str = knob("builtin:arith", "JSONL / Parquet file, or builtin:<task>")
     eval: str = knob("", "held-out file; empty: split eval_size prompts off the train set")
     eval_size: int = knob(32, "prompts split off the train set for eval when data.eval is empty (0: no eval)")
-    prompt_key: str = knob("prompt", "column holding the prompt text")
+    prompt_key: str = knob("prompt", "column holding the prompt: a string, or a list of {role, content} messages "
+                           "(e.g. messages; TRL's conversational prompt) rendered by the chat template")
     answer_key: str = knob("answer", "ground truth handed to reward functions")
-    chat_template: bool = knob(True, "apply the tokenizer's chat template when it has one")
+    chat_template: bool = knob(True, "apply the tokenizer's chat template when it has one (message-list prompts "
+                               "need it)")
+    system_prompt: str = knob("", "a system turn put before every string prompt (needs a chat template)")
     max_prompt_tokens: int = knob(256, "longest prompt in tokens (after the chat template); see data.overlong")
     overlong: Overlong = knob("drop", "prompts over max_prompt_tokens: drop them, or truncate from the left")
     shuffle: bool = knob(True, "deterministic per-epoch shuffle from trainer.seed")
@@ -249,10 +267,13 @@ class CheckpointConfig:
     dir: str = knob("", "default <trainer.output_dir>/checkpoints")
     save_every: int = knob(0, "steps between saves (0: only at the end)")
     resume: str = knob("auto", "auto (newest valid) | none | a checkpoint path")
-    keep: int = knob(2, "checkpoints kept")
+    keep: int = knob(2, "checkpoints kept (and HF exports)")
+    hf_every: int = knob(0, "steps between Hugging Face exports of the actor (and at the last step) into "
+                         "<trainer.output_dir>/hf/step_N, through the converter's export; 0: none")
 
     def __post_init__(self):
         _positive("checkpoint.save_every", self.save_every, zero_ok=True)
+        _positive("checkpoint.hf_every", self.hf_every, zero_ok=True)
         _positive("checkpoint.keep", self.keep)
         if self.resume not in ("auto", "none") and not os.path.exists(self.resume):
             raise ValueError(f"checkpoint.resume={self.resume!r}: no such path; use auto, none or an "
@@ -265,6 +286,12 @@ class LoggingConfig:
     wandb_project: str = knob("", "non-empty: also log to Weights & Biases")
     progress_bar: bool = knob(True, "tqdm bar on rank 0")
     sample_completions: int = knob(3, "completions printed at each eval")
+    level: LogLevel = knob("warning", "libraries' log level on rank 0 (vLLM, transformers, torch's C++ log one level "
+                           "higher); other ranks show errors only; debug also shows the vLLM notices "
+                           "remax_megatron/console.py drops")
+
+    def __post_init__(self):
+        _check_choices("logging", self)
 
 
 @dataclass
@@ -291,6 +318,10 @@ class Config:
 
     def check_world(self, world_size: int) -> None:
         """Layout checks that need the launched world size (one line, every factor named)."""
+        # imported here: reading a config needs no torch (train.py refuses a bad key before importing it)
+        from remax_megatron.parallel import ParallelLayout
+        from remax_megatron.parallel.nested import check_nested
+
         try:
             ParallelLayout(tp=self.actor.tp, pp=self.actor.pp, world_size=world_size, ep=self.actor.ep,
                            etp=self.actor.etp)

@@ -1,5 +1,5 @@
-"""Rank-aware output in one place: print0, library warnings, metrics.jsonl, TensorBoard, optional
-wandb, a tqdm bar."""
+"""Rank-aware output in one place: print0, metrics.jsonl, TensorBoard, optional wandb, a tqdm bar
+(what the libraries print is decided in remax_megatron/console.py)."""
 
 from __future__ import annotations
 
@@ -21,42 +21,13 @@ def is_rank0() -> bool:
 
 
 def print0(*args, **kwargs) -> None:
+    """Print on rank 0, on a line of its own while a progress bar is shown (the bar is cleared and
+    redrawn around it: printed over the bar, "resumed from ..." was glued to its text)."""
     if is_rank0():
-        print(*args, **kwargs, flush=True)
+        from tqdm import tqdm
 
-
-def quiet_library_warnings(rank: int | None = None) -> None:
-    """The one place that decides which library warnings a run shows; call it before megatron-core
-    is imported (train.main does). Nothing changes when the user chose with -W / PYTHONWARNINGS.
-
-    megatron-core warns at import and at model build, on every rank: Apex / Transformer Engine
-    missing (once per module, five times), "full scope is deprecated" (its own `cuda_graph_scope`
-    default, nothing a user set) and CUDA_DEVICE_MAX_CONNECTIONS (meaningless without CUDA); a
-    resume adds FutureWarnings of torch's checkpoint API that megatron's dist_checkpointing uses.
-    Ranks other than 0 show no megatron-core warning at all (rank 0 shows the same ones); rank 0
-    drops the deprecation and, on CPU, the CUDA one, and says the Apex / Transformer Engine fallback
-    once, on a GPU only (on CPU the local fallbacks are the only path anyway).
-    """
-    if sys.warnoptions:
-        return
-    import importlib.util
-
-    import torch
-
-    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed", module="megatron")
-    warnings.filterwarnings("ignore", message="full scope is deprecated", module="megatron")
-    if not torch.cuda.is_available():
-        warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS", module="megatron")
-    # Deprecations inside the checkpoint libraries' own calls (ShardedTensor, load_state_dict): not the user's.
-    for category in (FutureWarning, DeprecationWarning):
-        warnings.filterwarnings("ignore", category=category, module=r"megatron\.core\.dist_checkpointing")
-        warnings.filterwarnings("ignore", category=category, module=r"torch\.distributed\.checkpoint")
-    if rank != 0:
-        warnings.filterwarnings("ignore", module="megatron")
-    elif torch.cuda.is_available() and not any(importlib.util.find_spec(m) for m in ("apex", "transformer_engine")):
-        warnings.warn("neither Apex nor Transformer Engine is installed: megatron-core uses its local (slower) "
-                      "fused-op fallbacks", stacklevel=2)
+        with tqdm.external_write_mode(file=kwargs.get("file")):
+            print(*args, **kwargs, flush=True)
 
 
 def reduce_totals(local: dict[str, float], group=None, maximum: tuple[str, ...] = ()) -> dict[str, float]:
@@ -120,6 +91,14 @@ class MetricsLogger:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="remax", dynamic_ncols=True)
+            # a warning shown while the bar is up gets a line of its own too
+            self._showwarning = warnings.showwarning
+
+            def showwarning(*args, **kwargs):
+                with tqdm.external_write_mode(file=sys.stderr):
+                    self._showwarning(*args, **kwargs)
+
+            warnings.showwarning = showwarning
 
     def _start(self, first_step: int) -> None:
         """Open the sinks at the first record, `first_step` being its step."""
@@ -161,13 +140,9 @@ class MetricsLogger:
                                  refresh=True)
 
     def write(self, text: str) -> None:
-        """Print without breaking the progress bar."""
-        if not self.active:
-            return
-        if self.bar is not None:
-            self.bar.write(text)
-        else:
-            print(text, flush=True)
+        """Print a line on rank 0 without breaking the progress bar."""
+        if self.active:
+            print0(text)
 
     def close(self) -> None:
         if not self.active:
@@ -178,6 +153,7 @@ class MetricsLogger:
             self.tb.close()
         if self.bar is not None:
             self.bar.close()
+            warnings.showwarning = self._showwarning
         if self.wandb is not None:
             self.wandb.finish()
 

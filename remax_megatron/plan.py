@@ -6,12 +6,14 @@
 It runs the trainer's own layout and batch checks (Config.check_world,
 check_layout, rollout.tp vs KV heads, the batch divisibility of
 remax_megatron/train.py check_inputs) for world = nodes * gpus_per_node, then
-prints a per-GPU memory estimate. When the total exceeds the GPU it warns and
-suggests the smallest change that fits: candidates (distributed optimizer,
-recompute, smaller micro-batch, larger TP, PP, rollout TP, reward-model TP) are tried in a fixed
-order (fewest changed keys first, then that key order, then the smallest step),
-and if nothing fits on this many GPUs, the same search on 2x, 4x, ... GPUs.
-Exit status: 0 fits, 1 does not fit (warning and suggestion printed), 2 bad input.
+prints a per-GPU memory estimate of every pipeline stage; the heaviest stage's
+decides whether the job fits, and its rows are the ones printed. When it exceeds
+the GPU it warns and suggests up to three changes that fit by their heaviest stage:
+candidates (distributed optimizer, recompute, smaller micro-batch, larger TP, PP,
+rollout TP, reward-model TP) are tried in a fixed order (fewest changed keys first,
+then that key order, then the smallest step), and if nothing fits on this many
+GPUs, the same search on 2x, 4x, ... GPUs.
+Exit status: 0 fits, 1 does not fit (warning and suggestions printed), 2 bad input.
 
 Closed-form estimate (bytes per GPU; every number is an upper-bound style
 estimate, not a measurement):
@@ -29,16 +31,14 @@ estimate, not a measurement):
     share below is P_dense / (tp*pp) + P_experts / (ep*etp*pp); the distributed optimizer shards the
     experts' states over the expert-data-parallel ranks (tp*dp / (ep*etp)).
 
-    weights     = P / (tp*pp) * bytes(actor.dtype)      bf16/fp16: 2, fp32: 4
-    gradients   = P / (tp*pp) * 4                       fp32 grad buffer (grad_reduce_in_fp32)
-    optimizer   = P / (tp*pp) * 12                      fp32 main weights + Adam m, v
+    P_s = the parameters one rank of pipeline stage s holds (stage_params): its TP shard of the
+          matrices, the norms (and router) it replicates, the embedding on the first stage and the
+          output layer on the last, its expert-parallel share of the experts (not P / (tp*pp))
+    weights     = P_s * bytes(actor.dtype)              bf16/fp16: 2, fp32: 4
+    gradients   = P_s * 4                               fp32 grad buffer (grad_reduce_in_fp32)
+    optimizer   = P_s * 12                              fp32 main weights + Adam m, v
                   (8 with fp32 params: they are their own main weights)
-                  / dp with optim.distributed_optimizer=true
-
-The per-GPU parameter share P / (tp*pp) is uniform: it IGNORES that the
-embedding sits on the first pipeline stage and the output layer on the last,
-and that norms are replicated across TP. At pp > 1 a note prints the heaviest
-stage's real parameter count.
+                  / dp with optim.distributed_optimizer=true (the experts' part / expert-dp)
 
     seq        = data.max_prompt_tokens + rollout.max_new_tokens
     tokens     = trainer.micro_batch_size * seq                    per micro-batch
@@ -50,11 +50,11 @@ stage's real parameter count.
       MoE: the MLP's 3*F/tp becomes 3*F_expert*k/etp (each token's k experts), plus the dispatcher's
       permuted copies of the token (2*k*D: the experts' input and output)
     activations = bytes(dtype) * tokens * (L/pp * per_layer [+ one layer, full]) * in_flight
-      in_flight = min(pp, micro-batches per mini-batch)    (1F1B: the first stage holds pp)
-    logits naive = 4 * tokens * V/tp * 3                fp32 logits, softmax, grad
-    logits fused = 4 * min(tokens * V/tp, 2^24)         one fp32 vocab tile of the fused kernel
-    reference    = P / (tp*pp) * bytes(dtype)           when reference.enabled
-    reward model = P_rm / (reward.tp*reward.pp) * bytes(dtype)   when reward.model
+      in_flight = min(pp - s, micro-batches per mini-batch)   (1F1B: stage s holds pp - s)
+    logits naive = 4 * tokens * V/tp * 3                fp32 logits, softmax, grad (last stage)
+    logits fused = 4 * min(tokens * V/tp, 2^24)         one fp32 vocab tile of the fused kernel (last stage)
+    reference    = P_s * bytes(dtype)                   when reference.enabled
+    reward model = its heaviest stage's P_s at reward.tp x reward.pp * bytes(dtype)   when reward.model
                    (its own layout: reward.tp*reward.pp divides actor.tp*actor.pp, each actor
                    model-parallel group holding replicas of it, or is a multiple of it spanning that
                    many actor model-parallel groups)
@@ -62,8 +62,9 @@ stage's real parameter count.
     engine weights = P_hf / rollout.tp * bytes(dtype)   (P_hf: unpadded vocab)
     KV cache     = 2 * L * KV/rollout.tp * hd * prompts_per_engine * (n + 1) * seq * bytes(dtype)
 
-The total counts every row at once (actor, engine, reference, reward model all
-resident: no offload), with the fused logits and the configured optimizer.
+A stage's total counts every row at once (actor, engine, reference, reward model all
+resident: no offload), with the fused logits and the configured optimizer; the
+estimate's total is the heaviest stage's.
 """
 
 from __future__ import annotations
@@ -109,13 +110,29 @@ def active_param_count(arch, vocab: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)  # the suggestion search asks again for the same layouts
-def heaviest_stage_params(arch, vocab: int, tp: int, pp: int, ep: int = 1, etp: int = 0) -> int:
-    """Parameters on the heaviest pipeline stage per rank (embedding first, output layer last; a tied
-    model's last stage holds its own copy of the embedding; its share of the experts), from the same rules."""
+def stage_params(arch, vocab: int, tp: int, pp: int, ep: int = 1, etp: int = 0) -> tuple[tuple[int, int], ...]:
+    """Per pipeline stage, the parameters one of its ranks holds, as (dense, experts): its TP shard of the
+    matrices, the norms and router it replicates, the embedding on the first stage and the output layer
+    on the last (a tied model's last stage holds its own copy), its expert-parallel share of the experts;
+    from the model family's tensor rules (the weight mapping every load and export uses)."""
     from remax_megatron.weights.mapping import WeightMapping
 
     mapping = WeightMapping(arch, tp=tp, pp=pp, padded_vocab=vocab, ep=ep, etp=etp or tp)
-    return max(mapping.stage_numel(stage) for stage in range(pp))
+    out = []
+    for stage in range(pp):
+        dense = expert = 0
+        for spec in mapping.stage_specs(stage):
+            if spec.expert is None:
+                dense += math.prod(mapping.shard_shape(spec))
+            else:  # every expert's spec is listed: this rank holds 1/ep of them
+                expert += math.prod(mapping.shard_shape(spec)) // mapping.ep
+        out.append((dense, expert))
+    return tuple(out)
+
+
+def heaviest_stage_params(arch, vocab: int, tp: int, pp: int, ep: int = 1, etp: int = 0) -> int:
+    """Parameters per rank on the pipeline stage that holds the most (stage_params)."""
+    return max(d + e for d, e in stage_params(arch, vocab, tp, pp, ep, etp))
 
 
 def validate(cfg, arch, world: int, max_tp: int | None = None) -> dict:
@@ -137,7 +154,8 @@ def validate(cfg, arch, world: int, max_tp: int | None = None) -> dict:
 
 
 def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
-    """Per-GPU bytes of every row in the module docstring; `counted` rows sum to the total."""
+    """Per-GPU bytes of every row in the module docstring, on each pipeline stage; the rows and the total
+    are the heaviest stage's (`counted` rows sum to the total): what decides whether the job fits."""
     a, tp, pp = cfg.actor, cfg.actor.tp, cfg.actor.pp
     from remax_megatron.models.hf_config import check_layout, padded_vocab_size
 
@@ -146,11 +164,8 @@ def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
     experts = expert_param_count(arch)
     ep, etp = a.ep, a.etp or tp
     nbytes = DTYPE_BYTES[a.dtype]
-    share = (params - experts) / (tp * pp) + experts / (ep * etp * pp)
     state = 12 if nbytes < 4 else 8
-    opt_full = share * state
     expert_dp = tp * sizes["dp"] // (ep * etp)
-    opt_dist = ((params - experts) / (tp * pp) / sizes["dp"] + experts / (ep * etp * pp) / expert_dp) * state
 
     d, hd, h, kv, f = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.ffn_hidden_size
     seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
@@ -165,8 +180,6 @@ def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
         per_token = layers * selective
     else:
         per_token = layers * d / s + selective
-    in_flight = min(pp, sizes["micro_batches"])
-    acts = nbytes * tokens * per_token * in_flight
     v_local = vocab / tp
 
     engines = sizes["world"] // cfg.rollout.tp
@@ -177,27 +190,40 @@ def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
     if rm_arch is not None:
         check_layout(rm_arch, cfg.reward.tp, cfg.reward.pp, "reward")
         rm_vocab = padded_vocab_size(rm_arch.vocab_size, cfg.reward.tp, a.make_vocab_size_divisible_by)
-        rm_bytes = param_count(rm_arch, rm_vocab) / (cfg.reward.tp * cfg.reward.pp) * nbytes
+        rm_bytes = heaviest_stage_params(rm_arch, rm_vocab, cfg.reward.tp, cfg.reward.pp) * nbytes
     seqs = per_engine * (cfg.rollout.n + 1)
-    # (key, label, bytes, counted in the total)
-    rows = [
-        ("weights", "actor weights", share * nbytes, True),
-        ("gradients", "actor gradients (fp32)", share * 4, True),
-        ("optimizer", "optimizer states", opt_full, not cfg.optim.distributed_optimizer),
-        ("optimizer_distributed", "optimizer states, distributed (/dp)", opt_dist, cfg.optim.distributed_optimizer),
-        ("activations", f"activations (recompute={a.recompute}, x{in_flight} in flight)", acts, True),
-        ("logits_naive", "logits, naive (fp32 x3)", 4 * tokens * v_local * 3, False),
-        ("logits_fused", "logits, fused (one vocab tile)", 4 * min(tokens * v_local, TILE_ELEMS), True),
-        ("reference", "reference weights", share * nbytes if cfg.reference.enabled else 0, cfg.reference.enabled),
-        ("reward_model", "reward model weights", rm_bytes, rm_arch is not None),
-        ("engine_weights", "rollout engine weights", param_count(arch, arch.vocab_size) / cfg.rollout.tp * nbytes,
-         True),
-        ("kv_cache", f"rollout KV cache ({seqs} seqs x {seq} tokens)", kv_cache, True),
-    ]
-    rows = [dict(key=k, name=n, bytes=int(round(b)), counted=c) for k, n, b, c in rows]
+    stages = []
+    for stage, (dense, expert) in enumerate(stage_params(arch, vocab, tp, pp, ep, etp)):
+        held = dense + expert
+        # 1F1B: stage k holds the activations of min(pp - k, micro-batches) micro-batches; the last holds the logits
+        in_flight = min(pp - stage, sizes["micro_batches"])
+        last = stage == pp - 1
+        # (key, label, bytes, counted in the total)
+        rows = [
+            ("weights", "actor weights", held * nbytes, True),
+            ("gradients", "actor gradients (fp32)", held * 4, True),
+            ("optimizer", "optimizer states", held * state, not cfg.optim.distributed_optimizer),
+            ("optimizer_distributed", "optimizer states, distributed (/dp)",
+             (dense / sizes["dp"] + expert / expert_dp) * state, cfg.optim.distributed_optimizer),
+            ("activations", f"activations (recompute={a.recompute}, x{in_flight} in flight)",
+             nbytes * tokens * per_token * in_flight, True),
+            ("logits_naive", "logits, naive (fp32 x3)", 4 * tokens * v_local * 3 if last else 0, False),
+            ("logits_fused", "logits, fused (one vocab tile)", 4 * min(tokens * v_local, TILE_ELEMS) if last else 0,
+             last),
+            ("reference", "reference weights", held * nbytes if cfg.reference.enabled else 0, cfg.reference.enabled),
+            ("reward_model", "reward model weights", rm_bytes, rm_arch is not None),
+            ("engine_weights", "rollout engine weights", param_count(arch, arch.vocab_size) / cfg.rollout.tp * nbytes,
+             True),
+            ("kv_cache", f"rollout KV cache ({seqs} seqs x {seq} tokens)", kv_cache, True),
+        ]
+        rows = [dict(key=k, name=n, bytes=int(round(b)), counted=c) for k, n, b, c in rows]
+        stages.append(dict(stage=stage, params=held, rows=rows,
+                           total_bytes=sum(r["bytes"] for r in rows if r["counted"])))
+    heaviest = max(stages, key=lambda st: st["total_bytes"])
     return dict(params=params, padded_vocab=vocab, seq_len=seq, engines=engines, prompts_per_engine=per_engine,
-                rows=rows, total_bytes=sum(r["bytes"] for r in rows if r["counted"]),
-                heaviest_stage_params=heaviest_stage_params(arch, vocab, tp, pp, ep, etp),
+                rows=heaviest["rows"], total_bytes=heaviest["total_bytes"], heaviest_stage=heaviest["stage"],
+                heaviest_stage_params=max(st["params"] for st in stages),
+                stage_totals=[st["total_bytes"] for st in stages],
                 expert_params=experts, active_params=active_param_count(arch, vocab))
 
 
@@ -242,8 +268,9 @@ def _apply(cfg, change: dict):
     return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **v) for s, v in sections.items()})
 
 
-def search(cfg, arch, rm_arch, world: int, gpus_per_node: int, gpu_bytes: int) -> dict | None:
-    """First change (fewest keys, then key priority, then smallest step) that fits on `world` GPUs."""
+def search(cfg, arch, rm_arch, world: int, gpus_per_node: int, gpu_bytes: int):
+    """The changes that fit on `world` GPUs by the heaviest pipeline stage, in order: fewest keys, then key
+    priority, then smallest step (a generator of {change, total_bytes})."""
     choices = _choices(cfg, arch, gpus_per_node)
     # every key takes either its current value (index 0) or one of its candidate values
     options = [[None] + values for _, values in choices]
@@ -259,29 +286,29 @@ def search(cfg, arch, rm_arch, world: int, gpus_per_node: int, gpu_bytes: int) -
         except ValueError:
             continue
         if est["total_bytes"] <= gpu_bytes:
-            return dict(change=change, total_bytes=est["total_bytes"])
-    return None
+            yield dict(change=change, total_bytes=est["total_bytes"])
 
 
-def suggest(cfg, arch, rm_arch, nodes: int, gpus_per_node: int, gpu_bytes: int) -> dict | None:
-    """A change on this many GPUs, else the smallest multiple of the GPU count where one fits."""
+def suggest(cfg, arch, rm_arch, nodes: int, gpus_per_node: int, gpu_bytes: int, count: int = 3) -> list[dict]:
+    """Up to `count` changes on this many GPUs, else on the smallest multiple of the GPU count where one
+    fits; each fits by its heaviest pipeline stage."""
     for factor in (1, 2, 4, 8, 16, 32, 64):
         g = gpus_per_node
         while factor > 1 and g * 2 <= max(8, gpus_per_node) and g * 2 <= gpus_per_node * factor:
             g *= 2                    # fill nodes up to 8 GPUs before adding nodes
         n = nodes * gpus_per_node * factor // g
-        found = None
+        found = []
         if factor > 1:
             try:
                 est = estimate(cfg, arch, rm_arch, validate(cfg, arch, n * g, g))
                 if est["total_bytes"] <= gpu_bytes:
-                    found = dict(change={}, total_bytes=est["total_bytes"])
+                    found.append(dict(change={}, total_bytes=est["total_bytes"]))
             except ValueError:
                 pass
-        found = found or search(cfg, arch, rm_arch, n * g, g, gpu_bytes)
+        found += list(itertools.islice(search(cfg, arch, rm_arch, n * g, g, gpu_bytes), count - len(found)))
         if found:
-            return dict(found, nodes=n, gpus_per_node=g)
-    return None
+            return [dict(hint, nodes=n, gpus_per_node=g) for hint in found]
+    return []
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -300,8 +327,9 @@ def _rm_placement(cfg) -> str:
 
 
 def render(cfg, arch, model_dir: str, nodes: int, gpn: int, gpu_bytes: int, sizes: dict, est: dict,
-           hint: dict | None) -> str:
+           hint: list[dict]) -> str:
     a, t = cfg.actor, cfg.trainer
+    heading = "per-GPU memory" + (f" (pipeline stage {est['heaviest_stage']} of {a.pp}, the heaviest)" if a.pp > 1 else "")
     lines = [
         f"model: {arch.architecture} from {model_dir}: {est['params'] / 1e9:.2f} B params "
         f"(vocab {arch.vocab_size} padded to {est['padded_vocab']}), dtype {a.dtype}"
@@ -315,15 +343,15 @@ def render(cfg, arch, model_dir: str, nodes: int, gpn: int, gpu_bytes: int, size
         f"{t.mini_batches} mini-batch(es) x {sizes['micro_batches']} micro-batches of {t.micro_batch_size}, "
         f"seq {est['seq_len']} tokens",
         "",
-        f"{'per-GPU memory':<58}{'GiB':>8}  counted",
+        f"{heading:<58}{'GiB':>8}  counted",
     ]
     for r in est["rows"]:
         lines.append(f"  {r['name']:<56}{_gib(r['bytes'])}  {'yes' if r['counted'] else '-'}")
     lines.append(f"  {'total':<56}{_gib(est['total_bytes'])}  of {gpu_bytes / GIB:.2f} GiB")
     if a.pp > 1:
-        uniform = est["params"] // (a.tp * a.pp)
-        lines.append(f"note: rows use the uniform share P/(tp*pp) = {uniform / 1e6:.1f} M params; the heaviest "
-                     f"pipeline stage holds {est['heaviest_stage_params'] / 1e6:.1f} M (embedding / output layer)")
+        lines.append("stages: " + ", ".join(f"{k}: {b / GIB:.2f}" for k, b in enumerate(est["stage_totals"]))
+                     + " GiB (the first holds the embedding and the most micro-batches in flight, the last the "
+                       "output layer and the logits)")
     if cfg.rollout.engine == "vllm":
         rows = {r["key"]: r["bytes"] for r in est["rows"]}
         if cfg.rollout.kv_cache_gib > 0:
@@ -339,7 +367,7 @@ def render(cfg, arch, model_dir: str, nodes: int, gpn: int, gpu_bytes: int, size
     if est["total_bytes"] > gpu_bytes:
         lines.append(f"warning: estimated {est['total_bytes'] / GIB:.2f} GiB per GPU exceeds the "
                      f"{gpu_bytes / GIB:.2f} GiB GPU")
-        lines.append(f"suggestion: {describe(hint, nodes, gpn)}")
+        lines += [f"suggestion: {describe(h, nodes, gpn)}" for h in hint] or [f"suggestion: {describe(None, nodes, gpn)}"]
     else:
         lines.append(f"fits: {est['total_bytes'] / GIB:.2f} of {gpu_bytes / GIB:.2f} GiB per GPU")
     return "\n".join(lines)
@@ -349,7 +377,7 @@ def describe(hint: dict | None, nodes: int, gpn: int) -> str:
     if hint is None:
         return "nothing tried fits (up to 64x the GPUs): use GPUs with more memory or a smaller model"
     keys = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in hint["change"].items())
-    fits = f"(estimated {hint['total_bytes'] / GIB:.2f} GiB per GPU)"
+    fits = f"(estimated {hint['total_bytes'] / GIB:.2f} GiB per GPU on the heaviest pipeline stage)"
     if (hint["nodes"], hint["gpus_per_node"]) == (nodes, gpn):
         return f"{keys} {fits}"
     return f"--nodes {hint['nodes']} --gpus-per-node {hint['gpus_per_node']} {keys} {fits}".replace("  ", " ")
@@ -384,11 +412,11 @@ def plan(args) -> tuple[int, str]:
     est = estimate(cfg, arch, rm_arch, sizes)
     gpu_bytes = int(args.gpu_mem_gib * GIB)
     fits = est["total_bytes"] <= gpu_bytes
-    hint = None if fits else suggest(cfg, arch, rm_arch, args.nodes, args.gpus_per_node, gpu_bytes)
+    hint = [] if fits else suggest(cfg, arch, rm_arch, args.nodes, args.gpus_per_node, gpu_bytes)
     if args.json:
-        out = json.dumps(dict(sizes, **est, gpu_bytes=gpu_bytes, fits=fits,
-                              suggestion=None if fits else describe(hint, args.nodes, args.gpus_per_node)),
-                         indent=1)
+        described = [describe(h, args.nodes, args.gpus_per_node) for h in hint]
+        out = json.dumps(dict(sizes, **est, gpu_bytes=gpu_bytes, fits=fits, suggestions=described,
+                              suggestion=None if fits else (described or [describe(None, 0, 0)])[0]), indent=1)
     else:
         out = render(cfg, arch, model_dir, args.nodes, args.gpus_per_node, gpu_bytes, sizes, est, hint)
     return (0 if fits else 1), out

@@ -3,8 +3,8 @@
     checked = check_inputs(cfg, world_size)   # one-line ValueError / FileNotFoundError; nothing built or written
     parts = build(cfg, checked)               # built-in models, process groups, models, optimizer, engine, reward
 
-remax_megatron.train (the command line) imports this module only after it has decided which library
-warnings to show: megatron-core warns while it is imported.
+The checks import torch and transformers only: megatron-core, vLLM and the trainer are imported by
+build(), so a mistake is refused before they load (seconds, not a minute).
 """
 
 from __future__ import annotations
@@ -14,23 +14,15 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from remax_megatron.algo.kl_controller import KLController
 from remax_megatron.builtin.models import resolve_model
-from remax_megatron.data.prompts import Prompt, PromptSampler, load_prompts
-from remax_megatron.models import build_policy, build_reward_model, check_layout, read_hf_config
-from remax_megatron.models.gpt import params_dtype_of
-from remax_megatron.models.arch import ExpertOptions, ModelArch
-from remax_megatron.models.hf_config import check_run_length
-from remax_megatron.optimizer import attach_to_schedule, build_optimizer, build_scheduler, wrap_ddp
-from remax_megatron.parallel import ParallelLayout, init_distributed
-from remax_megatron.reward import RewardFunctions, RewardScorer
+from remax_megatron.data.prompts import Prompt, load_prompts
+from remax_megatron.models.arch import ExpertOptions, ModelArch, transformer_engine_usable
+from remax_megatron.models.hf_config import check_layout, check_run_length, read_hf_config
+from remax_megatron.reward.functions import PLACEHOLDER, RewardBatch, RewardFunctions
 from remax_megatron.reward.rm_inputs import RewardModelInputs, load_rm_tokenizer
-from remax_megatron.rollout import build_engine, check_rollout
-from remax_megatron.trainer import Components
-from remax_megatron.weights import load_hf_weights
+from remax_megatron.rollout.factory import check_rollout
 
 
 def check_writable(path: str, what: str) -> None:
@@ -109,13 +101,29 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
         "limit": cfg.reward.length_limit}) if cfg.reward.functions else None
     tokenizer = AutoTokenizer.from_pretrained(actor_dir)
     train, evals, counts = load_prompts(cfg.data, tokenizer, cfg.reward.functions)
+    if functions is not None:
+        probe_reward_functions(functions, train, cfg.data.train, tokenizer)
     rm_inputs = None
     if rm_dir:
         rm_inputs = RewardModelInputs(tokenizer, load_rm_tokenizer(rm_dir), chat_template=cfg.data.chat_template)
-        rm_inputs.check_prompts([q.text for q in train + evals])
+        rm_inputs.check_prompts([q.text for q in train + evals], [q.messages for q in train + evals])
     return CheckedInputs(arch=arch, actor_dir=actor_dir, ref_dir=ref_dir, rm_dir=rm_dir, rm_arch=rm_arch,
                          rm_inputs=rm_inputs, functions=functions, tokenizer=tokenizer, train=train, eval=evals,
                          data_counts=counts, experts=experts)
+
+
+def probe_reward_functions(functions: RewardFunctions, prompts: list[Prompt], source: str, tokenizer,
+                           rows: int = 2) -> None:
+    """Every reward function called once on the first `rows` prompts, each with a placeholder completion:
+    a wrong signature, count or type is one line now, not at the first evaluation a minute in."""
+    first = prompts[:rows]
+    ids = tokenizer(PLACEHOLDER, add_special_tokens=False)["input_ids"]
+    functions.probe(RewardBatch(prompts=[q.text for q in first], responses=[PLACEHOLDER] * len(first),
+                                columns={k: [q.columns.get(k) for q in first] for k in sorted({k for q in first
+                                                                                               for k in q.columns})},
+                                prompt_index=[q.index for q in first], raw_prompts=[q.raw for q in first],
+                                completion_ids=[list(ids) for _ in first], chat=any(q.is_chat for q in first)),
+                    f"the first {len(first)} rows of {source}")
 
 
 def expert_options(cfg, arch: ModelArch) -> ExpertOptions:
@@ -136,8 +144,6 @@ def expert_options(cfg, arch: ModelArch) -> ExpertOptions:
     if cfg.rollout.routing_replay and cfg.trainer.mini_batches > 1:
         raise ValueError(f"rollout.routing_replay=true with trainer.mini_batches={cfg.trainer.mini_batches}: the old "
                          "log-prob pass does not replay routes yet; use trainer.mini_batches=1")
-    from remax_megatron.models.gpt import transformer_engine_usable
-
     grouped = a.moe_experts == "grouped" or (a.moe_experts == "auto" and transformer_engine_usable())
     if grouped and not transformer_engine_usable():
         raise ValueError("actor.moe_experts=grouped needs CUDA and Transformer Engine (TEGroupedMLP): use "
@@ -149,6 +155,19 @@ def expert_options(cfg, arch: ModelArch) -> ExpertOptions:
 def build(cfg, checked: CheckedInputs):
     """Built-in models (on first use), process groups, models, optimizer, engine, reward: the
     trainer's Components."""
+    import torch
+
+    from remax_megatron.algo.kl_controller import KLController
+    from remax_megatron.data.prompts import PromptSampler
+    from remax_megatron.models import build_policy, build_reward_model
+    from remax_megatron.models.gpt import params_dtype_of
+    from remax_megatron.optimizer import attach_to_schedule, build_optimizer, build_scheduler, wrap_ddp
+    from remax_megatron.parallel import ParallelLayout, init_distributed
+    from remax_megatron.reward.scoring import RewardScorer
+    from remax_megatron.rollout.factory import build_engine
+    from remax_megatron.trainer import Components
+    from remax_megatron.weights import load_hf_weights
+
     # The checks passed: build the built-in models now (a no-op for model directories).
     actor_dir = resolve_model(cfg.actor.model, "actor.model")
     ref_dir = checked.ref_dir and resolve_model(cfg.reference.model or cfg.actor.model, "reference.model")

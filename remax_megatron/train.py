@@ -22,7 +22,6 @@ import sys
 
 from remax_megatron.config import config_help, load_config, save_config
 from remax_megatron.launch import report_error
-from remax_megatron.metrics import MetricsLogger, is_rank0, print0, quiet_library_warnings
 
 
 class _EarlyStop:
@@ -99,7 +98,9 @@ def _teardown(engine) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, epilog=config_help(),
+    from remax_megatron.reward.functions import contract_help
+
+    parser = argparse.ArgumentParser(description=__doc__, epilog=f"{contract_help()}\n\n{config_help()}",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="YAML config (configs/tiny_cpu.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2")
@@ -107,24 +108,28 @@ def main(argv=None) -> None:
     early_stop = _EarlyStop()
     _stop_with_launcher()
 
-    quiet_library_warnings()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides)  # yaml only: a mistyped key is refused in a second
     except (ValueError, FileNotFoundError) as e:
         _refuse(e)
-    # megatron-core warns while it is imported: these imports come after the line above decided what
-    # shows (and after the config, so a mistyped key is refused in a second).
-    from remax_megatron.checkpoint import CheckpointError
-    from remax_megatron.memory import keep_freed_host_memory
-    from remax_megatron.reward import RewardError
-    from remax_megatron.startup import build, check_inputs
-    from remax_megatron.trainer import StageError, Trainer
+    # Imported in this order: what the libraries print is set before they load (remax_megatron.console),
+    # the checks need torch and transformers only, megatron-core and vLLM load for the build.
+    from remax_megatron.console import quiet_console
+
+    quiet_console(cfg.logging.level)
+    from remax_megatron.startup import check_inputs
 
     try:
         checked = check_inputs(cfg, world)
     except (ValueError, FileNotFoundError) as e:
         _refuse(e)
+    from remax_megatron.checkpoint import CheckpointError
+    from remax_megatron.memory import keep_freed_host_memory
+    from remax_megatron.metrics import MetricsLogger, is_rank0, print0
+    from remax_megatron.reward import RewardError
+    from remax_megatron.startup import build
+    from remax_megatron.trainer import StageError, Trainer
 
     dp = world // (cfg.actor.tp * cfg.actor.pp)
     if int(os.environ.get("RANK", "0")) == 0:

@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -35,8 +37,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from transformers import PreTrainedTokenizerBase
 
 from remax_megatron.algo.kl_controller import KLController
-from remax_megatron.checkpoint import find_resume_checkpoint, load_checkpoint, preemption_save_refusal, \
-    save_checkpoint
+from remax_megatron.checkpoint import STEP_DIR, find_resume_checkpoint, load_checkpoint, preemption_save_refusal, \
+    save_checkpoint, step_dir_name
 from remax_megatron.config import Config
 from remax_megatron.kernels import compute_advantages, logprob_gradient, remax_loss
 from remax_megatron.flops import forward_flops, peak_tflops
@@ -51,6 +53,7 @@ from remax_megatron.parallel import ProcessGroups, all_reduce_cpu
 from remax_megatron.reward.scoring import RewardScorer
 from remax_megatron.rollout import RolloutEngine, SamplingParams, WeightSync, logprob_mismatch, pack_sequences, \
     stream_seed
+from remax_megatron.weights.export import save_hf_dir
 
 # Statistics of the loss that are summed over micro-batches and DP ranks (each already normalised globally).
 LOSS_STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac")
@@ -206,9 +209,7 @@ class Trainer:
     def _rewards(self, prompts, rollouts):
         """r(sample) [P * n] and r(greedy) [P * 1], one scoring call over both."""
         responses = [[(c.token_ids, self._decode(c.token_ids)) for c in r.sampled + [r.greedy]] for r in rollouts]
-        scores, metrics = self.parts.scorer.score(
-            [q.token_ids for q in prompts], [q.text for q in prompts], [q.columns for q in prompts],
-            [q.index for q in prompts], responses)
+        scores, metrics = self.parts.scorer.score(prompts, responses)
         n = self.cfg.rollout.n
         return [s for row in scores for s in row[:n]], [row[n] for row in scores], metrics
 
@@ -393,16 +394,17 @@ class Trainer:
         stats, old_lp, adv = update.stats, update.logprobs, update.advantages
         mask = batch["response_mask"].bool()
         # Token statistics live on the last stage: reduce there, then broadcast to every stage.
-        keys = ("adv_sum", "adv_sq", "adv_n", "kl_sum", "gap_max", "gap_sum")
+        keys = ("adv_sum", "adv_sq", "adv_n", "kl_sum", "gap_max", "gap_sum", "gap_below")
         local = None
         if self.groups.is_last_stage:
             a = adv[mask].double()
             kl = (old_lp - ref_lp)[mask].double().sum() if ref_lp is not None else 0.0
             gap = logprob_mismatch(old_lp, batch["engine_logprobs"], mask,
-                                   threshold=self.cfg.rollout.logprob_warn_threshold)
+                                   threshold=self.cfg.rollout.logprob_warn_threshold,
+                                   constrained=SamplingParams.from_config(self.cfg.rollout).guided is not None)
             local = dict(adv_sum=a.sum(), adv_sq=a.pow(2).sum(), adv_n=a.numel(), kl_sum=kl, gap_max=gap["max"],
-                         gap_sum=gap["mean"] * a.numel())
-        totals = reduce_totals(self._from_last_stage(local, keys), self._dp_group, maximum=("gap_max",))
+                         gap_sum=gap["mean"] * a.numel(), gap_below=gap["below"])
+        totals = reduce_totals(self._from_last_stage(local, keys), self._dp_group, maximum=("gap_max", "gap_below"))
         n_tok = max(totals["adv_n"], 1.0)
         adv_mean = totals["adv_sum"] / n_tok
         lengths = [len(c.token_ids) for r in rollouts for c in r.sampled]
@@ -420,6 +422,8 @@ class Trainer:
                                                     for r in rollouts for c in r.sampled]),
             "logprob/engine_vs_actor_max_diff": totals["gap_max"],
             "logprob/engine_vs_actor_mean_diff": totals["gap_sum"] / n_tok,
+            # how far the engine's log-probs fall below the actor's (under guided decoding, the one that counts)
+            "logprob/engine_below_actor_max_diff": totals["gap_below"],
         }
         record.update({k: stats[k] for k in MOE_STATS if k in stats})
         record.update(self._global_reward_metrics(reward_metrics))
@@ -432,7 +436,8 @@ class Trainer:
 
     # ---- eval ----------------------------------------------------------------------------
     def evaluate(self) -> dict:
-        """Greedy decoding on the held-out prompts; mean reward (eval/reward_mean)."""
+        """Greedy decoding on the held-out prompts: the mean reward (eval/reward_mean), each reward
+        function's and the reward model's (eval/reward/<fn>_mean), and a few samples printed."""
         parts = self.parts
         selected = parts.eval_prompts[: self.cfg.trainer.eval_prompts]
         if len(selected) < self.groups.dp_size:  # the same decision on every rank: no DP rank waits for another
@@ -442,11 +447,38 @@ class Trainer:
         with self.offload.offloaded():
             rollouts = self._generate(prompts, 0)
         responses = [[(r.greedy.token_ids, self._decode(r.greedy.token_ids))] for r in rollouts]
-        scores, _ = parts.scorer.score([q.token_ids for q in prompts], [q.text for q in prompts],
-                                   [q.columns for q in prompts], [q.index for q in prompts], responses)
-        for q, (resp,) in list(zip(prompts, responses))[: self.cfg.logging.sample_completions]:
-            self.log.write(f"  [eval step {self.step}] {q.text!r} -> {resp[1]!r}")
-        return {"step": self.step, "eval/reward_mean": self._dp_mean([row[0] for row in scores])}
+        scores, metrics = parts.scorer.score(prompts, responses)
+        rewards = [row[0] for row in scores]
+        self._print_samples(prompts, [resp[1] for (resp,) in responses], rewards)
+        record = {"step": self.step, "eval/reward_mean": self._dp_mean(rewards)}
+        record.update({f"eval/{k}": v for k, v in self._global_reward_metrics(metrics).items()
+                       if k != "reward/unique_scored"})
+        return record
+
+    def _print_samples(self, prompts: list[Prompt], responses: list[str], rewards: list[float]) -> None:
+        """logging.sample_completions eval samples with their reference answer and reward. Each eval shows
+        the next ones of the evaluated set (rotating with the step, so a resumed run shows the same), from
+        whichever DP rank decoded them."""
+        count = self.cfg.logging.sample_completions
+        total = len(prompts) * self.groups.dp_size  # the evaluated prompts, every DP rank's share in order
+        if not count or not total:
+            return
+        every = max(self.cfg.trainer.eval_every, 1)
+        shown = {(self.step // every * count + j) % total for j in range(min(count, total))}
+        first = self.groups.dp_rank * len(prompts)
+        lines = []
+        for i, (q, response, reward) in enumerate(zip(prompts, responses, rewards)):
+            if first + i in shown:
+                question = q.raw[-1]["content"] if q.is_chat else q.raw or q.text
+                answer = f"answer {_clipped(q.columns['answer'])}, " if q.columns.get("answer") is not None else ""
+                lines.append((first + i, f"  [eval step {self.step}] {_clipped(question)} -> {_clipped(response)}  "
+                                         f"({answer}reward {reward:.4g})"))
+        if self.groups.dp_size > 1:
+            everyone: list = [None] * self.groups.dp_size
+            dist.all_gather_object(everyone, lines, group=self.groups.dp)
+            lines = [line for rank_lines in everyone for line in rank_lines]
+        for _, line in sorted(lines):
+            self.log.write(line)
 
     # ---- checkpoints and preemption ----------------------------------------------------------
     def state_dict(self) -> dict:
@@ -460,6 +492,21 @@ class Trainer:
                                self.parts.hf_dir, keep=c.keep)
         self._save_seconds = time.perf_counter() - start
         self.log.write(f"saved checkpoint {path}")
+        return path
+
+    def export_hf(self) -> str:
+        """The actor as a Hugging Face directory, <output_dir>/hf/step_N (checkpoint.hf_every): the converter's
+        export (weights/export.save_hf_dir), written by rank 0; the last checkpoint.keep are kept."""
+        root = os.path.join(self.cfg.trainer.output_dir, "hf")
+        path = os.path.join(root, step_dir_name(self.step))
+        writer = dist.get_rank() == 0
+        save_hf_dir(self.actor_module, path, self.parts.hf_dir, tool="remax_megatron.train", writer=writer,
+                    overwrite=True, groups=self.groups)
+        if writer:
+            exports = sorted(name for name in os.listdir(root) if STEP_DIR.match(name))
+            for old in exports[: max(0, len(exports) - self.cfg.checkpoint.keep)]:
+                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        self.log.write(f"exported Hugging Face model {path}")
         return path
 
     def resume(self) -> None:
@@ -523,6 +570,9 @@ class Trainer:
             every = cfg.checkpoint.save_every
             if (every and self.step % every == 0) or self.step == cfg.trainer.steps:
                 self.save()
+            every = cfg.checkpoint.hf_every
+            if every and (self.step % every == 0 or self.step == cfg.trainer.steps):
+                self.export_hf()
         return True
 
 
@@ -550,6 +600,12 @@ class PreemptionFlag:
 
     def _handle(self, signum, frame):
         self.requested, self.signal_name, self.signum = True, signal.Signals(signum).name, int(signum)
+
+
+def _clipped(value, limit: int = 200) -> str:
+    """repr of a value for a console line, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _share(count: int, parts: int, index: int) -> tuple[int, int]:

@@ -70,9 +70,9 @@ class OursRun:
     runs and go on after it, as --rounds does)."""
 
     def __init__(self, args, overrides: list[str]):
-        from remax_megatron.metrics import quiet_library_warnings
+        from remax_megatron.console import quiet_console
 
-        quiet_library_warnings()  # before megatron-core is imported
+        quiet_console()  # before megatron-core and vLLM are imported, as the trainer does
         from remax_megatron.memory import keep_freed_host_memory
         from remax_megatron.metrics import MetricsLogger
         from remax_megatron.startup import build, check_inputs

@@ -22,6 +22,8 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from remax_megatron.console import quiet_console  # noqa: E402
+
 
 def convert(hf_dir: str, out: str, tp: int = 1, pp: int = 1, overwrite: bool = False, ep: int = 1,
             etp: int = 0) -> str:
@@ -76,6 +78,7 @@ def main(argv=None):
     p.add_argument("--overwrite", action="store_true",
                    help="replace a model checkpoint this tool wrote before at --out (nothing else)")
     a = p.parse_args(argv)
+    quiet_console()  # the libraries' warnings and progress bars, as in a training run
     try:
         out = convert(a.hf_dir, a.out, a.tp, a.pp, a.overwrite, a.ep, a.etp)
     except (ValueError, FileNotFoundError, FileExistsError) as e:

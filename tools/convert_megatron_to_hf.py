@@ -21,6 +21,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from remax_megatron.console import quiet_console  # noqa: E402
+
 TOOL = "convert_megatron_to_hf"  # recorded in the HF directory it writes (what --overwrite may replace)
 
 
@@ -31,8 +33,8 @@ def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = N
     from remax_megatron.models.arch import DTYPES, ExpertOptions
     from remax_megatron.models.hf_config import check_layout
     from remax_megatron.parallel import ParallelLayout, init_distributed
-    from remax_megatron.weights import export_hf_weights
-    from remax_megatron.weights.hf_io import HFDirWriter, check_out_dir, hf_dir_entries
+    from remax_megatron.weights.export import save_hf_dir
+    from remax_megatron.weights.hf_io import check_out_dir, hf_dir_entries
     from remax_megatron.weights.megatron_ckpt import build_model_for, load_model, read_checkpoint_meta
 
     out = os.path.abspath(out)
@@ -52,17 +54,10 @@ def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = N
     model = build_model_for(arch, tp=tp, pp=pp, params_dtype=params_dtype, init_weights=False,
                             experts=ExpertOptions(ep=ep, etp=etp or tp))
     load_model(model, ckpt)
-    tensors = export_hf_weights(model, dtype=DTYPES[dtype] if dtype else None)
-    if dist.get_rank() == 0:
-        with HFDirWriter(out, overwrite=overwrite, tool=TOOL) as writer:
-            for name, tensor in tensors:
-                writer.add(name, tensor)
-            writer.copy_side_files(os.path.join(ckpt, "hf_config"))
-            if replacing:
-                print(replacing, flush=True)
-    else:
-        for _ in tensors:  # every rank takes part in the gathers and broadcasts
-            pass
+    save_hf_dir(model, out, os.path.join(ckpt, "hf_config"), tool=TOOL, writer=dist.get_rank() == 0,
+                dtype=DTYPES[dtype] if dtype else None, overwrite=overwrite)
+    if replacing and dist.get_rank() == 0:
+        print(replacing, flush=True)
     dist.barrier()
     return out
 
@@ -79,6 +74,7 @@ def main(argv=None):
     p.add_argument("--overwrite", action="store_true",
                    help="replace an HF directory this tool wrote before at --out (nothing else)")
     a = p.parse_args(argv)
+    quiet_console()  # the libraries' warnings and progress bars, as in a training run
     try:
         out = convert(a.ckpt, a.out, a.tp, a.pp, a.dtype, a.overwrite, a.ep, a.etp)
     except (ValueError, FileNotFoundError, FileExistsError) as e:

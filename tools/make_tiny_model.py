@@ -21,6 +21,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from remax_megatron.console import quiet_console  # noqa: E402
+
 from remax_megatron.builtin.tiny import make_tiny_model  # noqa: E402  (tests import it from here too)
 from remax_megatron.models import families  # noqa: E402
 
@@ -48,6 +50,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)
+    quiet_console()  # the libraries' warnings and progress bars, as in a training run
     try:
         options = {k: v for k, v in (("head_dim", a.head_dim), ("sliding_window", a.sliding_window),
                                      ("experts", a.experts), ("top_k", a.top_k)) if v is not None}

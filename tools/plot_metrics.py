@@ -2,7 +2,7 @@
 
     python tools/plot_metrics.py outputs/tiny_cpu [--keys eval/reward_mean reward/sampled_mean ...] [--out curves.png]
 
-Needs matplotlib (`pip install matplotlib`).
+Needs matplotlib: `pip install -e .[plot]` (the project's plot extra).
 """
 
 from __future__ import annotations
@@ -26,7 +26,11 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 
 def plot(records: list[dict], keys: list[str], out: str) -> str:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("tools/plot_metrics.py needs matplotlib: pip install -e .[plot] (or pip install "
+                         "matplotlib)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -3,11 +3,18 @@
     train, eval, counts = load_prompts(cfg.data, tokenizer, cfg.reward.functions)
     sampler = PromptSampler(train, seed)           # deterministic per-epoch order
     batch = sampler.next(8)                        # list[Prompt]; sampler.state_dict() for resume
+
+The prompt column (data.prompt_key) of every row holds either a string or a conversation: a list of
+{"role": ..., "content": "..."} messages (system turns included; TRL's conversational `prompt`, or a
+`messages` column). A dataset holds one kind only (train and eval files together). A string goes
+through the tokenizer's chat template as one user turn (after data.system_prompt's system turn when
+set), or as it is with data.chat_template=false or a tokenizer without a template; a conversation goes
+through the template as it is, with the generation prompt:
+`tokenizer.apply_chat_template(messages, add_generation_prompt=True)`, and needs a template.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import random
@@ -15,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from remax_megatron.builtin.tasks import builtin_task
+from remax_megatron.reward.functions import required_columns as columns_needed_by
 from remax_megatron.reward.functions import resolve
 
 
@@ -25,9 +33,19 @@ class Prompt:
     token_ids: list[int]
     columns: dict = field(default_factory=dict)  # the other columns (answer, ...)
     source: str = ""           # where the row came from ("data.jsonl:12"): names it in errors
+    raw: str | list = ""       # the row's prompt value: a string, or a list of {role, content} messages
+    messages: list[dict] | None = None  # the conversation the chat template rendered (system turn included);
+                                        # None: the prompt text went in as it is
+
+    @property
+    def is_chat(self) -> bool:
+        """The row's prompt is a conversation (TRL hands such rows' completions to reward functions as
+        [{"role": "assistant", "content": ...}])."""
+        return isinstance(self.raw, list)
 
 
-_JSON_KINDS = {str: "string", int: "number", float: "number", bool: "boolean", list: "array", type(None): "null"}
+_JSON_KINDS = {str: "string", int: "number", float: "number", bool: "boolean", list: "array", dict: "object",
+               type(None): "null"}
 
 
 def read_rows(source: str) -> list[tuple[str, dict]]:
@@ -60,6 +78,29 @@ def read_records(source: str) -> list[dict]:
     return [row for _, row in read_rows(source)]
 
 
+def prompt_kind(where: str, value, key: str) -> str:
+    """"text" or "chat" for a row's prompt value; anything else is refused naming the row."""
+    expected = f'the prompt column {key!r} must hold a string or a list of {{"role": ..., "content": "..."}} messages'
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list):
+        if not value:
+            raise ValueError(f"{where} has an empty prompt (an empty message list): remove it or fill it")
+        for i, message in enumerate(value):
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise ValueError(f"{where}: message {i} of the prompt is {_shown(message)}, not a "
+                                 f'{{"role": ..., "content": "..."}} object of strings: {expected}')
+        return "chat"
+    kind = _JSON_KINDS.get(type(value), type(value).__name__)
+    raise ValueError(f"{where}: the prompt is a {kind} ({_shown(value)}): {expected}; fix or remove the row")
+
+
+def _shown(value) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _split_sources(cfg) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]], str]:
     if cfg.train.startswith("builtin:"):
         task = builtin_task(cfg.train.split(":", 1)[1])
@@ -77,17 +118,12 @@ def _split_sources(cfg) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]],
 
 
 def required_columns(reward_functions: Sequence[str]) -> dict[str, list[str]]:
-    """{column: [reward functions that need it]}: the parameters after (prompts, responses) that a
-    function's signature requires (no default). The `answer` parameter is data.answer_key's column."""
+    """{column: [reward functions that need it]}: the keywords a function's signature requires
+    (reward.functions.required_columns). The `answer` parameter is data.answer_key's column."""
     needed: dict[str, list[str]] = {}
     for spec in reward_functions:
-        try:
-            params = list(inspect.signature(resolve(spec)).parameters.values())[2:]
-        except (TypeError, ValueError):   # not introspectable: nothing known to be required
-            continue
-        for param in params:
-            if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY) and param.default is param.empty:
-                needed.setdefault(param.name, []).append(spec)
+        for column in columns_needed_by(resolve(spec)):
+            needed.setdefault(column, []).append(spec)
     return needed
 
 
@@ -111,8 +147,9 @@ def load_prompts(cfg, tokenizer, reward_functions: Sequence[str] | None = None
         raise ValueError(f"data.answer_key={cfg.answer_key!r} is not a column of {name} "
                          f"(columns: {', '.join(sorted(first))}): set data.answer_key or data.answer_key=''")
     counts = {}
-    train = _tokenize(train_rows, cfg, tokenizer, counts, "train", needs)
-    evals = _tokenize(eval_rows, cfg, tokenizer, counts, "eval", needs)
+    kinds = _PromptKinds(cfg, tokenizer)
+    train = _tokenize(train_rows, cfg, tokenizer, counts, "train", needs, kinds)
+    evals = _tokenize(eval_rows, cfg, tokenizer, counts, "eval", needs, kinds)
     if not train:
         # The count covers both splits: a held-out eval split comes from the same file.
         dropped_eval = counts["data/eval_dropped_too_long"]
@@ -139,8 +176,56 @@ def _needed_columns(cfg, reward_functions) -> dict[str, str]:
     return needs
 
 
-def _tokenize(rows, cfg, tokenizer, counts, split, needs) -> list[Prompt]:
-    templated = cfg.chat_template and getattr(tokenizer, "chat_template", None)
+def _template_missing(cfg, tokenizer) -> str | None:
+    """Why no chat template applies (None: the tokenizer's template renders the prompts)."""
+    if not cfg.chat_template:
+        return "data.chat_template=false"
+    if not getattr(tokenizer, "chat_template", None):
+        return f"the tokenizer of actor.model ({getattr(tokenizer, 'name_or_path', '') or 'its directory'}) has no chat template"
+    return None
+
+
+class _PromptKinds:
+    """One kind of prompt per dataset (train and eval files together): the first row's decides."""
+
+    def __init__(self, cfg, tokenizer):
+        self.cfg, self.first = cfg, None
+        self.no_template = _template_missing(cfg, tokenizer)
+        if cfg.system_prompt and self.no_template:
+            raise ValueError(f"data.system_prompt is set but {self.no_template}: a system turn needs a chat template "
+                             "(set data.chat_template=true with a tokenizer that has one, or unset data.system_prompt)")
+
+    def conversation(self, where: str, value) -> list[dict] | None:
+        """The messages the chat template renders for this row, or None (the text goes in as it is)."""
+        kind = prompt_kind(where, value, self.cfg.prompt_key)
+        if self.first is None:
+            self.first = (kind, where)
+        elif kind != self.first[0]:
+            first_kind, first_where = self.first
+            raise ValueError(f"{where} has a {_KIND_NAMES[kind]} prompt but {first_where} has a "
+                             f"{_KIND_NAMES[first_kind]} one: a dataset's prompts (train and eval) are all strings or "
+                             "all message lists; convert the rows to one kind")
+        if kind == "chat":
+            if self.no_template:
+                raise ValueError(f"{where} has a list of chat messages as its prompt but {self.no_template}: add a "
+                                 "chat template to the tokenizer (tokenizer_config.json's chat_template or "
+                                 "chat_template.jinja) and set data.chat_template=true, or give string prompts")
+            if self.cfg.system_prompt:
+                raise ValueError(f"data.system_prompt is set but {where}'s prompt is a message list: data.system_prompt "
+                                 "applies to string prompts; put the system turn into the rows' messages or unset it")
+            return [{"role": m["role"], "content": m["content"]} for m in value]
+        if not value.strip():
+            raise ValueError(f"{where} has an empty prompt: remove it or fill it")
+        if self.no_template:
+            return None
+        system = [{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []
+        return system + [{"role": "user", "content": value}]
+
+
+_KIND_NAMES = {"text": "string", "chat": "message-list"}
+
+
+def _tokenize(rows, cfg, tokenizer, counts, split, needs, kinds: _PromptKinds) -> list[Prompt]:
     out, dropped, truncated = [], 0, 0
     for i, (where, row) in enumerate(rows):
         if cfg.prompt_key not in row:
@@ -151,12 +236,13 @@ def _tokenize(rows, cfg, tokenizer, counts, split, needs) -> list[Prompt]:
                 raise ValueError(f"{where} lacks the column {column!r} that {who} needs: add it or remove the row"
                                  + (", or set data.answer_key='' if no reward function needs it"
                                     if who == "data.answer_key" else ""))
-        raw = str(row[cfg.prompt_key])
-        if not raw.strip():
-            raise ValueError(f"{where} has an empty prompt: remove it or fill it")
-        text = (tokenizer.apply_chat_template([{"role": "user", "content": raw}], tokenize=False,
-                                              add_generation_prompt=True) if templated else raw)
-        ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
+        raw = row[cfg.prompt_key]
+        messages = kinds.conversation(where, raw)
+        # The template's text tokenized without special tokens: apply_chat_template(messages,
+        # add_generation_prompt=True) does exactly this (the template writes BOS itself).
+        text = (tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                if messages is not None else raw)
+        ids = tokenizer(text, add_special_tokens=messages is None)["input_ids"]
         if len(ids) > cfg.max_prompt_tokens:
             if cfg.overlong == "drop":
                 dropped += 1
@@ -167,7 +253,8 @@ def _tokenize(rows, cfg, tokenizer, counts, split, needs) -> list[Prompt]:
         columns = {k: v for k, v in row.items() if k != cfg.prompt_key}
         if cfg.answer_key:
             columns["answer"] = row.get(cfg.answer_key)
-        out.append(Prompt(index=i, text=text, token_ids=list(ids), columns=columns, source=where))
+        out.append(Prompt(index=i, text=text, token_ids=list(ids), columns=columns, source=where, raw=raw,
+                          messages=messages))
     counts[f"data/{split}_prompts"] = len(out)
     counts[f"data/{split}_dropped_too_long"] = dropped
     counts[f"data/{split}_truncated"] = truncated

@@ -14,6 +14,18 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+def transformer_engine_usable() -> bool:
+    """CUDA and Transformer Engine both present (its layer spec and grouped experts can run)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+
 @dataclass(frozen=True)
 class ModelArch:
     """What remax-megatron reads from an HF config (names follow megatron)."""

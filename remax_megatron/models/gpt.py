@@ -23,20 +23,10 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from torch import nn
 
 from remax_megatron.kernels import fused_logprobs
-from remax_megatron.models.arch import DTYPES, ExpertOptions, ModelArch
+from remax_megatron.models.arch import DTYPES, ExpertOptions, ModelArch, transformer_engine_usable
 from remax_megatron.models.hf_config import padded_vocab_size, transformer_config
 from remax_megatron.parallel import cpu_compat
 from remax_megatron.parallel.nested import NestedGroups, nested_groups
-
-
-def transformer_engine_usable() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def param_device(config) -> torch.device:

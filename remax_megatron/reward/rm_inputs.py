@@ -1,8 +1,8 @@
 """What the reward model reads: the actor's token ids, or the text re-tokenized with the RM's tokenizer.
 
     inputs = RewardModelInputs(actor_tokenizer, rm_tokenizer, chat_template=cfg.data.chat_template)
-    inputs.check_prompts([q.text for q in prompts])        # before training: every prompt can be mapped
-    seqs = inputs.sequences(prompt_ids, prompt_texts, [(i, response_ids, response_text), ...])
+    inputs.check_prompts([q.text for q in prompts], [q.messages for q in prompts])   # before training
+    seqs = inputs.sequences(prompt_ids, prompt_texts, [(i, response_ids, response_text), ...], conversations)
 
 A reward model scores what its own tokenizer and chat template make of a
 conversation. When the RM's tokenizer equals the actor's (`same_tokenizer`:
@@ -11,9 +11,12 @@ the actor's prompt + response ids pass straight through (the fast path).
 Otherwise prompt and response go through text:
 
 - chat template applied (data.chat_template and the RM tokenizer has one): the
-  user message (recovered from the actor's templated prompt, see `TemplateFrame`)
-  and the decoded response become a two-turn conversation rendered with the RM's
-  template, as `rm_tokenizer.apply_chat_template([user, assistant])` would;
+  prompt's conversation (data/prompts.py `Prompt.messages`: a message-list prompt, or
+  the string prompt as a user turn after data.system_prompt's system turn) and the
+  decoded response as an assistant turn, rendered with the RM's template, as
+  `rm_tokenizer.apply_chat_template([*messages, assistant])` would. (A prompt that
+  data.overlong=truncate cut is given whole.) Without the conversation, the user
+  message is recovered from the actor's templated prompt (`TemplateFrame`);
 - otherwise: the prompt text as the actor saw it + the response text, tokenized
   by the RM tokenizer with its special tokens (BOS), as `rm_tokenizer(text)`.
 """
@@ -100,36 +103,45 @@ class RewardModelInputs:
     """Token ids for the reward model from the actor's prompt and response (see the module doc)."""
 
     def __init__(self, actor_tokenizer, rm_tokenizer, *, chat_template: bool):
-        self.rm_tokenizer = rm_tokenizer
+        self.rm_tokenizer, self.actor_tokenizer = rm_tokenizer, actor_tokenizer
         self.passthrough = same_tokenizer(actor_tokenizer, rm_tokenizer, chat_template=chat_template)
         self.rm_template = bool(chat_template and getattr(rm_tokenizer, "chat_template", None))
-        actor_template = bool(chat_template and getattr(actor_tokenizer, "chat_template", None))
-        # The actor's prompts carry its template; the RM's template needs the bare user message.
-        self.frame = TemplateFrame(actor_tokenizer) if (self.rm_template and actor_template
-                                                        and not self.passthrough) else None
+        self.actor_template = bool(chat_template and getattr(actor_tokenizer, "chat_template", None))
+        self._frame = None
 
-    def check_prompts(self, prompt_texts: list[str]) -> None:
+    @property
+    def frame(self) -> TemplateFrame | None:
+        """Inverts the actor's template for prompts given without their conversation (built on first use)."""
+        if self._frame is None and self.rm_template and self.actor_template and not self.passthrough:
+            self._frame = TemplateFrame(self.actor_tokenizer)
+        return self._frame
+
+    def check_prompts(self, prompt_texts: list[str], conversations: list | None = None) -> None:
         """Raise ValueError (before training) when a prompt cannot be turned into the RM's input."""
-        if self.frame is not None:
-            for text in prompt_texts:
+        conversations = conversations or [None] * len(prompt_texts)
+        for text, conversation in zip(prompt_texts, conversations):
+            if conversation is None and self.frame is not None:
                 self.frame.user_message(text)
 
-    def text(self, prompt_text: str, response_text: str) -> tuple[str, bool]:
+    def text(self, prompt_text: str, response_text: str, conversation: list[dict] | None = None) -> tuple[str, bool]:
         """The RM's input text and whether the RM tokenizer adds its special tokens to it."""
         if not self.rm_template:
             return prompt_text + response_text, True
-        user = self.frame.user_message(prompt_text) if self.frame is not None else prompt_text
+        if conversation is None:
+            user = self.frame.user_message(prompt_text) if self.frame is not None else prompt_text
+            conversation = [{"role": "user", "content": user}]
         rendered = self.rm_tokenizer.apply_chat_template(
-            [{"role": "user", "content": user}, {"role": "assistant", "content": response_text}], tokenize=False)
+            [*conversation, {"role": "assistant", "content": response_text}], tokenize=False)
         return rendered, False  # the template writes BOS itself, as prompts.py tokenizes templated text
 
     def sequences(self, prompt_ids: list[list[int]], prompt_texts: list[str],
-                  items: list[tuple[int, list[int], str]]) -> list[list[int]]:
-        """items = [(prompt i, response ids, response text)] -> the RM's token ids per item."""
+                  items: list[tuple[int, list[int], str]], conversations: list | None = None) -> list[list[int]]:
+        """items = [(prompt i, response ids, response text)] -> the RM's token ids per item; conversations[i]:
+        prompt i's messages (None: recovered from its text)."""
         if self.passthrough:
             return [prompt_ids[i] + list(ids) for i, ids, _ in items]
         out = []
         for i, _, response in items:
-            text, special = self.text(prompt_texts[i], response)
+            text, special = self.text(prompt_texts[i], response, conversations[i] if conversations else None)
             out.append(self.rm_tokenizer(text, add_special_tokens=special)["input_ids"])
         return out

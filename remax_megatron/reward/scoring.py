@@ -7,14 +7,19 @@ sample equal to the greedy one) is scored once.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Sequence
+
 import torch
 import torch.distributed as dist
 
 from remax_megatron.models.forward import forward_only
 from remax_megatron.models.gpt import RewardModel, sequence_multiple
 from remax_megatron.parallel import all_reduce_cpu
-from remax_megatron.reward.functions import RewardError, RewardFunctions
+from remax_megatron.reward.functions import RewardBatch, RewardError, RewardFunctions
 from remax_megatron.reward.rm_inputs import RewardModelInputs
+
+if TYPE_CHECKING:
+    from remax_megatron.data.prompts import Prompt
 
 class RewardScorer:
     """reward = sum_k w_k * f_k(response) + model_weight * RM(prompt + response)."""
@@ -28,9 +33,9 @@ class RewardScorer:
         self.functions, self.reward_model, self.rm_inputs = functions, reward_model, rm_inputs
         self.model_weight, self.micro_batch_size = model_weight, micro_batch_size
 
-    def score(self, prompt_ids: list[list[int]], prompt_texts: list[str], columns: list[dict],
-              prompt_index: list[int], responses: list[list[tuple[list[int], str]]]) -> tuple[list[list[float]], dict]:
-        """responses[i] = [(token_ids, text), ...] for prompt i (samples then greedy) -> rewards, same shape.
+    def score(self, prompts: Sequence[Prompt], responses: list[list[tuple[list[int], str]]]
+              ) -> tuple[list[list[float]], dict]:
+        """responses[i] = [(token_ids, text), ...] for prompts[i] (samples then greedy) -> rewards, same shape.
 
         Returns the rewards and metrics (`reward/<fn>_mean`, `reward/model_mean`, ...).
         """
@@ -49,12 +54,16 @@ class RewardScorer:
         total = [0.0] * len(items)
         metrics = {"reward/unique_scored": float(len(items))}
         if self.functions is not None:
-            keys = sorted({k for c in columns for k in c})
-            cols = {k: [columns[i].get(k) for i, _, _ in items] for k in keys}
+            keys = sorted({k for q in prompts for k in q.columns})
+            batch = RewardBatch(prompts=[prompts[i].text for i, _, _ in items], responses=[t for _, _, t in items],
+                                columns={k: [prompts[i].columns.get(k) for i, _, _ in items] for k in keys},
+                                prompt_index=[prompts[i].index for i, _, _ in items],
+                                raw_prompts=[prompts[i].raw for i, _, _ in items],
+                                completion_ids=[list(ids) for _, ids, _ in items],
+                                chat=any(q.is_chat for q in prompts))
             error = None
             try:
-                values, parts = self.functions([prompt_texts[i] for i, _, _ in items], [t for _, _, t in items],
-                                               cols, [prompt_index[i] for i, _, _ in items])
+                values, parts = self.functions.score(batch)
             except RewardError as e:
                 error = e
             _stop_together(error)
@@ -62,8 +71,9 @@ class RewardScorer:
             for name, vals in parts.items():
                 metrics[f"reward/{name.split(':')[-1]}_mean"] = sum(vals) / max(1, len(vals))
         if self.reward_model is not None:
-            sequences = (self.rm_inputs.sequences(prompt_ids, prompt_texts, items) if self.rm_inputs is not None
-                         else [prompt_ids[i] + list(ids) for i, ids, _ in items])
+            sequences = (self.rm_inputs.sequences([q.token_ids for q in prompts], [q.text for q in prompts], items,
+                                                  [q.messages for q in prompts])
+                         if self.rm_inputs is not None else [prompts[i].token_ids + list(ids) for i, ids, _ in items])
             scores = self._model_scores(sequences)
             total = [t + self.model_weight * s for t, s in zip(total, scores)]
             metrics["reward/model_mean"] = sum(scores) / max(1, len(scores))

@@ -64,6 +64,17 @@ class SamplingParams:
     max_new_tokens: int = 64        # per completion, >= 1
     stop: list[str] = field(default_factory=list)  # stop strings (EOS always stops)
     seed: int | None = None         # without per-prompt seeds: base of this call's streams (None: the engine's)
+    guided_regex: str = ""          # guided decoding, sampled and greedy rows alike: a regex every response matches
+    guided_json: str = ""           # ... or a JSON schema (JSON text) every response's JSON matches
+
+    @property
+    def guided(self) -> dict | None:
+        """The decoding constraint as vLLM's StructuredOutputsParams fields, or None."""
+        if self.guided_regex:
+            return {"regex": self.guided_regex}
+        if self.guided_json:
+            return {"json": self.guided_json}
+        return None
 
     def __post_init__(self):
         if not self.temperature > 0:
@@ -78,12 +89,15 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"sampling stop={self.stop!r} must be non-empty strings")
+        if self.guided_regex and self.guided_json:
+            raise ValueError("sampling guided_regex and guided_json are both set: give one constraint")
 
     @classmethod
     def from_config(cls, rollout_cfg, seed: int | None = None) -> "SamplingParams":
-        """The sampling of `RolloutConfig` (temperature, top_p, top_k, max_new_tokens, stop)."""
+        """The sampling of `RolloutConfig` (temperature, top_p, top_k, max_new_tokens, stop, guided decoding)."""
         return cls(temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
-                   max_new_tokens=rollout_cfg.max_new_tokens, stop=list(rollout_cfg.stop), seed=seed)
+                   max_new_tokens=rollout_cfg.max_new_tokens, stop=list(rollout_cfg.stop), seed=seed,
+                   guided_regex=rollout_cfg.guided_regex, guided_json=rollout_cfg.guided_json)
 
 
 @dataclass

@@ -119,6 +119,10 @@ class NativeEngine(RolloutEngine):
         if cfg.tp != 1:
             raise ValueError(f"rollout.tp={cfg.tp} needs rollout.engine=vllm: the native engine keeps one "
                              "full replica per rank; set rollout.tp=1")
+        guided = next((k for k in ("guided_regex", "guided_json") if getattr(cfg, k, "")), None)
+        if guided:
+            raise ValueError(f"rollout.{guided} needs rollout.engine=vllm (vLLM's structured outputs): the native "
+                             f"engine decodes without constraints; unset rollout.{guided} or use vLLM")
         if getattr(cfg, "routing_replay", False):
             raise ValueError("rollout.routing_replay=true needs the routes the engine took, which the native engine "
                              "does not record: use rollout.engine=vllm on CUDA, or set rollout.routing_replay=false")
@@ -175,6 +179,8 @@ class NativeEngine(RolloutEngine):
                   seeds: list[int]) -> list[PromptRollout]:
         if not prompts:
             return []
+        if sampling.guided:
+            raise ValueError("guided decoding needs the vLLM engine: the native engine decodes without constraints")
         limit = getattr(self.model.config, "max_position_embeddings", None)
         longest = max(len(p) for p in prompts) + sampling.max_new_tokens
         if limit is not None and longest > limit:

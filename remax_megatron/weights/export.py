@@ -25,7 +25,7 @@ that every rank of the model-parallel group already holds (replicated over TP at
 PP = 1: norms, the router, experts at etp = 1) is not broadcast again.
 
 Data-parallel replicas export independently (their weights are equal). Used by
-the rollout weight sync, HF export and checkpoint conversion.
+the rollout weight sync, HF export and checkpoint conversion (save_hf_dir).
 """
 
 from __future__ import annotations
@@ -45,6 +45,25 @@ def export_hf_weights(model, dtype: torch.dtype | None = None, bucket_mb: float 
                       groups: ProcessGroups | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """One export of `model`: iter(HFExporter(model, dtype, bucket_mb, groups))."""
     return iter(HFExporter(model, dtype=dtype, bucket_mb=bucket_mb, groups=groups))
+
+
+def save_hf_dir(model, out_dir: str, side_files_from: str, *, tool: str, writer: bool, dtype: torch.dtype | None = None,
+                overwrite: bool = False, groups: ProcessGroups | None = None) -> None:
+    """`model` as a Hugging Face directory: one export (a collective over its TP x PP group, every rank
+    calls it), written by the `writer` rank (weights/hf_io.HFDirWriter: atomic, config.json stating the
+    tensors' dtype) with the config and tokenizer of `side_files_from`. The HF export of
+    tools/convert_megatron_to_hf.py and of the trainer's checkpoint.hf_every."""
+    from remax_megatron.weights.hf_io import HFDirWriter
+
+    tensors = export_hf_weights(model, dtype=dtype, groups=groups)
+    if not writer:
+        for _ in tensors:  # every rank takes part in the gathers and broadcasts
+            pass
+        return
+    with HFDirWriter(out_dir, overwrite=overwrite, tool=tool) as out:
+        for name, tensor in tensors:
+            out.add(name, tensor)
+        out.copy_side_files(side_files_from)
 
 
 class HFExporter:

@@ -211,11 +211,14 @@ class HFDirWriter:
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._shards: list[list[str]] = []
+        self._floating: dict[torch.dtype, int] = {}  # elements written per floating dtype (config.json's dtype)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
         if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
             self._flush()
+        if tensor.is_floating_point():
+            self._floating[tensor.dtype] = self._floating.get(tensor.dtype, 0) + tensor.numel()
         owned = torch.empty(tensor.shape, dtype=tensor.dtype)  # a copy: streamed tensors may alias reused buffers
         self._pending[name] = owned.copy_(tensor.detach())
         self._pending_bytes += nbytes
@@ -246,9 +249,25 @@ class HFDirWriter:
                 weight_map.update({n: final for n in names})
             with open(os.path.join(self.tmp, INDEX), "w") as f:
                 json.dump({"metadata": {"total_size": size}, "weight_map": weight_map}, f, indent=2)
+        self._state_dtype()
         with open(os.path.join(self.tmp, WRITTEN_BY), "w") as f:
             json.dump({"written_by": self.tool, "files": sorted(os.listdir(self.tmp))}, f, indent=2)
         replace_dir(self.tmp, self.out_dir)
+
+    def _state_dtype(self) -> None:
+        """config.json states the dtype of the tensors written (the source's config said the source's:
+        float32 over exported bfloat16 tensors): `dtype` (transformers >= 4.56) and `torch_dtype` (older
+        readers, vLLM's config parsing); the dtype of most elements when several were written."""
+        path = os.path.join(self.tmp, "config.json")
+        if not self._floating or not os.path.isfile(path):
+            return
+        with open(path) as f:
+            config = json.load(f)
+        name = str(max(self._floating, key=self._floating.get)).removeprefix("torch.")
+        config["dtype"] = config["torch_dtype"] = name
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2)
+            f.write("\n")
 
     def __enter__(self):
         return self

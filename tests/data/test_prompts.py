@@ -144,3 +144,134 @@ def test_row_without_a_column_a_reward_function_needs_is_refused(tmp_path, tok, 
     with pytest.raises(ValueError) as e:
         load_prompts(cfg, tok, functions)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+# ---- chat data: message-list prompts, data.system_prompt, prompts of other types ---------------------------------
+
+# The non-tool branch of Qwen2.5-Instruct's chat template (ChatML; a default system turn when the conversation
+# has none): a real Jinja template with control flow, loop variables and special tokens.
+QWEN_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant') %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def qwen_tok():
+    """The character tokenizer with ChatML's special tokens and Qwen2.5's template."""
+    tok = build_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = QWEN_TEMPLATE
+    return tok
+
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 2+3?"}],
+    [{"role": "user", "content": "What is 7*6?"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "1+1?"}],
+]
+
+
+@pytest.mark.parametrize("prompt_key", ["messages", "prompt"])  # a messages column; TRL's conversational prompt
+def test_message_list_prompts_are_exactly_the_tokenizers_chat_template(tmp_path, qwen_tok, prompt_key):
+    rows = [{prompt_key: m, "answer": str(i)} for i, m in enumerate(CONVERSATIONS)]
+    cfg = DataConfig(train=_jsonl(tmp_path / "chat.jsonl", rows), prompt_key=prompt_key, eval_size=0)
+    train, _, _ = load_prompts(cfg, qwen_tok)
+    for p, messages in zip(train, CONVERSATIONS):
+        assert p.token_ids == qwen_tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+        assert p.text == qwen_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert p.raw == messages and p.messages == messages and p.is_chat
+        assert prompt_key not in p.columns and p.columns["answer"] is not None
+    assert "[{'role'" not in train[0].text and "<|im_start|>system\nAnswer with a number." in train[0].text
+
+
+def test_message_list_prompts_from_parquet(tmp_path, qwen_tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": m, "answer": "1"} for m in CONVERSATIONS]), tmp_path / "c.parquet")
+    train, _, _ = load_prompts(DataConfig(train=str(tmp_path / "c.parquet"), eval_size=0), qwen_tok)
+    assert [p.token_ids for p in train] == [qwen_tok.apply_chat_template(m, add_generation_prompt=True)["input_ids"]
+                                            for m in CONVERSATIONS]
+
+
+def test_system_prompt_comes_before_every_string_prompt(tmp_path, qwen_tok):
+    cfg = DataConfig(train=_jsonl(tmp_path / "d.jsonl", [{"prompt": "What is 2+3?", "answer": "5"}]), eval_size=0,
+                     system_prompt="Answer with a number.")
+    (p,), _, _ = load_prompts(cfg, qwen_tok)
+    assert p.messages == CONVERSATIONS[0] and p.raw == "What is 2+3?" and not p.is_chat
+    assert p.token_ids == qwen_tok.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True)["input_ids"]
+
+
+def _refusal(tmp_path, tok, lines: list[str], name="d.jsonl", **kwargs) -> str:
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines))
+    with pytest.raises(ValueError) as e:
+        load_prompts(DataConfig(train=str(path), eval_size=0, **kwargs), tok)
+    assert "\n" not in str(e.value)
+    return str(e.value).replace(str(path), name)
+
+
+CHAT_ROW = json.dumps({"prompt": CONVERSATIONS[1], "answer": "42"})
+TEXT_ROW = json.dumps({"prompt": "What is 7*6?", "answer": "42"})
+
+
+def test_message_lists_need_a_chat_template(tmp_path, qwen_tok):
+    line = _refusal(tmp_path, qwen_tok, [CHAT_ROW, CHAT_ROW], chat_template=False)
+    assert line.startswith("d.jsonl:1 has a list of chat messages as its prompt but data.chat_template=false"), line
+    no_template = build_tokenizer()
+    no_template.chat_template = None
+    line = _refusal(tmp_path, no_template, [CHAT_ROW])
+    assert line.startswith("d.jsonl:1 has a list of chat messages as its prompt but the tokenizer of actor.model"), line
+    assert "has no chat template: add a chat template to the tokenizer" in line
+
+
+def test_rows_mixing_strings_and_message_lists_are_refused(tmp_path, qwen_tok):
+    line = _refusal(tmp_path, qwen_tok, [CHAT_ROW, CHAT_ROW, TEXT_ROW])
+    assert line.startswith("d.jsonl:3 has a string prompt but d.jsonl:1 has a message-list one: a dataset's prompts"), line
+    line = _refusal(tmp_path, qwen_tok, [TEXT_ROW, CHAT_ROW])
+    assert line.startswith("d.jsonl:2 has a message-list prompt but d.jsonl:1 has a string one"), line
+
+
+@pytest.mark.parametrize("value,shown", [
+    (None, "a null (null)"), (5, "a number (5)"), (2.5, "a number (2.5)"), (True, "a boolean (true)"),
+    ({"role": "user", "content": "hi"}, 'an object ({"role": "user", "content": "hi"})'),
+])
+def test_prompts_that_are_neither_text_nor_messages_are_refused_by_row(tmp_path, qwen_tok, value, shown):
+    line = _refusal(tmp_path, qwen_tok, [TEXT_ROW, json.dumps({"prompt": value, "answer": "1"})])
+    kind = shown.split(" (")[0].split(" ", 1)[1]
+    assert line.startswith(f"d.jsonl:2: the prompt is a {kind} ("), line
+    assert "must hold a string or a list of" in line
+
+
+def test_a_null_prompt_in_parquet_is_refused_by_row(tmp_path, tok):
+    """Issue 31 (3): a Parquet null trained on the literal 'None'."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "1+1=", "answer": "2"}, {"prompt": None, "answer": "4"}]), path)
+    with pytest.raises(ValueError) as e:
+        load_prompts(DataConfig(train=str(path), eval_size=0, chat_template=False), tok)
+    assert str(e.value).startswith(f"{path} row 2: the prompt is a null (null): the prompt column 'prompt' must hold"), \
+        str(e.value)
+
+
+def test_malformed_messages_and_a_system_prompt_without_a_template_are_refused(tmp_path, qwen_tok):
+    bad = json.dumps({"prompt": [{"role": "user", "text": "hi"}], "answer": "1"})
+    line = _refusal(tmp_path, qwen_tok, [bad])
+    assert line.startswith('d.jsonl:1: message 0 of the prompt is {"role": "user", "text": "hi"}, not a'), line
+    line = _refusal(tmp_path, qwen_tok, [TEXT_ROW], system_prompt="Be brief.", chat_template=False)
+    assert line.startswith("data.system_prompt is set but data.chat_template=false"), line
+    line = _refusal(tmp_path, qwen_tok, [CHAT_ROW], system_prompt="Be brief.")
+    assert "data.system_prompt applies to string prompts" in line, line

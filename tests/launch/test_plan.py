@@ -58,7 +58,8 @@ def test_llama3_8b_tp2_matches_closed_form(config, capsys):
     p = _llama3_8b_params()
     assert p == 8_030_261_248                       # the published Llama-3-8B parameter count
     tp, pp, dp = 2, 1, 4                            # 8 GPUs / (tp 2 * pp 1)
-    share = p // (tp * pp)                          # uniform share (128256 is a multiple of 128 * 2)
+    norms = 32 * 2 * 4096 + 4096                    # RMSNorm weights: replicated over TP
+    share = (p - norms) // tp + norms               # one rank's parameters (128256 is a multiple of 128 * 2)
     rows = {r["key"]: r for r in est["rows"]}
     assert est["params"] == p and est["dp"] == dp
     assert rows["weights"]["bytes"] == share * 2    # bf16
@@ -75,7 +76,8 @@ def test_llama3_8b_tp2_matches_closed_form(config, capsys):
 
 def test_pp_note_and_activation_recompute_order(config, capsys):
     code = plan.main(["--config", config, "--nodes", "1", "--gpus-per-node", "8", "actor.pp=2"])
-    assert "heaviest pipeline stage" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "per-GPU memory (pipeline stage 0 of 2, the heaviest)" in out and "stages: 0: " in out, out
     acts = {}
     for mode in ("none", "selective", "full"):
         _, est = _plan_json(capsys, "--config", config, f"actor.recompute={mode}")
@@ -169,7 +171,9 @@ def test_reward_model_layout_of_its_own(rm_config, capsys, rm_tp):
     rows = {r["key"]: r for r in est["rows"]}
     d, vocab = 4096, 128256
     p_rm = _llama3_8b_params() - vocab * d + d      # [1, D] score head instead of the output layer
-    assert rows["reward_model"]["bytes"] == p_rm * 2 // rm_tp and rows["reward_model"]["counted"]
+    replicated = 32 * 2 * d + d + d                 # norms and the score head, on every TP rank
+    per_rank = (p_rm - replicated) // rm_tp + replicated
+    assert rows["reward_model"]["bytes"] == per_rank * 2 and rows["reward_model"]["counted"]
     plan.main([*base])
     assert f"reward model tp({rm_tp}) * pp(1), {2 // rm_tp} replica(s) per actor model-parallel group" \
         in capsys.readouterr().out
@@ -186,8 +190,8 @@ def test_reward_model_larger_than_the_actor_group(rm_config, capsys):
     """actor TP=2 x dp 4 on 8 GPUs with the RM at TP=4: one RM replica spans two actor groups."""
     code, est = _plan_json(capsys, "--config", rm_config, "--gpus-per-node", "8", "reward.tp=4")
     d, vocab, padded = 4096, 128256, 128512            # the RM's vocab padded to a multiple of 128 * 4
-    assert {r["key"]: r for r in est["rows"]}["reward_model"]["bytes"] == \
-        (_llama3_8b_params() - 2 * vocab * d + padded * d + d) * 2 // 4
+    p_rm, replicated = _llama3_8b_params() - 2 * vocab * d + padded * d + d, 32 * 2 * d + 2 * d
+    assert {r["key"]: r for r in est["rows"]}["reward_model"]["bytes"] == ((p_rm - replicated) // 4 + replicated) * 2
     plan.main(["--config", rm_config, "--gpus-per-node", "8", "reward.tp=4"])
     assert "reward model tp(4) * pp(1), one replica over 2 actor model-parallel groups" in capsys.readouterr().out
 
@@ -229,8 +233,9 @@ def test_qwen3_30b_a3b_experts_are_split_over_ep(tmp_path, capsys):
     assert est["expert_params"] == expert_params
     assert round(est["params"] / 1e9, 1) == 30.5 and int(est["active_params"] / 1e8) == 33  # 3.35 B
     dense = est["params"] - expert_params                      # padded vocab included, tp 2 divides it
+    replicated = layers * (2 * d + 2 * 128 + experts * d) + d  # norms, q/k norms, router: on every TP rank
     rows = {r["key"]: r for r in est["rows"]}
-    assert rows["weights"]["bytes"] == round((dense / 2 + expert_params / 8) * 2)
+    assert rows["weights"]["bytes"] == ((dense - replicated) // 2 + replicated + expert_params // 8) * 2
     from remax_megatron.flops import forward_flops
     from remax_megatron.models.hf_config import read_hf_config
 
@@ -240,3 +245,86 @@ def test_qwen3_30b_a3b_experts_are_split_over_ep(tmp_path, capsys):
     per_layer = 2 * d * (q + 2 * kv) + 2 * q * d + 2 * d * experts + 6 * d * f * k
     assert forward_flops(arch, [1]) == layers * (per_layer + 2 * q) + 2 * d * vocab
     assert padded > vocab
+
+
+# ---- the shipped shapes, the recipes' own commands, the heaviest pipeline stage -----------------------------------
+
+MODELS = os.path.join(REPO, "configs", "models")
+
+
+@pytest.mark.parametrize("shape,published,layers,d,f,heads,kv,vocab,qkv_bias", [
+    # Qwen2.5-7B's model card: 7.61 B parameters, 6.53 B without the embeddings; untied, qkv biases
+    ("qwen2.5-7b", 7_615_616_512, 28, 3584, 18944, 28, 4, 152064, True),
+    # Meta-Llama-3-70B: 70.6 B (70,553,706,496); untied
+    ("llama3-70b", 70_553_706_496, 80, 8192, 28672, 64, 8, 128256, False),
+])
+def test_shipped_shapes_have_the_published_parameter_counts(tmp_path, capsys, shape, published, layers, d, f,
+                                                           heads, kv, vocab, qkv_bias):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"actor:\n  model: {os.path.join(MODELS, shape)}\n  dtype: bfloat16\n"
+                      "reward:\n  functions: [exact_match]\ntrainer:\n  prompts_per_step: 64\n")
+    code, est = _plan_json(capsys, "--config", str(config), "--gpus-per-node", "8")
+    hd = d // heads
+    layer = 2 * d * heads * hd + 2 * d * kv * hd + (heads * hd + 2 * kv * hd if qkv_bias else 0) + 3 * d * f + 2 * d
+    assert est["params"] == 2 * vocab * d + layers * layer + d == published
+    if shape == "qwen2.5-7b":
+        assert round((published - 2 * vocab * d) / 1e9, 2) == 6.53
+
+
+def _header_commands(recipe: str) -> list[list[str]]:
+    """The commands a recipe's header shows (`#   <command>` lines)."""
+    import shlex
+
+    with open(recipe) as f:
+        return [shlex.split(line[1:].strip()) for line in f if line.startswith("#   ")]
+
+
+@pytest.mark.parametrize("recipe", sorted(os.listdir(os.path.join(REPO, "configs", "recipes"))))
+def test_recipe_header_commands_work_as_written(recipe, capsys):
+    """The planner commands in a recipe's header run as written (the shapes they name are shipped under
+    configs/models); the single-node launch command assembles (DRY_RUN=1: it needs GPUs to run)."""
+    commands = _header_commands(os.path.join(REPO, "configs", "recipes", recipe))
+    plans = [c for c in commands if c[:3] == ["python", "-m", "remax_megatron.plan"]]
+    assert plans, f"{recipe}: no planner command in its header"
+    for command in plans:
+        code = plan.main(command[3:])
+        captured = capsys.readouterr()
+        assert code in (0, 1) and captured.err == "", (command, captured.err)
+        assert "per-GPU memory" in captured.out
+    for command in (c for c in commands if c[:2] == ["bash", "launch/torchrun.sh"]):
+        r = subprocess.run(command, cwd=REPO, env=dict(os.environ, DRY_RUN="1"), capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0 and "remax_megatron.train --config configs/recipes/" in r.stdout, r.stderr
+
+
+@pytest.fixture(scope="module")
+def llama70b_config(tmp_path_factory):
+    """The GSM8K recipe with Llama-3-70B as the actor, as a user plans it for 4 nodes x 8 x 80 GiB."""
+    path = tmp_path_factory.mktemp("plan70b") / "70b.yaml"
+    with open(os.path.join(REPO, "configs", "recipes", "qwen2.5-7b-gsm8k.yaml")) as f:
+        text = f.read().replace("/models/Qwen2.5-7B-Instruct", os.path.join(MODELS, "llama3-70b"))
+    path.write_text(text)
+    return str(path)
+
+
+def test_fits_is_decided_by_the_heaviest_pipeline_stage(llama70b_config, capsys):
+    """What the planner used to suggest for Llama-3-70B on 4 x 8 x 80 GiB, fitting by the uniform share P/(tp*pp):
+    its first stage (embedding, 16 micro-batches in flight) does not fit."""
+    argv = ["--config", llama70b_config, "--nodes", "4", "--gpus-per-node", "8", "actor.recompute=full",
+            "actor.pp=16", "rollout.tp=8"]
+    code, est = _plan_json(capsys, *argv)
+    assert est["total_bytes"] == max(est["stage_totals"]) == est["stage_totals"][est["heaviest_stage"]]
+    assert est["heaviest_stage"] == 0 and est["stage_totals"][0] > 80 * 2**30 > min(est["stage_totals"])
+    assert code == 1 and not est["fits"]
+
+
+def test_every_suggestion_for_llama3_70b_on_32_gpus_fits_by_its_heaviest_stage(llama70b_config, capsys):
+    argv = ["--config", llama70b_config, "--nodes", "4", "--gpus-per-node", "8", "--gpu-mem-gib", "80"]
+    assert plan.main(argv) == 1
+    suggestions = [line.split(":", 1)[1] for line in capsys.readouterr().out.splitlines()
+                   if line.startswith("suggestion:")]
+    assert len(suggestions) >= 2, suggestions
+    assert "actor.tp=8 actor.pp=4 rollout.tp=8" in suggestions[0], suggestions
+    for suggestion in suggestions:
+        code, est = _apply_suggestion(capsys, argv, suggestion)
+        assert code == 0 and est["fits"] and max(est["stage_totals"]) <= 80 * 2**30, (suggestion, est["stage_totals"])

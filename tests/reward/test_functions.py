@@ -7,6 +7,7 @@ import types
 import pytest
 
 from remax_megatron.algo.kl_controller import KLController
+from remax_megatron.data.prompts import Prompt
 from remax_megatron.reward import RewardFunctions, RewardScorer
 from remax_megatron.reward.functions import last_number
 
@@ -90,7 +91,9 @@ def test_greedy_scored_by_same_reward_and_duplicates_scored_once():
     scorer = RewardScorer(RewardFunctions([f"{name}:counting"]))
     responses = [[([5], "5"), ([6], "6"), ([5], "5")],      # sample, sample, greedy (= first sample)
                  [([1], "1"), ([1], "1"), ([2], "2")]]
-    scores, metrics = scorer.score([[0], [0]], ["a", "b"], [{"answer": "5"}, {"answer": "2"}], [0, 1], responses)
+    prompts = [Prompt(index=0, text="a", token_ids=[0], columns={"answer": "5"}),
+               Prompt(index=1, text="b", token_ids=[0], columns={"answer": "2"})]
+    scores, metrics = scorer.score(prompts, responses)
     assert scores == [[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]]
     assert sorted(calls) == sorted(["5", "6", "1", "2"]) and metrics["reward/unique_scored"] == 4
 
@@ -105,3 +108,85 @@ def test_adaptive_kl_controller_matches_formula():
     fixed = KLController(0.05)
     assert fixed.update(100.0, 64) == 0.05 and not fixed.adaptive
     assert math.isclose(KLController(0.0, 1.0).update(5.0, 10), 0.0)
+
+
+# ---- TRL's reward-function convention --------------------------------------------------------------------------
+
+def _trl(name):
+    return f"tests.reward.trl_rewards:{name}"
+
+
+def test_trl_functions_get_keywords_and_chat_completions_as_trl_gives_them():
+    from tests.reward import trl_rewards
+
+    trl_rewards.calls.clear()
+    messages = [[{"role": "user", "content": "2+3?"}], [{"role": "user", "content": "7*6?"}]]
+    fns = RewardFunctions([_trl("accuracy"), _trl("short")])
+    total, parts = fns(["<templated 2+3?>", "<templated 7*6?>"], ["5", "41"], {"answer": ["5", "42"], "level": [1, 2]},
+                       [0, 1], raw_prompts=messages, completion_ids=[[9], [8, 7]], chat=True)
+    (call,) = trl_rewards.calls
+    assert call["completions"] == [[{"role": "assistant", "content": "5"}], [{"role": "assistant", "content": "41"}]]
+    assert call["prompts"] == messages and call["completion_ids"] == [[9], [8, 7]]
+    assert call["answer"] == ["5", "42"] and call["level"] == [1, 2]
+    assert parts[_trl("accuracy")] == [1.0, 0.0] and parts[_trl("short")] == [-0.01, -0.02]
+    assert total == pytest.approx([0.99, -0.02])
+    # string prompts: completions are plain strings
+    trl_rewards.calls.clear()
+    fns(["2+3?"], ["5"], {"answer": ["5"]}, [0], raw_prompts=["2+3?"])
+    assert trl_rewards.calls[0]["completions"] == ["5"] and trl_rewards.calls[0]["prompts"] == ["2+3?"]
+
+
+def test_a_trl_function_without_kwargs_gets_the_keywords_it_names_and_none_counts_zero():
+    total, _ = RewardFunctions([_trl("named_only")])(["p", "q"], ["a", "b"], {"answer": ["1", "2"]}, [0, 1])
+    assert total == [1.0, 1.0]
+    total, _ = RewardFunctions([_trl("maybe")])(["p", "q"], ["1", "1"], {"answer": ["1", None]}, [0, 1])
+    assert total == [1.0, 0.0]
+
+
+def test_conventions_and_required_columns_come_from_the_signature():
+    from remax_megatron.reward.functions import convention, required_columns
+    from tests.reward import trl_rewards
+
+    assert convention(trl_rewards.accuracy) == convention(trl_rewards.short) == "trl"
+    assert convention(lambda prompts, responses, **cols: []) == convention(print) == "remax"
+    assert required_columns(trl_rewards.accuracy) == ["answer"] and required_columns(trl_rewards.named_only) == []
+
+    def mine(prompts, responses, answer, level, scale=1.0, **_):
+        return []
+
+    assert required_columns(mine) == ["answer", "level"]
+
+
+@pytest.mark.parametrize("name,message", [
+    ("one_value", "returned 1 values for 2 responses at start-up (called on the first 2 rows of d.jsonl"),
+    ("text_values", "returned '1.0' (str), not a number at start-up"),
+])
+def test_the_start_up_call_refuses_a_wrong_count_or_type_naming_the_contract(name, message):
+    from remax_megatron.reward.functions import CONTRACT, RewardBatch
+
+    fns = RewardFunctions([_trl(name)])
+    with pytest.raises(ValueError) as e:
+        fns.probe(RewardBatch(["p", "q"], ["0", "0"], {"answer": ["1", "2"]}, [0, 1]), "the first 2 rows of d.jsonl")
+    line = str(e.value)
+    assert message in line and line.endswith(CONTRACT) and "\n" not in line, line
+
+
+def test_a_trl_function_called_positionally_was_the_failure_the_convention_fixes():
+    """What the trainer used to do with `def f(completions, answer, **kw)`: call it as f(prompts, responses, answer=...)
+    (TypeError: got multiple values for argument 'answer', a minute into the run)."""
+    from tests.reward import trl_rewards
+
+    with pytest.raises(TypeError, match="multiple values for argument 'answer'"):
+        trl_rewards.accuracy(["p"], ["5"], answer=["5"])
+    assert RewardFunctions([_trl("accuracy")])(["p"], ["5"], {"answer": ["5"]}, [0])[0] == [1.0]
+
+
+def test_the_contract_is_in_the_trainers_help(capsys):
+    from remax_megatron.train import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    assert "fn(prompts, responses, **columns)" in out and "fn(completions, **kwargs)" in out
+    assert "called once at start-up on the first rows" in out and "data.system_prompt" in out

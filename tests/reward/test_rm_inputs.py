@@ -55,11 +55,29 @@ def test_template_frame_recovers_the_user_message():
     assert inputs.text(text, "5") == ("<s>[user]2+3= ?[assistant]5</s>", False)
 
 
-def test_template_that_drops_the_message_is_refused():
+def test_template_that_drops_the_message_is_refused_where_the_conversation_is_unknown():
+    """The actor's template is inverted only for a prompt given without its conversation (the trainer's
+    prompts carry theirs, data/prompts.py Prompt.messages)."""
     actor = build_tokenizer()
     actor.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    inputs = RewardModelInputs(actor, other_tokenizer(), chat_template=True)
+    inputs.check_prompts(["2+3= ?"], [[{"role": "user", "content": "2+3= ?"}]])
     with pytest.raises(ValueError, match="data.chat_template=false"):
-        RewardModelInputs(actor, other_tokenizer(), chat_template=True)
+        inputs.check_prompts(["2+3= ?"])
+
+
+def test_the_rm_reads_the_whole_conversation_of_a_chat_prompt():
+    """A message-list prompt (system turn included) reaches the RM's template as the same conversation
+    plus the response as the assistant turn: what rm_tokenizer.apply_chat_template would make of it."""
+    actor, rm = build_tokenizer(), other_tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3= ?"},
+                {"role": "assistant", "content": "Let me see."}, {"role": "user", "content": "Well?"}]
+    text = actor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = RewardModelInputs(actor, rm, chat_template=True)
+    [ids] = inputs.sequences([actor(text, add_special_tokens=False)["input_ids"]], [text],
+                             [(0, actor("5")["input_ids"], "5")], [messages])
+    expected = rm.apply_chat_template([*messages, {"role": "assistant", "content": "5"}])["input_ids"]
+    assert ids == expected, rm.decode(ids)
 
 
 def _bos_adding(tokenizer):

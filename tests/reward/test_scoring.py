@@ -97,8 +97,11 @@ def _scorer_body(rank, world, model_dir, actor_tok, rm_tok, chat_template, batch
     inputs = RewardModelInputs(actor_tok, rm_tok, chat_template=chat_template)
     assert inputs.passthrough == passthrough
     scorer = RewardScorer(None, model, micro_batch_size=mbs, rm_inputs=inputs)
+    from remax_megatron.data.prompts import Prompt
+
     prompt_ids, texts, responses = batch
-    scores, _ = scorer.score(prompt_ids, texts, [{} for _ in texts], list(range(len(texts))), responses)
+    prompts = [Prompt(index=i, text=t, token_ids=ids) for i, (ids, t) in enumerate(zip(prompt_ids, texts))]
+    scores, _ = scorer.score(prompts, responses)
     flat = [s for row in scores for s in row]
     err = max(abs(a - b) for a, b in zip(flat, expected))
     assert err < 1e-5, f"max |score - transformers| = {err}: {flat} vs {expected}"
@@ -192,9 +195,12 @@ def _layout_body(rank, world, model_dir, actor_tp, actor_pp, rm_tp, rm_pp, seque
     # Each actor DP replica scores its own prompts (rows dp, dp + dp_size, ...); one prompt, many responses.
     dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     mine = list(range(dp, len(sequences), dp_size))
-    scores, _ = scorer.score([[]], [""], [{}], [0], [[(sequences[i], "") for i in mine]])
+    from remax_megatron.data.prompts import Prompt
+
+    empty = [Prompt(index=0, text="", token_ids=[])]
+    scores, _ = scorer.score(empty, [[(sequences[i], "") for i in mine]])
     # One item: the other RM replicas have nothing to score and still join the sum.
-    single, _ = scorer.score([[]], [""], [{}], [0], [[(sequences[mine[-1]], "")]])
+    single, _ = scorer.score(empty, [[(sequences[mine[-1]], "")]])
     result = {"groups": [model.tp_group.size(), model.pp_group.size()],
               "replicas": [model.layout.replicas, model.layout.actor_replicas],
               "mine": mine, "scores": scores[0], "single": single[0][0]}

@@ -98,6 +98,21 @@ def test_logprob_mismatch_and_warning():
     with pytest.warns(LogprobMismatchWarning, match="rollout.logprob_warn_threshold=0.1"):
         logprob_mismatch(actor, engine, mask, threshold=0.1)
     empty = logprob_mismatch(actor, engine, torch.zeros_like(mask))
-    assert empty == {"max": 0.0, "mean": 0.0, "tokens": 0}
+    assert empty == {"max": 0.0, "mean": 0.0, "below": 0.0, "tokens": 0}
     with pytest.raises(ValueError, match="shapes differ"):
         logprob_mismatch(actor, engine[:, :2], mask)
+
+
+def test_a_constrained_engine_is_only_wrong_below_the_actor():
+    """Guided decoding renormalises over the allowed tokens: the engine's log-probs sit above the actor's by
+    design (here by up to 2.0, no warning); an engine below the actor (a stale sync) still warns."""
+    actor = torch.tensor([[-3.0, -2.0, -1.5]])
+    mask = torch.ones_like(actor, dtype=torch.bool)
+    above = actor + torch.tensor([[2.0, 0.5, 0.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats = logprob_mismatch(actor, above, mask, threshold=0.05, constrained=True)
+    assert stats["max"] == pytest.approx(2.0) and stats["below"] == 0.0
+    with pytest.warns(LogprobMismatchWarning, match="below the actor's"):
+        stats = logprob_mismatch(actor, above - torch.tensor([[0.0, 0.0, 0.3]]), mask, threshold=0.05, constrained=True)
+    assert stats["below"] == pytest.approx(0.3)

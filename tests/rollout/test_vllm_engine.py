@@ -47,6 +47,14 @@ def test_requests_pair_sampled_and_greedy_with_real_sampling_params():
     prompts, params = build_requests([[1, 2], [3]], 0, SAMPLING, seeds=[1, 2], params_cls=vllm.SamplingParams)
     assert [p["prompt_token_ids"] for p in prompts] == [[1, 2], [3]]
     assert all(q.n == 1 and q.temperature == 0.0 for q in params)
+    # guided decoding: the sampled AND the greedy entries carry the constraint (the baseline decodes under it)
+    assert all(q.structured_outputs is None for q in params)
+    _, guided = build_requests([[1, 2]], 2, dataclasses.replace(SAMPLING, guided_regex="[0-9]+"), seeds=[7],
+                               params_cls=vllm.SamplingParams)
+    assert [q.structured_outputs.regex for q in guided] == ["[0-9]+", "[0-9]+"] and guided[1].temperature == 0.0
+    _, guided = build_requests([[1, 2]], 2, dataclasses.replace(SAMPLING, guided_json='{"type": "integer"}'),
+                               seeds=[7], params_cls=vllm.SamplingParams)
+    assert [q.structured_outputs.json for q in guided] == ['{"type": "integer"}'] * 2
 
 
 def _output(token_ids, index=0, reason="length"):
@@ -103,7 +111,7 @@ def engine_score(engine, ids, labels):
     return result
 
 
-def _body(rank, world, model_dir, tp, pp, rollout_tp, compile_mode="auto", ep=1, reprocess=True):
+def _body(rank, world, model_dir, tp, pp, rollout_tp, compile_mode="auto", ep=1, reprocess=True, guided=False):
     import torch.distributed as dist
 
     from remax_megatron.config import RolloutConfig
@@ -198,7 +206,36 @@ def _body(rank, world, model_dir, tp, pp, rollout_tp, compile_mode="auto", ep=1,
     changed = max(abs(a - b) for before, ro in zip(greedy_before, everything)
                   for a, b in zip(before, ro.greedy.logprobs))
     assert changed > 1e-3, f"engine log-probs did not change after the updates ({changed})"
+    if guided:
+        _check_guided(engine, actor, mine, seeds, model_dir)
     del groups
+
+
+def _check_guided(engine, actor, prompts, seeds, model_dir):
+    """rollout.guided_regex on real vLLM (xgrammar): every sampled and greedy response is digits only (the
+    responses of the same prompts without it are not), and the constrained log-probs sit at or above the
+    actor's (what the engine-vs-actor monitor assumes under guided decoding)."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from remax_megatron.rollout import flatten_rollouts, pack_sequences
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+
+    def texts(rollouts):
+        return [tok.decode(c.token_ids, skip_special_tokens=True) for r in rollouts for c in r.sampled + [r.greedy]]
+
+    sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=MAX_NEW)
+    free = texts(engine.generate(prompts, n=2, sampling=sampling, seeds=seeds))
+    assert not all(re.fullmatch("[0-9]+", t) for t in free), free
+    rollouts = engine.generate(prompts, n=2, sampling=dataclasses.replace(sampling, guided_regex="[0-9]+"), seeds=seeds)
+    assert all(re.fullmatch("[0-9]+", t) for t in texts(rollouts)), texts(rollouts)
+    assert all(len(r.sampled) == 2 for r in rollouts)
+    rows_p, rows_c = flatten_rollouts(prompts, rollouts)
+    batch = pack_sequences(rows_p, rows_c, pad_id=PAD)
+    below = (_actor_logprobs(actor, batch, TEMPERATURE) - batch["engine_logprobs"])[batch["response_mask"].bool()]
+    assert below.max() < 1e-5, f"constrained engine log-probs below the actor's by {below.max()}"
 
 
 @pytest.mark.slow
@@ -208,7 +245,9 @@ def _body(rank, world, model_dir, tp, pp, rollout_tp, compile_mode="auto", ep=1,
     # the Qwen3 cases below.
     (1, 2, 1, 2, "auto"), (1, 1, 2, 2, "auto"), (1, 1, 1, 1, "always")])
 def test_vllm_matches_the_actor(tp, pp, rollout_tp, world, compile_mode, tiny_llama):
-    run_distributed(_body, world_size=world, args=(tiny_llama, tp, pp, rollout_tp, compile_mode))
+    """(rollout.tp=2 case: then guided decoding under a digits-only regex, sampled and greedy rows.)"""
+    run_distributed(_body, world_size=world, args=(tiny_llama, tp, pp, rollout_tp, compile_mode, 1, True,
+                                                   rollout_tp == 2))
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,9 @@ PY = sys.executable
 TORCHRUN = os.path.join(os.path.dirname(PY), "torchrun")
 
 
-def _run(args, **kw):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+def _run(args, env_extra=None, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env_extra or {})}
+    env = {k: v for k, v in env.items() if v != ""}
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, **kw)
 
 
@@ -280,3 +281,21 @@ def test_converter_refuses_unsupported_architecture(tmp_path):
     # The message lists the registry's families and what each serves.
     assert "qwen3 (Qwen3ForCausalLM, Qwen3ForSequenceClassification)" in line, line
     assert not os.path.exists(tmp_path / "c")
+
+
+@pytest.mark.slow
+def test_the_tools_print_only_their_result_and_the_export_states_its_dtype(converted, tmp_path):
+    """make_tiny_model and convert_megatron_to_hf (as run from a shell): their one line, nothing on stderr (no
+    megatron-core warnings, no transformers progress bars); --dtype bfloat16 writes a config.json that says so."""
+    r = _run([PY, "tools/make_tiny_model.py", "--out", str(tmp_path / "tiny"), "--family", "qwen2", "--hidden", "32",
+              "--layers", "2", "--heads", "2", "--kv-heads", "1", "--ffn", "64"])
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"wrote {tmp_path / 'tiny'}\n", ""), r.stderr[-3000:]
+    _, ckpt = converted
+    out = str(tmp_path / "bf16")
+    r = _run([PY, "tools/convert_megatron_to_hf.py", "--ckpt", ckpt, "--out", out, "--dtype", "bfloat16"],
+             env_extra={"PYTHONWARNINGS": ""})
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"wrote {out}\n", ""), r.stderr[-3000:]
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    assert {t.dtype for t in _tensors(out).values()} == {torch.bfloat16}

@@ -13,7 +13,7 @@ from tests.train.test_train_e2e import _timeless, _train, _train_logged, env  # 
 @pytest.fixture(scope="module")
 def moe_run(env, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("moe") / "run"
-    records, stdout = _train_logged(env, "configs/tiny_cpu_moe.yaml", str(out), "trainer.eval_every=30")
+    records, stdout, _ = _train_logged(env, "configs/tiny_cpu_moe.yaml", str(out), "trainer.eval_every=30")
     return out, records, stdout
 
 

@@ -33,8 +33,9 @@ class SpyScorer:
     def __init__(self):
         self.calls = []
 
-    def score(self, prompt_ids, prompt_texts, columns, indices, responses):
-        self.calls.append((list(indices), responses))
+    def score(self, prompts, responses):
+        indices = [q.index for q in prompts]
+        self.calls.append((indices, responses))
         return [[10.0 * i + (j if j < N else 0.0) for j in range(len(row))] for i, row in zip(indices, responses)], {}
 
 

@@ -37,37 +37,67 @@ def _train(env, config, out, *overrides, nproc=2):
     return _train_logged(env, config, out, *overrides, nproc=nproc)[0]
 
 
+README_LAUNCHER = (sys.executable, "-m", "remax_megatron.launch")  # the README's main command
+
+
 def _timeless(records):
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "memory/", "perf/"))}
             for r in records]
 
 
-def _train_logged(env, config, out, *overrides, nproc=2, command=False):
-    """(metrics records, the run's stdout). The ranks are forked from the tests' warm fork server
-    (tests/_dist.run_main: no imports per launch); command=True runs the real torchrun command."""
-    argv = ["--config", config, f"trainer.output_dir={out}", "logging.progress_bar=false", *overrides]
-    if command:
-        r = subprocess.run([TORCHRUN, f"--nproc_per_node={nproc}", "-m", "remax_megatron.train", *argv], cwd=ROOT,
-                           env=env, capture_output=True, text=True, timeout=900)
-    else:
+def _train_logged(env, config, out, *overrides, nproc=2, launcher=None, progress_bar=False):
+    """(metrics records, the run's stdout, its stderr). launcher=None: the ranks are forked from the
+    tests' warm fork server (tests/_dist.run_main: no imports per launch); else the real command, e.g.
+    the README's launcher or torchrun."""
+    argv = ["--config", config, f"trainer.output_dir={out}", *([] if progress_bar else ["logging.progress_bar=false"]),
+            *overrides]
+    if launcher is None:
         r = run_main("remax_megatron.train", argv, nproc, env=env)
+    else:
+        r = subprocess.run([*launcher, f"--nproc_per_node={nproc}", "-m", "remax_megatron.train", *argv], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f], r.stdout
+        return [json.loads(line) for line in f], r.stdout, r.stderr
 
 
 @pytest.fixture(scope="module")
 def default_run(env, tmp_path_factory):
-    """The README's main command as it is (vLLM engine, 30 steps, a checkpoint every 10), evaluated
-    at the start and the end: (output directory, metrics records, stdout)."""
+    """The README's main command as it is (the launcher, vLLM engine, 30 steps, a checkpoint every 10, the
+    progress bar, no PYTHONWARNINGS), evaluated at the start and the end: (output directory, metrics
+    records, stdout, stderr)."""
     out = tmp_path_factory.mktemp("default") / "run"
-    records, stdout = _train_logged(env, "configs/tiny_cpu.yaml", str(out), "trainer.eval_every=30", command=True)
-    return out, records, stdout
+    records, stdout, stderr = _train_logged({k: v for k, v in env.items() if k != "PYTHONWARNINGS"},
+                                            "configs/tiny_cpu.yaml", str(out), "trainer.eval_every=30",
+                                            launcher=README_LAUNCHER, progress_bar=True)
+    return out, records, stdout, stderr
+
+
+@pytest.mark.slow
+def test_tiny_default_console_is_its_own_lines_only(default_run):
+    """The default run's console: the first line, the progress bar, eval samples, saves and the last line.
+    No vLLM INFO line, no per-sync `RotaryEmbedding: Failed to load weights`, no library warning, on either
+    stream (before remax_megatron/console.py: ~140 vLLM INFO lines, 74 rotary warnings, ~20 start-up
+    warnings)."""
+    out, _, stdout, stderr = default_run
+    for text in (stdout, stderr):
+        assert " INFO " not in text and "Failed to load weights" not in text, text[-3000:]
+        assert "Warning" not in text and "WARNING" not in text and "warnings.warn" not in text, text[-3000:]
+    lines = stdout.splitlines()
+    assert lines[0].startswith("remax-megatron: rollout engine vllm") and lines[-1].startswith("done: metrics in")
+    for line in lines[1:-1]:
+        assert line.startswith(("  [eval step ", "saved checkpoint ")), line
+    assert sum(line.startswith("saved checkpoint") for line in lines) == 3
+    samples = [line for line in lines if line.startswith("  [eval step")]
+    assert len(samples) == 6 and all("(answer '" in line and ", reward " in line for line in samples), samples
+    # stderr: the progress bar only (tqdm redraws it with carriage returns)
+    rest = [part for part in stderr.replace("\r", "\n").splitlines() if part.strip()]
+    assert rest and all(part.startswith("remax:") for part in rest), rest[:10]
 
 
 @pytest.mark.slow
 def test_tiny_default_learns_with_vllm(default_run):
-    out, records, stdout = default_run
+    out, records, stdout, _ = default_run
     ours = [line for line in stdout.splitlines() if line.startswith("remax-megatron:")]
     assert ours and "rollout engine vllm" in ours[0], stdout[-3000:]
     evals = [r for r in records if "eval/reward_mean" in r]
@@ -94,7 +124,7 @@ def test_tiny_default_learns_with_vllm(default_run):
 def test_tiny_default_resumes_exactly_with_vllm(env, default_run, tmp_path):
     """Resumed from the default run's step-20 checkpoint, the last 10 steps and the final eval are
     those of the straight run (weights, Adam state, scheduler, data order and vLLM sampling seeds)."""
-    out, straight, _ = default_run
+    out, straight, _, _ = default_run
     resumed = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "resumed"), "trainer.eval_every=30",
                      f"checkpoint.resume={out / 'checkpoints' / 'step_000020'}")
     assert [r["step"] for r in resumed] == list(range(21, 31)) and "eval/reward_mean" in resumed[-1]
@@ -198,6 +228,40 @@ def test_bad_input_is_one_line_exit_2_before_a_builtin_model_is_built(env, tmp_p
     assert _built(cache) == []
 
 
+# Runs the command line in a fresh interpreter and says, at exit, which of the big libraries it imported.
+_IMPORTS_AT_EXIT = ("import atexit, sys\n"
+                    "atexit.register(lambda: print('imported:', sorted({m.split('.')[0] for m in sys.modules} & "
+                    "{'megatron', 'vllm'}), flush=True))\n"
+                    "from remax_megatron.train import main\n"
+                    "main(sys.argv[1:])\n")
+
+
+@pytest.mark.parametrize("mistake", ["missing column", "reward function signature"])
+def test_a_mistake_is_refused_before_megatron_or_vllm_is_imported(env, tmp_path, mistake):
+    """Every input check runs before megatron-core, vLLM and the models are imported or built (no model build
+    can have started): a missing column, or a reward function whose signature is neither convention (called
+    once at start-up on the first rows), is one line, exit 2, and neither library was loaded. (The time it
+    takes under the README's command: tools/bench_startup_error.py.)"""
+    data = _write(tmp_path / "d.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    overrides, line = {
+        "missing column": ([f"data.train={data}", "data.eval_size=0"],
+                           f"error: {data}:2 lacks the column 'answer' that reward function 'exact_match' needs: "
+                           "add it or remove the row"),
+        "reward function signature": (["reward.functions=[tests.reward.trl_rewards:typo]"],
+                                      "error: reward function 'tests.reward.trl_rewards:typo' raised TypeError: typo() "
+                                      "got multiple values for argument 'answer' at start-up (called on the first 2 "
+                                      "rows of builtin:arith with the placeholder completion '0'); a reward function "
+                                      "is fn(prompts, responses, **columns)"),
+    }[mistake]
+    r = subprocess.run([sys.executable, "-c", _IMPORTS_AT_EXIT, "--config", "configs/tiny_cpu.yaml", "actor.tp=1",
+                        *overrides, f"trainer.output_dir={tmp_path / 'out'}"], cwd=ROOT,
+                       env=dict(env, REMAX_CACHE=str(tmp_path / "cache")), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(line), r.stderr[-3000:]
+    assert r.stdout.splitlines() == ["imported: []"], r.stdout
+    assert not (tmp_path / "out").exists() and _built(tmp_path / "cache") == []
+
+
 def _write(path, text):
     path.write_text(text)
     return path
@@ -232,6 +296,14 @@ BAD_INPUT = [
     (["actor.model=builtin:tiny-arith-moe", "actor.ep=2", "rollout.routing_replay=true", "rollout.engine=native"], 2,
      "which the native engine does not record"),
     (["rollout.routing_replay=true"], 1, "has no experts to route"),
+    # guided decoding: vLLM's structured outputs only; the constraint compiled by xgrammar at start-up
+    (["rollout.guided_regex='[0-9]+'", "rollout.engine=native"], 1,
+     "rollout.guided_regex needs rollout.engine=vllm (vLLM's structured outputs)"),
+    (["rollout.guided_regex='[0-9'"], 1,
+     "rollout.guided_regex='[0-9' does not compile with xgrammar (vLLM's structured outputs): Regex parsing error"),
+    (["rollout.guided_json='{{\"type\": 5}}'"], 1, "does not compile with xgrammar"),  # {{ }}: str.format
+    (["rollout.guided_json='[1, 2]'"], 1, "rollout.guided_json='[1, 2]' is not a JSON object"),
+    (["rollout.guided_regex='[0-9]+'", "rollout.guided_json='{{}}'"], 1, "are both set"),
     (["actor.ep=2"], 2, "has no experts: expert parallelism needs a mixture-of-experts model"),
     # Mistral with a 16-token sliding window, sequences up to 16 + 4: full causal attention is not the model's
     (["actor.model={tmp}/mistral-window16", "rollout.engine=native"], 1,

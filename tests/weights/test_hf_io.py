@@ -78,3 +78,20 @@ def test_writer_failure_leaves_nothing(tmp_path):
         write_hf_dir(out, broken())
     assert not os.path.exists(out)
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_a_written_config_states_the_dtype_of_its_tensors(hf, tmp_path, dtype):
+    """The side files come from a float32 model; the tensors written decide config.json's dtype."""
+    import torch
+
+    tensors = {name: t.to(getattr(torch, dtype)) for name, t in HFCheckpointReader(hf).tensors()}
+    out = str(tmp_path / "out")
+    write_hf_dir(out, tensors.items(), side_files_from=hf)
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    assert config["dtype"] == config["torch_dtype"] == dtype
+    with open(os.path.join(hf, "config.json")) as f:
+        source = json.load(f)
+    assert {k: v for k, v in config.items() if k not in ("dtype", "torch_dtype")} == \
+        {k: v for k, v in source.items() if k not in ("dtype", "torch_dtype")}
