@@ -28,13 +28,15 @@ LAUNCH = [sys.executable, "-m", "remax_megatron.launch"]
 TORCHRUN = [os.path.join(os.path.dirname(sys.executable), "torchrun")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def builtin_model():
-    """The tiny default's model built before any job: its one-time build writes to stderr, which
-    these tests require to be empty (so each passes alone too)."""
-    from remax_megatron.builtin.models import ensure_builtin_model
+@pytest.fixture(autouse=True)
+def builtin_model(request):
+    """The tiny default's model built before any job (the slow tests here): its one-time build writes to
+    stderr, which these tests require to be empty (so each passes alone too). The fast tests need no
+    model: they do not wait for its build (a minute on 2 cores)."""
+    if request.node.get_closest_marker("slow"):
+        from remax_megatron.builtin.models import ensure_builtin_model
 
-    ensure_builtin_model("tiny-arith", verbose=False)
+        ensure_builtin_model("tiny-arith", verbose=False)
 
 
 def _cmd(launcher, out, *overrides):
