@@ -40,6 +40,7 @@ from remax_megatron.weights.megatron_ckpt import load_model, save_model, save_sh
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 MANIFEST, LATEST, TRAINER_STATE = "manifest.json", "latest", "trainer_state.json"
+TMP_PREFIX = ".tmp-"  # a save in progress: .tmp-step_000006-<random>
 
 
 class CheckpointError(RuntimeError):
@@ -65,7 +66,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, trainer_state: dict,
     if rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
-            tmp[0] = tempfile.mkdtemp(prefix=f".tmp-{step_dir_name(step)}-", dir=root)
+            tmp[0] = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{step_dir_name(step)}-", dir=root)
         except OSError as e:
             error = e
     dist.broadcast_object_list(tmp, src=0)
@@ -290,6 +291,20 @@ def _crc32(path: str) -> int:
     return crc
 
 
+def remove_stale_saves(root: str) -> list[str]:
+    """Remove the `.tmp-step_*` directories of saves that never finished (a run killed mid-save);
+    returns their paths. Only for the run that holds root's lock (run_lock.py): no live process
+    writes into them then."""
+    removed = []
+    if os.path.isdir(root):
+        for name in sorted(os.listdir(root)):
+            path = os.path.join(root, name)
+            if name.startswith(TMP_PREFIX + "step_") and os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
 def _prune(root: str, keep: int) -> None:
     for name in list_checkpoints(root)[:-keep]:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -359,13 +374,20 @@ def validate(path: str) -> None:
 
 
 def find_resume_checkpoint(root: str, resume: str) -> str | None:
-    """resume=none -> None; a path -> that checkpoint (validated); auto -> the newest valid one under root."""
+    """resume=none -> None; a path -> that checkpoint (validated); auto -> the newest valid one under root.
+
+    Under torch.distributed it is collective and every rank returns the same path: rank 0 lists the
+    checkpoints and the ranks validate them together, newest first (ranks that listed for themselves
+    could pick different ones while another process wrote there)."""
     if resume == "none":
         return None
     if resume != "auto":
         validate(resume)
         return resume
-    for name in reversed(list_checkpoints(root)):
+    names = [list_checkpoints(root)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(names, src=0)
+    for name in reversed(names[0]):
         path = os.path.join(root, name)
         try:
             validate(path)

@@ -250,6 +250,8 @@ class CheckpointConfig:
     save_every: int = knob(0, "steps between saves (0: only at the end)")
     resume: str = knob("auto", "auto (newest valid) | none | a checkpoint path")
     keep: int = knob(2, "checkpoints kept")
+    allow_model_change: bool = knob(False, "resume a checkpoint made from another actor.model (same shapes; refused "
+                                    "otherwise): its weights train on with this model's config and tokenizer")
 
     def __post_init__(self):
         _positive("checkpoint.save_every", self.save_every, zero_ok=True)

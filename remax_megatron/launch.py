@@ -123,7 +123,7 @@ def _remember_agent_stops() -> set[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from torch.distributed import run as torchrun
+    from torch.distributed import DistNetworkError, run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -153,6 +153,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: launcher stopped by {e.sigval.name}; the workers were stopped", file=sys.stderr,
               flush=True)
         sys.exit(128 + int(e.sigval))
+    except DistNetworkError as e:  # the agent's rendezvous store, before any worker started
+        if "EADDRINUSE" not in str(e):
+            raise
+        from remax_megatron.parallel.layout import port_in_use
+
+        print(f"error: {port_in_use(str(args.master_port))}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

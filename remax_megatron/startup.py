@@ -1,6 +1,7 @@
 """Start-up: check every input a user can get wrong, then build the trainer's components.
 
     checked = check_inputs(cfg, world_size)   # one-line ValueError / FileNotFoundError; nothing built or written
+    claim = claim_run(cfg, checked)           # collective: directory lock, the checkpoint to resume; ValueError
     parts = build(cfg, checked)               # built-in models, process groups, models, optimizer, engine, reward
 
 remax_megatron.train (the command line) imports this module only after it has decided which library
@@ -19,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from remax_megatron.algo.kl_controller import KLController
 from remax_megatron.builtin.models import resolve_model
+from remax_megatron.checkpoint import find_resume_checkpoint, remove_stale_saves
 from remax_megatron.data.prompts import Prompt, PromptSampler, load_prompts
 from remax_megatron.models import build_policy, build_reward_model, check_layout, read_hf_config
 from remax_megatron.models.gpt import params_dtype_of
@@ -27,10 +29,12 @@ from remax_megatron.models.hf_config import check_run_length
 from remax_megatron.optimizer import attach_to_schedule, build_optimizer, build_scheduler, wrap_ddp
 from remax_megatron.parallel import ParallelLayout, init_distributed
 from remax_megatron.reward import RewardFunctions, RewardScorer
+from remax_megatron.resume import check_resume, read_trainer_state
 from remax_megatron.reward.rm_inputs import RewardModelInputs, load_rm_tokenizer
 from remax_megatron.rollout import build_engine, check_rollout
+from remax_megatron.run_lock import DirectoryInUse, RunLock
 from remax_megatron.trainer import Components
-from remax_megatron.weights import load_hf_weights
+from remax_megatron.weights import HFCheckpointReader, load_hf_weights
 
 
 def check_writable(path: str, what: str) -> None:
@@ -107,7 +111,20 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     functions = RewardFunctions(cfg.reward.functions, cfg.reward.weights, {
         "pattern": cfg.reward.format_pattern, "tolerance": cfg.reward.numeric_tolerance,
         "limit": cfg.reward.length_limit}) if cfg.reward.functions else None
+    for spec, path, what in ((cfg.actor.model, actor_dir, "actor.model"),
+                             (cfg.reference.model or cfg.actor.model, ref_dir, "reference.model"),
+                             (cfg.reward.model, rm_dir, "reward.model")):
+        if path and not spec.startswith("builtin:"):  # a built-in model gets its weights at build()
+            try:
+                HFCheckpointReader(path)  # headers only: every weight file there, readable, complete
+            except (FileNotFoundError, ValueError) as e:
+                raise type(e)(f"{what}: {e}") from None
     tokenizer = AutoTokenizer.from_pretrained(actor_dir)
+    if len(tokenizer) > arch.vocab_size:
+        raise ValueError(f"the tokenizer of actor.model {actor_dir} has {len(tokenizer)} tokens but the model's "
+                         f"vocabulary {arch.vocab_size} (config.json vocab_size): ids from {arch.vocab_size} on have "
+                         "no embedding; use the model's own tokenizer, or resize the model's embeddings to the "
+                         "tokenizer (transformers: model.resize_token_embeddings(len(tokenizer))) and save it")
     train, evals, counts = load_prompts(cfg.data, tokenizer, cfg.reward.functions)
     rm_inputs = None
     if rm_dir:
@@ -116,6 +133,45 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     return CheckedInputs(arch=arch, actor_dir=actor_dir, ref_dir=ref_dir, rm_dir=rm_dir, rm_arch=rm_arch,
                          rm_inputs=rm_inputs, functions=functions, tokenizer=tokenizer, train=train, eval=evals,
                          data_counts=counts, experts=experts)
+
+
+@dataclass
+class Claim:
+    """What claim_run settled: the run's directory lock (rank 0; None on the other ranks) and the
+    checkpoint every rank resumes (None: a fresh start)."""
+
+    lock: RunLock | None
+    resume: str | None
+
+
+def claim_run(cfg, checked: CheckedInputs) -> Claim:
+    """Collective, after check_inputs and before build: the process group; the run's directories,
+    locked by rank 0 (run_lock.py says why rank 0), which then removes the saves an earlier run left
+    unfinished; the checkpoint to resume, the same on every rank; whether this config fits it
+    (resume.check_resume). A refusal is the same ValueError on every rank, and leaves nothing written."""
+    rank, world = init_distributed(cfg.trainer.dist_timeout_minutes)
+    lock, refusal = None, [None]
+    if rank == 0:
+        try:
+            lock = RunLock.acquire({"trainer.output_dir": cfg.trainer.output_dir, "checkpoint.dir": cfg.checkpoint.dir})
+        except DirectoryInUse as e:
+            refusal[0] = str(e)
+    if world > 1:
+        torch.distributed.broadcast_object_list(refusal, src=0)
+    if refusal[0]:
+        raise ValueError(refusal[0])
+    try:
+        if rank == 0:
+            for path in remove_stale_saves(cfg.checkpoint.dir):
+                print(f"removed {path}: the unfinished save of an earlier run", flush=True)
+        path = find_resume_checkpoint(cfg.checkpoint.dir, cfg.checkpoint.resume)
+        if path is not None:
+            check_resume(cfg, path, read_trainer_state(path), checked.actor_dir, checked.tokenizer, checked.train)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return Claim(lock=lock, resume=path)
 
 
 def expert_options(cfg, arch: ModelArch) -> ExpertOptions:

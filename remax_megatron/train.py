@@ -15,7 +15,6 @@ exit codes"; remax_megatron.launch makes the launcher exit with these codes).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import sys
@@ -23,6 +22,7 @@ import sys
 from remax_megatron.config import config_help, load_config, save_config
 from remax_megatron.launch import report_error
 from remax_megatron.metrics import MetricsLogger, is_rank0, print0, quiet_library_warnings
+from remax_megatron.processes import children_die_with_parent, set_parent_death_signal
 
 
 class _EarlyStop:
@@ -53,10 +53,7 @@ def _stop_with_launcher() -> None:
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     os.environ["REMAX_LAUNCHER_PID"] = str(os.getppid())  # checkpoint.preemption_save_refusal reads it
-    if not sys.platform.startswith("linux"):
-        return
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    set_parent_death_signal(signal.SIGTERM)
 
 
 def _refuse(error: Exception) -> None:
@@ -65,13 +62,17 @@ def _refuse(error: Exception) -> None:
     sys.exit(2)
 
 
-def _fail(logger, error: Exception, printer: bool, same_on_every_rank: bool) -> None:
-    """A failure after start-up: close the run's files, the one line (`report_error`), exit 1 at once.
+def _fail(logger, lock, error: Exception, printer: bool, same_on_every_rank: bool) -> None:
+    """A failure after start-up: close the run's files, release its directories, the one line
+    (`report_error`), exit 1 at once.
 
     os._exit skips C++ destructors: a peer rank may already be gone, and tearing down the process
     group's threads then can abort the process ("terminate called without an active exception",
     SIGABRT, exit 134 instead of 1; seen once in the reward-error test at dp2)."""
-    logger.close()
+    if logger is not None:
+        logger.close()
+    if lock is not None:
+        lock.release()
     report_error(f"error: {error}", printer=printer, same_on_every_rank=same_on_every_rank)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -106,6 +107,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     early_stop = _EarlyStop()
     _stop_with_launcher()
+    children_die_with_parent()
 
     quiet_library_warnings()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -116,15 +118,15 @@ def main(argv=None) -> None:
     # megatron-core warns while it is imported: these imports come after the line above decided what
     # shows (and after the config, so a mistyped key is refused in a second).
     from remax_megatron.checkpoint import CheckpointError
-    from remax_megatron.memory import keep_freed_host_memory
-    from remax_megatron.reward import RewardError
-    from remax_megatron.startup import build, check_inputs
-    from remax_megatron.trainer import StageError, Trainer
+    from remax_megatron.startup import check_inputs, claim_run
 
     try:
         checked = check_inputs(cfg, world)
+        claim = claim_run(cfg, checked)  # from here on this run owns its directories (rank 0 holds the lock)
     except (ValueError, FileNotFoundError) as e:
         _refuse(e)
+    except CheckpointError as e:  # the checkpoint to resume cannot be read (every rank raises the same line)
+        _fail(None, None, e, printer=is_rank0(), same_on_every_rank=True)
 
     dp = world // (cfg.actor.tp * cfg.actor.pp)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -132,6 +134,21 @@ def main(argv=None) -> None:
               f"{checked.arch.architecture} from {cfg.actor.model}, {cfg.actor.tp}x{cfg.actor.pp}x{dp} "
               f"(tp x pp x dp), {len(checked.train)} train / {len(checked.eval)} eval prompts "
               f"{checked.data_counts}", flush=True)
+    try:
+        _train(cfg, checked, claim, early_stop)
+    finally:  # a run that failed before its first record leaves no lock file and no directory it created
+        if claim.lock is not None:
+            claim.lock.release()
+
+
+def _train(cfg, checked, claim, early_stop: _EarlyStop) -> None:
+    """Build, train, tear down: the run after its inputs were checked and its directories claimed."""
+    from remax_megatron.checkpoint import CheckpointError
+    from remax_megatron.memory import keep_freed_host_memory
+    from remax_megatron.reward import RewardError
+    from remax_megatron.startup import build
+    from remax_megatron.trainer import StageError, Trainer
+
     keep_freed_host_memory()  # CPU: no page faults on every step's big tensors (remax_megatron.memory)
     parts = build(cfg, checked)
     # config.yaml, metrics.jsonl and TensorBoard events appear with the first record: a run that fails
@@ -142,13 +159,13 @@ def main(argv=None) -> None:
     trainer = Trainer(parts, logger)
     early_stop.replay()  # a stop signal received during start-up, now to the trainer's handler
     try:
-        finished = trainer.fit()
+        finished = trainer.fit(resume=claim.resume)
     except CheckpointError as e:  # every rank raises the same one line: print it once
-        _fail(logger, e, printer=is_rank0(), same_on_every_rank=True)
+        _fail(logger, claim.lock, e, printer=is_rank0(), same_on_every_rank=True)
     except RewardError as e:  # every rank raises it; the first rank that saw it prints it
-        _fail(logger, e, printer=e.report, same_on_every_rank=False)
+        _fail(logger, claim.lock, e, printer=e.report, same_on_every_rank=False)
     except StageError as e:  # names the rank that saw the failure
-        _fail(logger, e, printer=True, same_on_every_rank=False)
+        _fail(logger, claim.lock, e, printer=True, same_on_every_rank=False)
     finally:
         logger.close()
     if trainer.step > cfg.trainer.steps:  # resumed past the end: the loop had nothing to do
@@ -159,6 +176,7 @@ def main(argv=None) -> None:
     elif finished:
         print0(f"done: metrics in {os.path.join(cfg.trainer.output_dir, 'metrics.jsonl')}")
     _teardown(parts.engine)  # fit returned on every rank: the stop decision and its save are collective
+
 
 if __name__ == "__main__":
     main()

@@ -35,8 +35,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from transformers import PreTrainedTokenizerBase
 
 from remax_megatron.algo.kl_controller import KLController
-from remax_megatron.checkpoint import find_resume_checkpoint, load_checkpoint, preemption_save_refusal, \
-    save_checkpoint
+from remax_megatron.checkpoint import load_checkpoint, preemption_save_refusal, save_checkpoint
 from remax_megatron.config import Config
 from remax_megatron.kernels import compute_advantages, logprob_gradient, remax_loss
 from remax_megatron.flops import forward_flops, peak_tflops
@@ -46,8 +45,9 @@ from remax_megatron.models.forward import broadcast_from_last_stage, forward_onl
 from remax_megatron.data.prompts import Prompt, PromptSampler
 from remax_megatron.models.gpt import PolicyModel, sequence_multiple
 from remax_megatron.models.moe import LoadBalancing, end_replay, padding_mask, replay_routes
-from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer
+from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer, restore_config_hyperparameters, schedule_changes
 from remax_megatron.parallel import ProcessGroups, all_reduce_cpu
+from remax_megatron.resume import model_fingerprint
 from remax_megatron.reward.scoring import RewardScorer
 from remax_megatron.rollout import RolloutEngine, SamplingParams, WeightSync, logprob_mismatch, pack_sequences, \
     stream_seed
@@ -451,7 +451,13 @@ class Trainer:
     # ---- checkpoints and preemption ----------------------------------------------------------
     def state_dict(self) -> dict:
         return {"sampler": self.parts.sampler.state_dict(), "scheduler": self.parts.scheduler.state_dict(),
-                "kl": self.parts.kl.state_dict(), "skipped_updates": self.skipped_updates}
+                "kl": self.parts.kl.state_dict(), "skipped_updates": self.skipped_updates,
+                "model": self._model_fingerprint}
+
+    @functools.cached_property
+    def _model_fingerprint(self) -> dict:
+        """Which model this run trains (resume.check_resume compares it at resume)."""
+        return model_fingerprint(self.cfg.actor.model, self.parts.hf_dir, self.parts.tokenizer)
 
     def save(self) -> str:
         c = self.cfg.checkpoint
@@ -462,17 +468,21 @@ class Trainer:
         self.log.write(f"saved checkpoint {path}")
         return path
 
-    def resume(self) -> None:
-        path = find_resume_checkpoint(self.cfg.checkpoint.dir, self.cfg.checkpoint.resume)
-        if path is None:
-            return
+    def resume(self, path: str) -> None:
+        """Collective: continue from checkpoint `path` (the same on every rank: startup.claim_run)."""
         state = load_checkpoint(path, self.actor_module, self.parts.optimizer)
         self.step = state["step"]
         self.parts.sampler.load_state_dict(state["sampler"])
+        # The update count from the checkpoint, the schedule and Adam's hyperparameters from this config.
+        changes = restore_config_hyperparameters(self.parts.optimizer, self.cfg.optim) + \
+            schedule_changes(state["scheduler"], self.parts.scheduler)
         self.parts.scheduler.load_state_dict(state["scheduler"])
         self.parts.kl.load_state_dict(state["kl"])
         self.skipped_updates = state["skipped_updates"]
         print0(f"resumed from {path} at step {self.step}")
+        if changes:
+            print0(f"resume: following this run's config, not the checkpoint's: {'; '.join(changes)}; "
+                   f"lr {self.parts.optimizer.param_groups[0]['lr']:.6g} at update {self.parts.scheduler.num_steps}")
 
     def _stop_requested(self) -> bool:
         """True on every rank when any rank received SIGTERM/SIGUSR1 (all stop after the same step).
@@ -495,10 +505,12 @@ class Trainer:
         return None
 
     # ---- the loop ------------------------------------------------------------------------
-    def fit(self) -> bool:
-        """Train up to trainer.steps; returns False when stopped early by a preemption signal."""
+    def fit(self, resume: str | None = None) -> bool:
+        """Train up to trainer.steps, first resuming checkpoint `resume` when given; returns False when
+        stopped early by a preemption signal."""
         cfg = self.cfg
-        self.resume()
+        if resume is not None:
+            self.resume(resume)
         if cfg.trainer.eval_every and self.step == 0:
             record = self.evaluate()
             if record:  # no held-out prompts (data.eval_size=0): nothing to log
