@@ -68,3 +68,15 @@ def children_die_with_parent() -> None:
         return
     os.register_at_fork(before=_before_fork, after_in_child=_forked_child)
     _installed = True
+
+
+class PreemptionFlag:
+    """SIGTERM / SIGUSR1 (what SLURM sends before a kill) only set a flag; the loop stops at a step boundary."""
+
+    def __init__(self):
+        self.requested, self.signal_name, self.signum = False, "", 0
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested, self.signal_name, self.signum = True, signal.Signals(signum).name, int(signum)

@@ -26,7 +26,7 @@ from remax_megatron.processes import children_die_with_parent, set_parent_death_
 
 
 class _EarlyStop:
-    """SIGTERM / SIGUSR1 before the trainer installed its own handler (PreemptionFlag): remembered,
+    """SIGTERM / SIGUSR1 before the trainer installed its own handler (processes.PreemptionFlag): remembered,
     then replayed to that handler, so a stop during start-up still ends at the first step boundary
     with a checkpoint instead of killing the process."""
 

@@ -47,6 +47,7 @@ from remax_megatron.models.gpt import PolicyModel, sequence_multiple
 from remax_megatron.models.moe import LoadBalancing, end_replay, padding_mask, replay_routes
 from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer, restore_config_hyperparameters, schedule_changes
 from remax_megatron.parallel import ProcessGroups, all_reduce_cpu
+from remax_megatron.processes import PreemptionFlag
 from remax_megatron.resume import model_fingerprint
 from remax_megatron.reward.scoring import RewardScorer
 from remax_megatron.rollout import RolloutEngine, SamplingParams, WeightSync, logprob_mismatch, pack_sequences, \
@@ -550,18 +551,6 @@ class Update:
 
 class StageError(RuntimeError):
     """A stage of the step failed (a peer died, a collective timed out): names the step and stage."""
-
-
-class PreemptionFlag:
-    """SIGTERM / SIGUSR1 (what SLURM sends before a kill) only set a flag; the loop stops at a step boundary."""
-
-    def __init__(self):
-        self.requested, self.signal_name, self.signum = False, "", 0
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.requested, self.signal_name, self.signum = True, signal.Signals(signum).name, int(signum)
 
 
 def _share(count: int, parts: int, index: int) -> tuple[int, int]:
