@@ -1,5 +1,6 @@
-"""A rank's child processes die with it.
+"""How a rank stops, and its child processes die with it.
 
+    flag = preemption_flag()     # train.main, first: stop signals set a flag (PreemptionFlag)
     children_die_with_parent()   # train.main, before anything forks
 
 megatron's checkpoint writer forks one process per write bucket. Killed mid-save (SIGKILL of the
@@ -25,9 +26,11 @@ import os
 import signal
 import sys
 
-from remax_megatron.run_lock import HELD_FDS
+from remax_megatron.launch import report_error
+from remax_megatron.run_lock import HELD_FDS, release_all
 
 PR_SET_PDEATHSIG = 1
+# Signals that stop a run at a step boundary with a checkpoint (PreemptionFlag); children ignore them.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 _installed = False
@@ -71,12 +74,44 @@ def children_die_with_parent() -> None:
 
 
 class PreemptionFlag:
-    """SIGTERM / SIGUSR1 (what SLURM sends before a kill) only set a flag; the loop stops at a step boundary."""
+    """SIGTERM / SIGUSR1 (a scheduler's stop and its warning) and a first SIGINT (Ctrl-C) only set a
+    flag: the loop stops at the next step boundary, saves and exits 0. A second SIGINT is a user who
+    will not wait for that: one line, exit 130 at once (the newest complete checkpoint stays; the
+    unfinished save's directory is removed by the next run).
+
+    One per process (preemption_flag()), installed first thing by train.main, so a signal that
+    arrives during start-up is kept until the first step is done."""
 
     def __init__(self):
         self.requested, self.signal_name, self.signum = False, "", 0
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        self.interrupts = 0
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                _stop_now()
         self.requested, self.signal_name, self.signum = True, signal.Signals(signum).name, int(signum)
+
+
+_flag: PreemptionFlag | None = None
+
+
+def preemption_flag() -> PreemptionFlag:
+    """This process's flag (its handlers installed on the first call)."""
+    global _flag
+    if _flag is None:
+        _flag = PreemptionFlag()
+    return _flag
+
+
+def _stop_now() -> None:
+    release_all()
+    report_error("error: stopped by a second SIGINT, without saving: the newest complete checkpoint stays; rerun "
+                 "with checkpoint.resume=auto to continue from it", printer=os.environ.get("RANK", "0") == "0",
+                 same_on_every_rank=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGINT)

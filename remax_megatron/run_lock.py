@@ -34,6 +34,7 @@ LOCK_NAME = ".remax-run.lock"
 
 # Descriptors of the locks this process holds: a forked child closes them (remax_megatron.processes).
 HELD_FDS: set[int] = set()
+_LIVE: list["RunLock"] = []  # for release_all
 
 
 class DirectoryInUse(ValueError):
@@ -94,6 +95,8 @@ class RunLock:
                                  "since": datetime.datetime.now().isoformat(timespec="seconds")}).encode())
         self._held.append((lock_file, fd))
         HELD_FDS.add(fd)
+        if self not in _LIVE:
+            _LIVE.append(self)
 
     def release(self) -> None:
         """Remove the lock files (while still holding them) and the directories this run created that
@@ -112,6 +115,14 @@ class RunLock:
             except OSError:  # not empty: the run wrote into it
                 pass
         self._created = []
+        if self in _LIVE:
+            _LIVE.remove(self)
+
+
+def release_all() -> None:
+    """Release every lock this process holds (a process about to os._exit)."""
+    for lock in list(_LIVE):
+        lock.release()
 
 
 def _read_holder(fd: int) -> str:

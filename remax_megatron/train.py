@@ -6,9 +6,11 @@
 
 Everything a user can get wrong (config keys and values, layout vs world size,
 model files, data, reward functions, output and checkpoint directories) is
-checked before any process group, model or output file is created; a mistake is
-one line on stderr and exit 2. Later failures are one line too, exit 1; SIGTERM /
-SIGUSR1 stop at a step boundary with a checkpoint, exit 0 (README: "Errors and
+checked before any model or output file is created; a mistake is one line on
+stderr and exit 2. Then the run takes its directories (a run already using them:
+exit 2) and the checkpoint it resumes is checked against the config. Later failures
+are one line too, exit 1; SIGTERM / SIGUSR1 / a first SIGINT stop at a step boundary
+with a checkpoint, exit 0, a second SIGINT at once, exit 130 (README: "Errors and
 exit codes"; remax_megatron.launch makes the launcher exit with these codes).
 """
 
@@ -19,30 +21,10 @@ import os
 import signal
 import sys
 
-from remax_megatron.config import config_help, load_config, save_config
+# Only light imports here: the stop-signal handlers are installed before torch is imported (a Ctrl-C
+# while it loads is then kept like any other, not a KeyboardInterrupt traceback).
 from remax_megatron.launch import report_error
-from remax_megatron.metrics import MetricsLogger, is_rank0, print0, quiet_library_warnings
-from remax_megatron.processes import children_die_with_parent, set_parent_death_signal
-
-
-class _EarlyStop:
-    """SIGTERM / SIGUSR1 before the trainer installed its own handler (processes.PreemptionFlag): remembered,
-    then replayed to that handler, so a stop during start-up still ends at the first step boundary
-    with a checkpoint instead of killing the process."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self):
-        self.signum = None
-        for sig in self.SIGNALS:
-            signal.signal(sig, self._record)
-
-    def _record(self, signum, frame):
-        self.signum = signum
-
-    def replay(self) -> None:
-        if self.signum is not None:
-            signal.raise_signal(self.signum)
+from remax_megatron.processes import children_die_with_parent, preemption_flag, set_parent_death_signal
 
 
 def _stop_with_launcher() -> None:
@@ -100,14 +82,17 @@ def _teardown(engine) -> None:
 
 
 def main(argv=None) -> None:
+    preemption_flag()  # a stop signal from here on ends the run at a step boundary with a checkpoint
+    _stop_with_launcher()
+    children_die_with_parent()
+    from remax_megatron.config import config_help, load_config
+    from remax_megatron.metrics import is_rank0, quiet_library_warnings
+
     parser = argparse.ArgumentParser(description=__doc__, epilog=config_help(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="YAML config (configs/tiny_cpu.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2")
     args = parser.parse_args(argv)
-    early_stop = _EarlyStop()
-    _stop_with_launcher()
-    children_die_with_parent()
 
     quiet_library_warnings()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -135,16 +120,18 @@ def main(argv=None) -> None:
               f"(tp x pp x dp), {len(checked.train)} train / {len(checked.eval)} eval prompts "
               f"{checked.data_counts}", flush=True)
     try:
-        _train(cfg, checked, claim, early_stop)
+        _train(cfg, checked, claim)
     finally:  # a run that failed before its first record leaves no lock file and no directory it created
         if claim.lock is not None:
             claim.lock.release()
 
 
-def _train(cfg, checked, claim, early_stop: _EarlyStop) -> None:
+def _train(cfg, checked, claim) -> None:
     """Build, train, tear down: the run after its inputs were checked and its directories claimed."""
     from remax_megatron.checkpoint import CheckpointError
+    from remax_megatron.config import save_config
     from remax_megatron.memory import keep_freed_host_memory
+    from remax_megatron.metrics import MetricsLogger, is_rank0, print0
     from remax_megatron.reward import RewardError
     from remax_megatron.startup import build
     from remax_megatron.trainer import StageError, Trainer
@@ -157,7 +144,6 @@ def _train(cfg, checked, claim, early_stop: _EarlyStop) -> None:
                            wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar,
                            config=None, on_first_record=lambda: save_config(cfg, cfg.trainer.output_dir))
     trainer = Trainer(parts, logger)
-    early_stop.replay()  # a stop signal received during start-up, now to the trainer's handler
     try:
         finished = trainer.fit(resume=claim.resume)
     except CheckpointError as e:  # every rank raises the same one line: print it once

@@ -47,7 +47,7 @@ from remax_megatron.models.gpt import PolicyModel, sequence_multiple
 from remax_megatron.models.moe import LoadBalancing, end_replay, padding_mask, replay_routes
 from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer, restore_config_hyperparameters, schedule_changes
 from remax_megatron.parallel import ProcessGroups, all_reduce_cpu
-from remax_megatron.processes import PreemptionFlag
+from remax_megatron.processes import preemption_flag
 from remax_megatron.resume import model_fingerprint
 from remax_megatron.reward.scoring import RewardScorer
 from remax_megatron.rollout import RolloutEngine, SamplingParams, WeightSync, logprob_mismatch, pack_sequences, \
@@ -85,7 +85,7 @@ class Trainer:
         self.step = 0
         self.skipped_updates = 0
         self._decoded_tokens = 0  # tokens this rank's engine decoded in the step's rollout
-        self.preempt = PreemptionFlag()
+        self.preempt = preemption_flag()
         self._save_seconds = 0.0  # the last save's duration: a stop-signal save must fit torchrun's grace
         # MoE: the load-balancing loss and expert-load statistics (hooks on the actor's routers)
         self.balance = LoadBalancing(self.actor_module, self.cfg.algo.moe_aux_loss, self.cfg.algo.moe_aux_loss_coef,
@@ -486,7 +486,7 @@ class Trainer:
                    f"lr {self.parts.optimizer.param_groups[0]['lr']:.6g} at update {self.parts.scheduler.num_steps}")
 
     def _stop_requested(self) -> bool:
-        """True on every rank when any rank received SIGTERM/SIGUSR1 (all stop after the same step).
+        """True on every rank when any rank received a stop signal (all stop after the same step).
         The signal's number travels with the flag, so every rank can name it (rank 0 prints)."""
         flag = torch.tensor([self.preempt.signum], dtype=torch.int32)
         signum = int(all_reduce_cpu(flag, op=dist.ReduceOp.MAX).item())
