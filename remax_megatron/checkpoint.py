@@ -313,6 +313,15 @@ def _prune(root: str, keep: int) -> None:
 # ---- finding and validating --------------------------------------------------------------------
 
 
+def latest_checkpoint(root: str) -> str | None:
+    """The path `latest` names under root, or None."""
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            return os.path.join(root, f.read().strip())
+    except OSError:
+        return None
+
+
 def list_checkpoints(root: str) -> list[str]:
     """Checkpoint directory names under root, oldest first."""
     if not os.path.isdir(root):

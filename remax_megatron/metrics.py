@@ -169,6 +169,15 @@ class MetricsLogger:
         else:
             print(text, flush=True)
 
+    def warn(self, text: str) -> None:
+        """A warning line on stderr, without breaking the progress bar."""
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
     def close(self) -> None:
         if not self.active:
             return
