@@ -222,3 +222,32 @@ def test_outside_the_launcher_only_the_printing_rank_prints(tmp_path, monkeypatc
     report_error("error: b", printer=True, same_on_every_rank=True)
     assert capsys.readouterr().err == "error: b\n"
     assert not (tmp_path / "reply.json").exists()
+
+
+@pytest.fixture
+def busy_port():
+    """A port another process listens on."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_a_master_port_in_use_is_one_line_naming_it(busy_port, tmp_path):
+    """The launcher's rendezvous store (torchrun's agent hosts it) and a trainer started without
+    torchrun (MASTER_PORT exported): exit 2 and one line naming MASTER_PORT and --master_port, not
+    torch's EADDRINUSE traceback."""
+    line = (f"error: MASTER_PORT {busy_port} is already in use on this host (EADDRINUSE): another job listens "
+            "there; give this one a free port (torchrun / remax_megatron.launch --master_port=N, or MASTER_PORT=N)")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("LOGLEVEL", None)
+    r = subprocess.run([*LAUNCH, "--nproc_per_node=1", f"--master_port={busy_port}", "-m", "json.tool", "/dev/null"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert (r.returncode, r.stderr.splitlines()) == (2, [line]), r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-c", "from remax_megatron.parallel import init_distributed\n"
+                        "try:\n    init_distributed(1)\nexcept ValueError as e:\n    print(f'error: {e}')"],
+                       cwd=ROOT, env=dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(busy_port), WORLD_SIZE="1",
+                                          RANK="0"), capture_output=True, text=True, timeout=300)
+    assert r.stdout.splitlines() == [line], (r.stdout + r.stderr)[-3000:]
