@@ -161,12 +161,12 @@ def claim_run(cfg, checked: CheckedInputs) -> Claim:
     if refusal[0]:
         raise ValueError(refusal[0])
     try:
-        if rank == 0:
-            for path in remove_stale_saves(cfg.checkpoint.dir):
-                print(f"removed {path}: the unfinished save of an earlier run", flush=True)
         path = find_resume_checkpoint(cfg.checkpoint.dir, cfg.checkpoint.resume)
         if path is not None:
             check_resume(cfg, path, read_trainer_state(path), checked.actor_dir, checked.tokenizer, checked.train)
+        if rank == 0:  # the run goes ahead: nothing else can be writing there now
+            for stale in remove_stale_saves(cfg.checkpoint.dir):
+                print(f"removed {stale}: the unfinished save of an earlier run", flush=True)
     except BaseException:
         if lock is not None:
             lock.release()
