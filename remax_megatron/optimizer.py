@@ -299,5 +299,6 @@ def schedule_changes(saved: dict, scheduler) -> list[str]:
     """What this run's schedule changes from a checkpoint's (`saved`: its scheduler state_dict), e.g.
     'optim.lr 0.001 (checkpoint: 0.0005)'; [] when they agree."""
     now = scheduler.state_dict()
+    constant = now["lr_decay_style"] == saved.get("lr_decay_style") == "constant"  # its length changes nothing
     return [f"{key} {now[name]} (checkpoint: {saved[name]})" for name, key in SCHEDULE_KEYS.items()
-            if name in saved and saved[name] != now[name]]
+            if name in saved and saved[name] != now[name] and not (constant and name == "lr_decay_steps")]

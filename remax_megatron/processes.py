@@ -51,7 +51,10 @@ def _before_fork() -> None:
 
 
 def _forked_child() -> None:
-    for sig in STOP_SIGNALS:
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != _forking_pid:  # the parent died before the line above took effect
+        os._exit(1)
+    for sig in STOP_SIGNALS:  # SIGINT last: tests/launch/test_run_ownership.py reads it as "hook done"
         signal.signal(sig, signal.SIG_IGN)
     for fd in list(HELD_FDS):
         try:
@@ -59,9 +62,6 @@ def _forked_child() -> None:
         except OSError:
             pass
     HELD_FDS.clear()
-    set_parent_death_signal(signal.SIGKILL)
-    if os.getppid() != _forking_pid:  # the parent died before the line above took effect
-        os._exit(1)
 
 
 def children_die_with_parent() -> None:
