@@ -1,12 +1,13 @@
-"""Stopping a job (issue 17, items 2 and 10), through remax_megatron.launch with 2 gloo workers on the
-tiny default (native engine):
+"""Stopping a job (issue 17, items 2 and 10; issue 31 items 9, 10), through remax_megatron.launch with 2
+gloo workers on the tiny default (native engine):
 
-- SIGUSR1 / SIGTERM sent to the launcher, or to one rank: exit 0, a checkpoint of the last finished
-  step that validates (and resumes), and no process of the job left (its whole session is checked)
+- SIGUSR1 / SIGTERM sent to the launcher, or to one rank, and Ctrl-C (SIGINT to the launcher's process
+  group): exit 0, a checkpoint of the last finished step that validates (and resumes), and no process
+  of the job left (its whole session is checked)
 - plain torchrun killed by SIGUSR1 (what it does with that signal): its orphaned workers still save
   at the step boundary and exit (parent-death signal), instead of training on
 - exit codes: an input error is the worker's one line and exit 2, nothing after it; a rank killed by
-  SIGKILL is one line naming it, exit 137
+  SIGKILL is one line naming it, exit 137; a MASTER_PORT in use is one line naming it, exit 2
 """
 
 import contextlib
@@ -106,12 +107,18 @@ def _assert_saved_last_step(out):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target, sig", [("launcher", signal.SIGUSR1), ("launcher", signal.SIGTERM),
-                                         ("rank", signal.SIGUSR1), ("rank", signal.SIGTERM)])
+                                         ("rank", signal.SIGUSR1), ("rank", signal.SIGTERM),
+                                         ("terminal", signal.SIGINT)])
 def test_stop_signal_saves_and_exits_0_with_nothing_left(tmp_path, target, sig):
+    """target "terminal": Ctrl-C, SIGINT to the launcher's process group as a terminal sends it (the
+    workers run in sessions of their own: they get it from the launcher)."""
     out = str(tmp_path / "run")
     with _job(_cmd(LAUNCH, out, "trainer.steps=200")) as proc:
         _wait_for_steps(proc, out)
-        os.kill(proc.pid if target == "launcher" else _workers(proc.pid)[-1], sig)
+        if target == "terminal":
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid if target == "launcher" else _workers(proc.pid)[-1], sig)
         stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, (stdout + stderr)[-3000:]
     assert stderr == "", stderr[-3000:]
