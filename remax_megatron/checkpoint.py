@@ -12,7 +12,7 @@
                            incomplete; resume verifies it (the ranks split the reading)
       latest               name of the newest complete checkpoint (updated after the rename)
 
-A save writes into `.tmp-step_…` and renames it into place only when every rank
+A save writes into `.tmp-step_*` and renames it into place only when every rank
 finished; a failure anywhere (disk full, unwritable) removes the temporary
 directory and leaves the previous checkpoints untouched.
 """

@@ -63,9 +63,10 @@ class TrainingHealth:
         self.tie_steps = (self.tie_steps + [record])[-max(steps, 1):]
         if not steps or len(self.tie_steps) < steps:
             return None
-        return (f"no learning signal for {steps} steps (steps {self.tie_steps[-steps]['step']}-{record['step']}): every "
-                "sampled response got its prompt's greedy reward, so every advantage is 0 and nothing is learned; "
-                f"likely cause: {self._no_signal_cause(self.tie_steps[-steps:])}")
+        first = self.tie_steps[-steps]["step"]
+        return (f"no learning signal for {steps} steps (steps {first}-{record['step']}): every sampled response got "
+                "its prompt's greedy reward, so every advantage is 0 and nothing is learned; likely cause: "
+                f"{self._no_signal_cause(self.tie_steps[-steps:])}")
 
     def _no_signal_cause(self, records: list[dict]) -> str:
         r = self.cfg.rollout

@@ -84,7 +84,8 @@ def test_a_second_run_into_the_same_directory_is_refused_and_the_first_finishes(
     assert second.returncode == 2, (second.stdout + second.stderr)[-3000:]
     assert second.stderr.splitlines() == [
         f"error: trainer.output_dir={out} is in use by another run (host {holder['host']}, pid {holder['pid']}, since "
-        f"{holder['since']}): wait for it to end or stop it, or give this run another trainer.output_dir"], second.stderr
+        f"{holder['since']}): wait for it to end or stop it, or give this run another trainer.output_dir"], \
+        second.stderr
     assert after == before
     assert first.returncode == 0, (stdout + stderr)[-3000:]
     assert "done: metrics in" in stdout
