@@ -24,16 +24,19 @@ import multiprocessing, sys, time
 from remax_megatron.processes import children_die_with_parent, preemption_flag
 from remax_megatron.run_lock import RunLock
 
-def writer():  # what a forked checkpoint writer would do; its fork hook ran before this line
-    print("ready", flush=True)
+def writer(ready):  # what a forked checkpoint writer would do; its fork hook ran before this line
+    ready.set()
     time.sleep(600)
 
 
 preemption_flag()
 children_die_with_parent()
 RunLock.acquire({"trainer.output_dir": sys.argv[1]})
-child = multiprocessing.get_context("fork").Process(target=writer)
+ctx = multiprocessing.get_context("fork")
+ready = ctx.Event()
+child = ctx.Process(target=writer, args=(ready,))
 child.start()
+ready.wait(60)
 print(child.pid, flush=True)
 time.sleep(600)
 """
@@ -50,8 +53,7 @@ def _alive(pid: int) -> bool:
 def test_a_forked_child_dies_with_its_parent_and_leaves_the_lock(tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "run")], cwd=ROOT,
                               stdout=subprocess.PIPE, text=True)
-    lines = [parent.stdout.readline().strip() for _ in range(2)]
-    child = int(next(line for line in lines if line != "ready"))
+    child = int(parent.stdout.readline())
     try:
         open_files = [os.readlink(f"/proc/{child}/fd/{fd}") for fd in os.listdir(f"/proc/{child}/fd")]
         assert not [f for f in open_files if f.endswith(LOCK_NAME)], "the child holds the run's lock file open"
