@@ -53,8 +53,9 @@ def _alive(pid: int) -> bool:
 def test_a_forked_child_dies_with_its_parent_and_leaves_the_lock(tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "run")], cwd=ROOT,
                               stdout=subprocess.PIPE, text=True)
-    child = int(parent.stdout.readline())
+    child = None
     try:
+        child = int(parent.stdout.readline())
         open_files = [os.readlink(f"/proc/{child}/fd/{fd}") for fd in os.listdir(f"/proc/{child}/fd")]
         assert not [f for f in open_files if f.endswith(LOCK_NAME)], "the child holds the run's lock file open"
         with open(f"/proc/{child}/status") as f:
@@ -70,8 +71,10 @@ def test_a_forked_child_dies_with_its_parent_and_leaves_the_lock(tmp_path):
         while _alive(child) and time.time() < deadline:
             time.sleep(0.05)
         assert not _alive(child), "the forked child outlived its parent"
-    finally:
-        if _alive(child):
+    finally:  # nothing left behind by a failure
+        parent.kill()
+        parent.wait()
+        if child is not None and _alive(child):
             os.kill(child, signal.SIGKILL)
     RunLock.acquire({"trainer.output_dir": str(tmp_path / "run")}).release()
 
