@@ -353,33 +353,41 @@ def _entry(entry) -> tuple[int, int | None]:
 def validate(path: str) -> None:
     """Raise CheckpointError naming the first missing, truncated or corrupted file of `path`.
 
-    Sizes are checked on every rank; the checksums are split between the ranks and the verdict
-    shared, so under torch.distributed every rank must call this (the trainer's resume does).
-    """
-    files = _read_manifest(path)
-    for rel, entry in files.items():
-        full, size = os.path.join(path, rel), _entry(entry)[0]
-        if not os.path.isfile(full):
-            raise CheckpointError(f"{full} is missing from checkpoint {path}")
-        if os.path.getsize(full) != size:
-            raise CheckpointError(f"{full} has {os.path.getsize(full)} bytes, the manifest says {size}: "
-                                  "the checkpoint is truncated or corrupted")
-    problem = None
-    for rel in _share(sorted(files)):
-        expected = _entry(files[rel])[1]
-        if expected is None:
-            continue
-        got = _crc32(os.path.join(path, rel))
-        if got != expected:
-            problem = (f"{os.path.join(path, rel)} does not match its checksum in {MANIFEST} (crc32 {got:08x}, "
-                       f"expected {expected:08x}): the checkpoint is corrupted")
-            break
+    Sizes are checked on every rank; the checksums are split between the ranks; the verdict is
+    shared, so under torch.distributed every rank must call this (the trainer's resume does), and
+    every rank gets the same one even when a rank alone saw a problem (ranks that disagreed would
+    resume different checkpoints, or wait in different collectives)."""
+    try:
+        problem = _problem(path)
+    except CheckpointError as e:
+        problem = str(e)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         verdicts = [None] * dist.get_world_size()
         dist.all_gather_object(verdicts, problem)
         problem = next((v for v in verdicts if v is not None), None)
     if problem:
         raise CheckpointError(problem)
+
+
+def _problem(path: str) -> str | None:
+    """This rank's finding on `path` (its share of the checksums), or None."""
+    files = _read_manifest(path)
+    for rel, entry in files.items():
+        full, size = os.path.join(path, rel), _entry(entry)[0]
+        if not os.path.isfile(full):
+            return f"{full} is missing from checkpoint {path}"
+        if os.path.getsize(full) != size:
+            return (f"{full} has {os.path.getsize(full)} bytes, the manifest says {size}: the checkpoint is "
+                    "truncated or corrupted")
+    for rel in _share(sorted(files)):
+        expected = _entry(files[rel])[1]
+        if expected is None:
+            continue
+        got = _crc32(os.path.join(path, rel))
+        if got != expected:
+            return (f"{os.path.join(path, rel)} does not match its checksum in {MANIFEST} (crc32 {got:08x}, "
+                    f"expected {expected:08x}): the checkpoint is corrupted")
+    return None
 
 
 def find_resume_checkpoint(root: str, resume: str) -> str | None:
