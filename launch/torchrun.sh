@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Single-node launch: one process per GPU under remax_megatron.launch (torchrun's agent, with
-# SIGTERM / SIGUSR1 forwarded to the workers, which save and exit 0, and the workers' exit code),
+# SIGTERM / SIGUSR1 / SIGINT forwarded to the workers, which save and exit 0, and the workers' exit code),
 # overrides passed through.
 #
 #   bash launch/torchrun.sh configs/tiny_cpu.yaml actor.tp=2 trainer.steps=10

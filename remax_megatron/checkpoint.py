@@ -12,7 +12,7 @@
                            incomplete; resume verifies it (the ranks split the reading)
       latest               name of the newest complete checkpoint (updated after the rename)
 
-A save writes into `.tmp-step_…` and renames it into place only when every rank
+A save writes into `.tmp-step_*` and renames it into place only when every rank
 finished; a failure anywhere (disk full, unwritable) removes the temporary
 directory and leaves the previous checkpoints untouched.
 """
@@ -40,6 +40,7 @@ from remax_megatron.weights.megatron_ckpt import load_model, save_model, save_sh
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 MANIFEST, LATEST, TRAINER_STATE = "manifest.json", "latest", "trainer_state.json"
+TMP_PREFIX = ".tmp-"  # a save in progress: .tmp-step_000006-<random>
 
 
 class CheckpointError(RuntimeError):
@@ -65,7 +66,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, trainer_state: dict,
     if rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
-            tmp[0] = tempfile.mkdtemp(prefix=f".tmp-{step_dir_name(step)}-", dir=root)
+            tmp[0] = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{step_dir_name(step)}-", dir=root)
         except OSError as e:
             error = e
     dist.broadcast_object_list(tmp, src=0)
@@ -290,12 +291,35 @@ def _crc32(path: str) -> int:
     return crc
 
 
+def remove_stale_saves(root: str) -> list[str]:
+    """Remove the `.tmp-step_*` directories of saves that never finished (a run killed mid-save);
+    returns their paths. Only for the run that holds root's lock (run_lock.py): no live process
+    writes into them then."""
+    removed = []
+    if os.path.isdir(root):
+        for name in sorted(os.listdir(root)):
+            path = os.path.join(root, name)
+            if name.startswith(TMP_PREFIX + "step_") and os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
 def _prune(root: str, keep: int) -> None:
     for name in list_checkpoints(root)[:-keep]:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 # ---- finding and validating --------------------------------------------------------------------
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The path `latest` names under root, or None."""
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            return os.path.join(root, f.read().strip())
+    except OSError:
+        return None
 
 
 def list_checkpoints(root: str) -> list[str]:
@@ -329,27 +353,14 @@ def _entry(entry) -> tuple[int, int | None]:
 def validate(path: str) -> None:
     """Raise CheckpointError naming the first missing, truncated or corrupted file of `path`.
 
-    Sizes are checked on every rank; the checksums are split between the ranks and the verdict
-    shared, so under torch.distributed every rank must call this (the trainer's resume does).
-    """
-    files = _read_manifest(path)
-    for rel, entry in files.items():
-        full, size = os.path.join(path, rel), _entry(entry)[0]
-        if not os.path.isfile(full):
-            raise CheckpointError(f"{full} is missing from checkpoint {path}")
-        if os.path.getsize(full) != size:
-            raise CheckpointError(f"{full} has {os.path.getsize(full)} bytes, the manifest says {size}: "
-                                  "the checkpoint is truncated or corrupted")
-    problem = None
-    for rel in _share(sorted(files)):
-        expected = _entry(files[rel])[1]
-        if expected is None:
-            continue
-        got = _crc32(os.path.join(path, rel))
-        if got != expected:
-            problem = (f"{os.path.join(path, rel)} does not match its checksum in {MANIFEST} (crc32 {got:08x}, "
-                       f"expected {expected:08x}): the checkpoint is corrupted")
-            break
+    Sizes are checked on every rank; the checksums are split between the ranks; the verdict is
+    shared, so under torch.distributed every rank must call this (the trainer's resume does), and
+    every rank gets the same one even when a rank alone saw a problem (ranks that disagreed would
+    resume different checkpoints, or wait in different collectives)."""
+    try:
+        problem = _problem(path)
+    except CheckpointError as e:
+        problem = str(e)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         verdicts = [None] * dist.get_world_size()
         dist.all_gather_object(verdicts, problem)
@@ -358,14 +369,42 @@ def validate(path: str) -> None:
         raise CheckpointError(problem)
 
 
+def _problem(path: str) -> str | None:
+    """This rank's finding on `path` (its share of the checksums), or None."""
+    files = _read_manifest(path)
+    for rel, entry in files.items():
+        full, size = os.path.join(path, rel), _entry(entry)[0]
+        if not os.path.isfile(full):
+            return f"{full} is missing from checkpoint {path}"
+        if os.path.getsize(full) != size:
+            return (f"{full} has {os.path.getsize(full)} bytes, the manifest says {size}: the checkpoint is "
+                    "truncated or corrupted")
+    for rel in _share(sorted(files)):
+        expected = _entry(files[rel])[1]
+        if expected is None:
+            continue
+        got = _crc32(os.path.join(path, rel))
+        if got != expected:
+            return (f"{os.path.join(path, rel)} does not match its checksum in {MANIFEST} (crc32 {got:08x}, "
+                    f"expected {expected:08x}): the checkpoint is corrupted")
+    return None
+
+
 def find_resume_checkpoint(root: str, resume: str) -> str | None:
-    """resume=none -> None; a path -> that checkpoint (validated); auto -> the newest valid one under root."""
+    """resume=none -> None; a path -> that checkpoint (validated); auto -> the newest valid one under root.
+
+    Under torch.distributed it is collective and every rank returns the same path: rank 0 lists the
+    checkpoints and the ranks validate them together, newest first (ranks that listed for themselves
+    could pick different ones while another process wrote there)."""
     if resume == "none":
         return None
     if resume != "auto":
         validate(resume)
         return resume
-    for name in reversed(list_checkpoints(root)):
+    names = [list_checkpoints(root)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(names, src=0)
+    for name in reversed(names[0]):
         path = os.path.join(root, name)
         try:
             validate(path)

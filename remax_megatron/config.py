@@ -68,6 +68,8 @@ class TrainerConfig:
     eval_prompts: int = knob(32, "held-out prompts evaluated")
     dist_timeout_minutes: int = knob(30, "collective timeout: a dead rank fails the job after this")
     peak_tflops: float = knob(0.0, "device peak for perf/mfu; 0: from the GPU's name (H100/H200/A100/L40S)")
+    no_signal_steps: int = knob(10, "warn once when every sample tied with its greedy reward (no learning signal) "
+                                "this many steps in a row (0: never)")
 
     def __post_init__(self):
         for key in ("steps", "prompts_per_step", "micro_batch_size", "mini_batches"):
@@ -76,6 +78,7 @@ class TrainerConfig:
             _positive(f"trainer.{key}", getattr(self, key), zero_ok=True)
         _positive("trainer.dist_timeout_minutes", self.dist_timeout_minutes)
         _positive("trainer.peak_tflops", self.peak_tflops, zero_ok=True)
+        _positive("trainer.no_signal_steps", self.no_signal_steps, zero_ok=True)
 
 
 @dataclass
@@ -270,6 +273,8 @@ class CheckpointConfig:
     keep: int = knob(2, "checkpoints kept (and HF exports)")
     hf_every: int = knob(0, "steps between Hugging Face exports of the actor (and at the last step) into "
                          "<trainer.output_dir>/hf/step_N, through the converter's export; 0: none")
+    allow_model_change: bool = knob(False, "resume a checkpoint made from another actor.model (same shapes; refused "
+                                    "otherwise): its weights train on with this model's config and tokenizer")
 
     def __post_init__(self):
         _positive("checkpoint.save_every", self.save_every, zero_ok=True)

@@ -6,11 +6,13 @@
 It is torchrun (`torch.distributed.run`: same arguments, same elastic agent, same rendezvous)
 with three differences, each a fix of what plain torchrun does to a job that must stop cleanly:
 
-- SIGTERM and SIGUSR1 (a scheduler's stop and its warning) sent to the launcher are forwarded
-  to the workers and the launcher then waits for them as long as they take: each worker finishes
-  its step, saves a checkpoint and exits 0, and so does the job. Plain torchrun dies on SIGUSR1
-  (exit 138) leaving its workers training, and on SIGTERM kills the workers 30 s later
-  (`--shutdown-timeout`) whether their checkpoint is written or not, then exits 1 with a traceback.
+- SIGTERM, SIGUSR1 (a scheduler's stop and its warning) and SIGINT (Ctrl-C) sent to the launcher
+  are forwarded to the workers and the launcher then waits for them as long as they take: each
+  worker finishes its step, saves a checkpoint and exits 0, and so does the job; a second SIGINT,
+  forwarded too, makes the workers stop at once (exit 130). Plain torchrun dies on SIGUSR1 (exit
+  138) leaving its workers training, and on SIGTERM or SIGINT signals the workers, kills them 30 s
+  later (`--shutdown-timeout`) whether their checkpoint is written or not, then exits 1 with a
+  traceback.
 - The exit code is the workers': the first failed rank's (2 when the input was refused), and the
   launcher prints that worker's one-line error (`report_error`, through torch's per-worker reply
   file) instead of torchrun's ~35-line report. A worker killed by a signal is named in one line
@@ -19,7 +21,7 @@ with three differences, each a fix of what plain torchrun does to a job that mus
   and the workers the agent itself stopped after the first failure are never named.
 - The workers get REMAX_LAUNCHER=1, so they know no kill grace is running after a stop signal.
 
-SIGINT, SIGHUP and SIGQUIT keep torchrun's handling (forwarded; workers killed after the grace).
+SIGHUP and SIGQUIT keep torchrun's handling (forwarded; workers killed after the grace).
 Torch's own launcher log lines are hidden unless LOGLEVEL is set (e.g. LOGLEVEL=WARNING).
 """
 
@@ -32,7 +34,11 @@ import signal
 import sys
 import time
 
-FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
+# At import, not in the signal handler: a second signal arriving while the first handler imported it
+# re-entered a half-initialised module (a quick second Ctrl-C gave a traceback).
+import psutil
+
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 LAUNCHER_ENV = "REMAX_LAUNCHER"
 ONE_LINE = "remax_one_line"  # marks a reply file written by report_error
 
@@ -57,13 +63,11 @@ def report_error(line: str, printer: bool, same_on_every_rank: bool) -> None:
 
 def _workers() -> list[int]:
     """The pids of this process's children: the elastic agent starts every worker directly."""
-    import psutil
-
     return [child.pid for child in psutil.Process().children(recursive=False)]
 
 
 def _forward(signum, frame) -> None:
-    """SIGTERM / SIGUSR1: hand it to every worker; the agent keeps waiting for them to exit."""
+    """SIGTERM / SIGUSR1 / SIGINT: hand it to every worker; the agent keeps waiting for them to exit."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     workers = _workers()
@@ -77,7 +81,7 @@ def _forward(signum, frame) -> None:
 
 
 def _without_ours(signals: str) -> str:
-    """torchrun's --signals-to-handle less SIGTERM and SIGUSR1 (ours); SIGINT, SIGHUP, SIGQUIT stay its."""
+    """torchrun's --signals-to-handle less SIGTERM, SIGUSR1 and SIGINT (ours); SIGHUP, SIGQUIT stay its."""
     ours = {sig.name for sig in FORWARDED}
     return ",".join(s.strip() for s in signals.split(",") if s.strip() and s.strip() not in ours)
 
@@ -123,7 +127,7 @@ def _remember_agent_stops() -> set[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from torch.distributed import run as torchrun
+    from torch.distributed import DistNetworkError, run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -153,6 +157,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: launcher stopped by {e.sigval.name}; the workers were stopped", file=sys.stderr,
               flush=True)
         sys.exit(128 + int(e.sigval))
+    except DistNetworkError as e:  # the agent's rendezvous store, before any worker started
+        if "EADDRINUSE" not in str(e):
+            raise
+        from remax_megatron.parallel.layout import port_in_use
+
+        print(f"error: {port_in_use(str(args.master_port))}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -144,6 +144,15 @@ class MetricsLogger:
         if self.active:
             print0(text)
 
+    def warn(self, text: str) -> None:
+        """A warning line on stderr, without breaking the progress bar."""
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
     def close(self) -> None:
         if not self.active:
             return

@@ -259,7 +259,11 @@ def build_optimizer(ddp_model, cfg, params_dtype: torch.dtype = torch.float32, g
 
 
 def build_scheduler(optimizer, cfg, total_updates: int):
-    """megatron's OptimizerParamScheduler: linear warmup, then constant / linear / cosine to min_lr."""
+    """megatron's OptimizerParamScheduler: linear warmup, then constant / linear / cosine to min_lr.
+
+    At resume its load_state_dict takes only the update count from the checkpoint: the schedule is
+    this config's (megatron's default, use_checkpoint_opt_param_scheduler, would keep the checkpoint's
+    learning rate and decay length, so a longer resumed run trained at the old schedule's end: lr 0)."""
     warmup = min(cfg.warmup_steps, max(0, total_updates - 1))
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0 if warmup else cfg.lr, max_lr=cfg.lr,
@@ -267,4 +271,34 @@ def build_scheduler(optimizer, cfg, total_updates: int):
         lr_warmup_steps=warmup, lr_decay_steps=max(total_updates, warmup + 1),
         lr_decay_style=cfg.schedule, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
         wd_incr_steps=max(total_updates, 1), wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
     )
+
+
+# The scheduler's state that the config decides, with the config keys that set it.
+SCHEDULE_KEYS = {"max_lr": "optim.lr", "min_lr": "optim.min_lr", "lr_decay_style": "optim.schedule",
+                 "lr_warmup_steps": "optim.warmup_steps", "lr_decay_steps": "trainer.steps * trainer.mini_batches",
+                 "start_wd": "optim.weight_decay"}
+
+
+def restore_config_hyperparameters(optimizer, cfg) -> list[str]:
+    """Loading a checkpoint's optimizer state restores its param groups' Adam betas and eps (torch's
+    load_state_dict): set this config's again; returns what changed, as schedule_changes does."""
+    want = {"betas": ((cfg.beta1, cfg.beta2), "optim.beta1, optim.beta2"), "eps": (cfg.eps, "optim.eps")}
+    changes = {}
+    for group in optimizer.param_groups:
+        for name, (value, key) in want.items():
+            saved = tuple(group[name]) if isinstance(group.get(name), (list, tuple)) else group.get(name)
+            if name in group and saved != value:
+                changes[key] = f"{key} {value} (checkpoint: {saved})"
+                group[name] = value
+    return list(changes.values())
+
+
+def schedule_changes(saved: dict, scheduler) -> list[str]:
+    """What this run's schedule changes from a checkpoint's (`saved`: its scheduler state_dict), e.g.
+    'optim.lr 0.001 (checkpoint: 0.0005)'; [] when they agree."""
+    now = scheduler.state_dict()
+    constant = now["lr_decay_style"] == saved.get("lr_decay_style") == "constant"  # its length changes nothing
+    return [f"{key} {now[name]} (checkpoint: {saved[name]})" for name, key in SCHEDULE_KEYS.items()
+            if name in saved and saved[name] != now[name] and not (constant and name == "lr_decay_steps")]

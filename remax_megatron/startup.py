@@ -1,6 +1,7 @@
 """Start-up: check every input a user can get wrong, then build the trainer's components.
 
     checked = check_inputs(cfg, world_size)   # one-line ValueError / FileNotFoundError; nothing built or written
+    claim = claim_run(cfg, checked)           # collective: directory lock, the checkpoint to resume; ValueError
     parts = build(cfg, checked)               # built-in models, process groups, models, optimizer, engine, reward
 
 The checks import torch and transformers only: megatron-core, vLLM and the trainer are imported by
@@ -23,6 +24,7 @@ from remax_megatron.models.hf_config import check_layout, check_run_length, read
 from remax_megatron.reward.functions import PLACEHOLDER, RewardBatch, RewardFunctions
 from remax_megatron.reward.rm_inputs import RewardModelInputs, load_rm_tokenizer
 from remax_megatron.rollout.factory import check_rollout
+from remax_megatron.weights.hf_io import HFCheckpointReader
 
 
 def check_writable(path: str, what: str) -> None:
@@ -99,7 +101,20 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     functions = RewardFunctions(cfg.reward.functions, cfg.reward.weights, {
         "pattern": cfg.reward.format_pattern, "tolerance": cfg.reward.numeric_tolerance,
         "limit": cfg.reward.length_limit}) if cfg.reward.functions else None
+    for spec, path, what in ((cfg.actor.model, actor_dir, "actor.model"),
+                             (cfg.reference.model or cfg.actor.model, ref_dir, "reference.model"),
+                             (cfg.reward.model, rm_dir, "reward.model")):
+        if path and not spec.startswith("builtin:"):  # a built-in model gets its weights at build()
+            try:
+                HFCheckpointReader(path)  # headers only: every weight file there, readable, complete
+            except (FileNotFoundError, ValueError) as e:
+                raise type(e)(f"{what}: {e}") from None
     tokenizer = AutoTokenizer.from_pretrained(actor_dir)
+    if len(tokenizer) > arch.vocab_size:
+        raise ValueError(f"the tokenizer of actor.model {actor_dir} has {len(tokenizer)} tokens but the model's "
+                         f"vocabulary {arch.vocab_size} (config.json vocab_size): ids from {arch.vocab_size} on have "
+                         "no embedding; use the model's own tokenizer, or resize the model's embeddings to the "
+                         "tokenizer (transformers: model.resize_token_embeddings(len(tokenizer))) and save it")
     train, evals, counts = load_prompts(cfg.data, tokenizer, cfg.reward.functions)
     if functions is not None:
         probe_reward_functions(functions, train, cfg.data.train, tokenizer)
@@ -124,6 +139,52 @@ def probe_reward_functions(functions: RewardFunctions, prompts: list[Prompt], so
                                 prompt_index=[q.index for q in first], raw_prompts=[q.raw for q in first],
                                 completion_ids=[list(ids) for _ in first], chat=any(q.is_chat for q in first)),
                     f"the first {len(first)} rows of {source}")
+
+
+@dataclass
+class Claim:
+    """What claim_run settled: the run's directory lock (rank 0; None on the other ranks) and the
+    checkpoint every rank resumes (None: a fresh start)."""
+
+    lock: RunLock | None
+    resume: str | None
+
+
+def claim_run(cfg, checked: CheckedInputs) -> Claim:
+    """Collective, after check_inputs and before build: the process group; the run's directories,
+    locked by rank 0 (run_lock.py says why rank 0), which then removes the saves an earlier run left
+    unfinished; the checkpoint to resume, the same on every rank; whether this config fits it
+    (resume.check_resume). A refusal is the same ValueError on every rank, and leaves nothing written."""
+    import torch
+
+    from remax_megatron.checkpoint import find_resume_checkpoint, remove_stale_saves
+    from remax_megatron.parallel import init_distributed
+    from remax_megatron.resume import check_resume, read_trainer_state
+    from remax_megatron.run_lock import DirectoryInUse, RunLock
+
+    rank, world = init_distributed(cfg.trainer.dist_timeout_minutes)
+    lock, refusal = None, [None]
+    if rank == 0:
+        try:
+            lock = RunLock.acquire({"trainer.output_dir": cfg.trainer.output_dir, "checkpoint.dir": cfg.checkpoint.dir})
+        except DirectoryInUse as e:
+            refusal[0] = str(e)
+    if world > 1:
+        torch.distributed.broadcast_object_list(refusal, src=0)
+    if refusal[0]:
+        raise ValueError(refusal[0])
+    try:
+        path = find_resume_checkpoint(cfg.checkpoint.dir, cfg.checkpoint.resume)
+        if path is not None:
+            check_resume(cfg, path, read_trainer_state(path), checked.actor_dir, checked.tokenizer, checked.train)
+        if rank == 0:  # the run goes ahead: nothing else can be writing there now
+            for stale in remove_stale_saves(cfg.checkpoint.dir):
+                print(f"removed {stale}: the unfinished save of an earlier run", flush=True)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return Claim(lock=lock, resume=path)
 
 
 def expert_options(cfg, arch: ModelArch) -> ExpertOptions:

@@ -6,42 +6,25 @@
 
 Everything a user can get wrong (config keys and values, layout vs world size,
 model files, data, reward functions, output and checkpoint directories) is
-checked before any process group, model or output file is created; a mistake is
-one line on stderr and exit 2. Later failures are one line too, exit 1; SIGTERM /
-SIGUSR1 stop at a step boundary with a checkpoint, exit 0 (README: "Errors and
+checked before any model or output file is created; a mistake is one line on
+stderr and exit 2. Then the run takes its directories (a run already using them:
+exit 2) and the checkpoint it resumes is checked against the config. Later failures
+are one line too, exit 1; SIGTERM / SIGUSR1 / a first SIGINT stop at a step boundary
+with a checkpoint, exit 0, a second SIGINT at once, exit 130 (README: "Errors and
 exit codes"; remax_megatron.launch makes the launcher exit with these codes).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import sys
 
-from remax_megatron.config import config_help, load_config, save_config
+# Only light imports here: the stop-signal handlers are installed before torch is imported (a Ctrl-C
+# while it loads is then kept like any other, not a KeyboardInterrupt traceback).
 from remax_megatron.launch import report_error
-
-
-class _EarlyStop:
-    """SIGTERM / SIGUSR1 before the trainer installed its own handler (PreemptionFlag): remembered,
-    then replayed to that handler, so a stop during start-up still ends at the first step boundary
-    with a checkpoint instead of killing the process."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self):
-        self.signum = None
-        for sig in self.SIGNALS:
-            signal.signal(sig, self._record)
-
-    def _record(self, signum, frame):
-        self.signum = signum
-
-    def replay(self) -> None:
-        if self.signum is not None:
-            signal.raise_signal(self.signum)
+from remax_megatron.processes import children_die_with_parent, preemption_flag, set_parent_death_signal
 
 
 def _stop_with_launcher() -> None:
@@ -52,10 +35,7 @@ def _stop_with_launcher() -> None:
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     os.environ["REMAX_LAUNCHER_PID"] = str(os.getppid())  # checkpoint.preemption_save_refusal reads it
-    if not sys.platform.startswith("linux"):
-        return
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    set_parent_death_signal(signal.SIGTERM)
 
 
 def _refuse(error: Exception) -> None:
@@ -64,13 +44,17 @@ def _refuse(error: Exception) -> None:
     sys.exit(2)
 
 
-def _fail(logger, error: Exception, printer: bool, same_on_every_rank: bool) -> None:
-    """A failure after start-up: close the run's files, the one line (`report_error`), exit 1 at once.
+def _fail(logger, lock, error: Exception, printer: bool, same_on_every_rank: bool) -> None:
+    """A failure after start-up: close the run's files, release its directories, the one line
+    (`report_error`), exit 1 at once.
 
     os._exit skips C++ destructors: a peer rank may already be gone, and tearing down the process
     group's threads then can abort the process ("terminate called without an active exception",
     SIGABRT, exit 134 instead of 1; seen once in the reward-error test at dp2)."""
-    logger.close()
+    if logger is not None:
+        logger.close()
+    if lock is not None:
+        lock.release()
     report_error(f"error: {error}", printer=printer, same_on_every_rank=same_on_every_rank)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -98,6 +82,10 @@ def _teardown(engine) -> None:
 
 
 def main(argv=None) -> None:
+    preemption_flag()  # a stop signal from here on ends the run at a step boundary with a checkpoint
+    _stop_with_launcher()
+    children_die_with_parent()
+    from remax_megatron.config import config_help, load_config
     from remax_megatron.reward.functions import contract_help
 
     parser = argparse.ArgumentParser(description=__doc__, epilog=f"{contract_help()}\n\n{config_help()}",
@@ -105,8 +93,6 @@ def main(argv=None) -> None:
     parser.add_argument("--config", default=None, help="YAML config (configs/tiny_cpu.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2")
     args = parser.parse_args(argv)
-    early_stop = _EarlyStop()
-    _stop_with_launcher()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -114,22 +100,25 @@ def main(argv=None) -> None:
     except (ValueError, FileNotFoundError) as e:
         _refuse(e)
     # Imported in this order: what the libraries print is set before they load (remax_megatron.console),
-    # the checks need torch and transformers only, megatron-core and vLLM load for the build.
+    # the checks need torch and transformers only, megatron-core and vLLM load for the claim and the build.
     from remax_megatron.console import quiet_console
 
     quiet_console(cfg.logging.level)
-    from remax_megatron.startup import check_inputs
+    from remax_megatron.startup import check_inputs, claim_run
 
     try:
         checked = check_inputs(cfg, world)
     except (ValueError, FileNotFoundError) as e:
         _refuse(e)
     from remax_megatron.checkpoint import CheckpointError
-    from remax_megatron.memory import keep_freed_host_memory
-    from remax_megatron.metrics import MetricsLogger, is_rank0, print0
-    from remax_megatron.reward import RewardError
-    from remax_megatron.startup import build
-    from remax_megatron.trainer import StageError, Trainer
+    from remax_megatron.metrics import is_rank0
+
+    try:
+        claim = claim_run(cfg, checked)  # from here on this run owns its directories (rank 0 holds the lock)
+    except (ValueError, FileNotFoundError) as e:
+        _refuse(e)
+    except CheckpointError as e:  # the checkpoint to resume cannot be read (every rank raises the same line)
+        _fail(None, None, e, printer=is_rank0(), same_on_every_rank=True)
 
     dp = world // (cfg.actor.tp * cfg.actor.pp)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -137,6 +126,23 @@ def main(argv=None) -> None:
               f"{checked.arch.architecture} from {cfg.actor.model}, {cfg.actor.tp}x{cfg.actor.pp}x{dp} "
               f"(tp x pp x dp), {len(checked.train)} train / {len(checked.eval)} eval prompts "
               f"{checked.data_counts}", flush=True)
+    try:
+        _train(cfg, checked, claim)
+    finally:  # a run that failed before its first record leaves no lock file and no directory it created
+        if claim.lock is not None:
+            claim.lock.release()
+
+
+def _train(cfg, checked, claim) -> None:
+    """Build, train, tear down: the run after its inputs were checked and its directories claimed."""
+    from remax_megatron.checkpoint import CheckpointError
+    from remax_megatron.config import save_config
+    from remax_megatron.memory import keep_freed_host_memory
+    from remax_megatron.metrics import MetricsLogger, is_rank0, print0
+    from remax_megatron.reward import RewardError
+    from remax_megatron.startup import build
+    from remax_megatron.trainer import StageError, Trainer
+
     keep_freed_host_memory()  # CPU: no page faults on every step's big tensors (remax_megatron.memory)
     parts = build(cfg, checked)
     # config.yaml, metrics.jsonl and TensorBoard events appear with the first record: a run that fails
@@ -145,15 +151,14 @@ def main(argv=None) -> None:
                            wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar,
                            config=None, on_first_record=lambda: save_config(cfg, cfg.trainer.output_dir))
     trainer = Trainer(parts, logger)
-    early_stop.replay()  # a stop signal received during start-up, now to the trainer's handler
     try:
-        finished = trainer.fit()
+        finished = trainer.fit(resume=claim.resume)
     except CheckpointError as e:  # every rank raises the same one line: print it once
-        _fail(logger, e, printer=is_rank0(), same_on_every_rank=True)
+        _fail(logger, claim.lock, e, printer=is_rank0(), same_on_every_rank=True)
     except RewardError as e:  # every rank raises it; the first rank that saw it prints it
-        _fail(logger, e, printer=e.report, same_on_every_rank=False)
+        _fail(logger, claim.lock, e, printer=e.report, same_on_every_rank=False)
     except StageError as e:  # names the rank that saw the failure
-        _fail(logger, e, printer=True, same_on_every_rank=False)
+        _fail(logger, claim.lock, e, printer=True, same_on_every_rank=False)
     finally:
         logger.close()
     if trainer.step > cfg.trainer.steps:  # resumed past the end: the loop had nothing to do
@@ -164,6 +169,7 @@ def main(argv=None) -> None:
     elif finished:
         print0(f"done: metrics in {os.path.join(cfg.trainer.output_dir, 'metrics.jsonl')}")
     _teardown(parts.engine)  # fit returned on every rank: the stop decision and its save are collective
+
 
 if __name__ == "__main__":
     main()

@@ -37,19 +37,22 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from transformers import PreTrainedTokenizerBase
 
 from remax_megatron.algo.kl_controller import KLController
-from remax_megatron.checkpoint import STEP_DIR, find_resume_checkpoint, load_checkpoint, preemption_save_refusal, \
-    save_checkpoint, step_dir_name
+from remax_megatron.checkpoint import STEP_DIR, CheckpointError, latest_checkpoint, load_checkpoint, \
+    preemption_save_refusal, save_checkpoint, step_dir_name
 from remax_megatron.config import Config
 from remax_megatron.kernels import compute_advantages, logprob_gradient, remax_loss
 from remax_megatron.flops import forward_flops, peak_tflops
+from remax_megatron.health import TrainingHealth
 from remax_megatron.memory import TrainStateOffload, phase_memory
 from remax_megatron.metrics import MetricsLogger, count_weighted, global_mean, print0, reduce_totals
 from remax_megatron.models.forward import broadcast_from_last_stage, forward_only, run_schedule, to_model_device
 from remax_megatron.data.prompts import Prompt, PromptSampler
 from remax_megatron.models.gpt import PolicyModel, sequence_multiple
 from remax_megatron.models.moe import LoadBalancing, end_replay, padding_mask, replay_routes
-from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer
+from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer, restore_config_hyperparameters, schedule_changes
 from remax_megatron.parallel import ProcessGroups, all_reduce_cpu
+from remax_megatron.processes import preemption_flag
+from remax_megatron.resume import model_fingerprint
 from remax_megatron.reward.scoring import RewardScorer
 from remax_megatron.rollout import RolloutEngine, SamplingParams, WeightSync, logprob_mismatch, pack_sequences, \
     stream_seed
@@ -87,8 +90,9 @@ class Trainer:
         self.step = 0
         self.skipped_updates = 0
         self._decoded_tokens = 0  # tokens this rank's engine decoded in the step's rollout
-        self.preempt = PreemptionFlag()
+        self.preempt = preemption_flag()
         self._save_seconds = 0.0  # the last save's duration: a stop-signal save must fit torchrun's grace
+        self.health = TrainingHealth(self.cfg, self.actor_module.arch.vocab_size)
         # MoE: the load-balancing loss and expert-load statistics (hooks on the actor's routers)
         self.balance = LoadBalancing(self.actor_module, self.cfg.algo.moe_aux_loss, self.cfg.algo.moe_aux_loss_coef,
                                      self.groups.tp, self.groups.dp, self.groups.pp) \
@@ -155,18 +159,20 @@ class Trainer:
         return record
 
     @contextlib.contextmanager
-    def _stage(self, name: str, times: dict):
+    def _stage(self, name: str, times: dict, step: int | None = None):
         """Time a stage (time/<name>_s), record its memory (memory.phase_memory) and name it in any
-        failure, e.g. a collective timeout."""
+        failure, e.g. a collective timeout or a peer that died (`step`: default the step in progress).
+        A CheckpointError keeps its own line (every rank has the same one)."""
         start = time.perf_counter()
         try:
             with phase_memory(name, times):
                 yield
         except (RuntimeError, dist.DistBackendError) as e:
-            if isinstance(e, StageError):
+            if isinstance(e, (StageError, CheckpointError)):
                 raise
-            raise StageError(f"step {self.step + 1}, stage {name!r} failed on rank {dist.get_rank()}: "
-                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+            raise StageError(f"step {self.step + 1 if step is None else step}, stage {name!r} failed on rank "
+                             f"{dist.get_rank()}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                             ) from e
         times[f"time/{name}_s"] = time.perf_counter() - start
 
     # ---- pieces of the step ----------------------------------------------------------------
@@ -276,7 +282,7 @@ class Trainer:
                 parts.scheduler.step(increment=1)
             else:
                 self.skipped_updates += 1
-                print0(f"step {self.step}: skipped an update (grad norm {norm})")
+                print0(f"step {self.step + 1}: skipped an update (grad norm {norm}): the weights stay as they were")
             parts.optimizer.zero_grad()
             grad_norms.append(norm)
             for k in summed:
@@ -408,6 +414,14 @@ class Trainer:
         n_tok = max(totals["adv_n"], 1.0)
         adv_mean = totals["adv_sum"] / n_tok
         lengths = [len(c.token_ids) for r in rollouts for c in r.sampled]
+        n = self.cfg.rollout.n
+        # For health.py: how many samples tie with their greedy reward (advantage 0: no signal), are the
+        # greedy response itself, and the rewards' range.
+        ties = [float(r == r_greedy[i // n]) for i, r in enumerate(r_sampled)]
+        same = [float(c.token_ids == r.greedy.token_ids) for r in rollouts for c in r.sampled]
+        every = r_sampled + r_greedy
+        extremes = reduce_totals({"max": max(every), "neg_min": -min(every)}, self._dp_group,
+                                 maximum=("max", "neg_min"))
         record = {
             "step": self.step + 1,
             "reward/sampled_mean": self._dp_mean(r_sampled),
@@ -424,6 +438,8 @@ class Trainer:
             "logprob/engine_vs_actor_mean_diff": totals["gap_sum"] / n_tok,
             # how far the engine's log-probs fall below the actor's (under guided decoding, the one that counts)
             "logprob/engine_below_actor_max_diff": totals["gap_below"],
+            "reward/tie_frac": self._dp_mean(ties), "rollout/same_as_greedy_frac": self._dp_mean(same),
+            "reward/min": -extremes["neg_min"], "reward/max": extremes["max"],
         }
         record.update({k: stats[k] for k in MOE_STATS if k in stats})
         record.update(self._global_reward_metrics(reward_metrics))
@@ -483,7 +499,13 @@ class Trainer:
     # ---- checkpoints and preemption ----------------------------------------------------------
     def state_dict(self) -> dict:
         return {"sampler": self.parts.sampler.state_dict(), "scheduler": self.parts.scheduler.state_dict(),
-                "kl": self.parts.kl.state_dict(), "skipped_updates": self.skipped_updates}
+                "kl": self.parts.kl.state_dict(), "skipped_updates": self.skipped_updates,
+                "model": self._model_fingerprint}
+
+    @functools.cached_property
+    def _model_fingerprint(self) -> dict:
+        """Which model this run trains (resume.check_resume compares it at resume)."""
+        return model_fingerprint(self.cfg.actor.model, self.parts.hf_dir, self.parts.tokenizer)
 
     def save(self) -> str:
         c = self.cfg.checkpoint
@@ -509,20 +531,24 @@ class Trainer:
         self.log.write(f"exported Hugging Face model {path}")
         return path
 
-    def resume(self) -> None:
-        path = find_resume_checkpoint(self.cfg.checkpoint.dir, self.cfg.checkpoint.resume)
-        if path is None:
-            return
+    def resume(self, path: str) -> None:
+        """Collective: continue from checkpoint `path` (the same on every rank: startup.claim_run)."""
         state = load_checkpoint(path, self.actor_module, self.parts.optimizer)
         self.step = state["step"]
         self.parts.sampler.load_state_dict(state["sampler"])
+        # The update count from the checkpoint, the schedule and Adam's hyperparameters from this config.
+        changes = restore_config_hyperparameters(self.parts.optimizer, self.cfg.optim) + \
+            schedule_changes(state["scheduler"], self.parts.scheduler)
         self.parts.scheduler.load_state_dict(state["scheduler"])
         self.parts.kl.load_state_dict(state["kl"])
         self.skipped_updates = state["skipped_updates"]
         print0(f"resumed from {path} at step {self.step}")
+        if changes:
+            print0(f"resume: following this run's config, not the checkpoint's: {'; '.join(changes)}; "
+                   f"lr {self.parts.optimizer.param_groups[0]['lr']:.6g} at update {self.parts.scheduler.num_steps}")
 
     def _stop_requested(self) -> bool:
-        """True on every rank when any rank received SIGTERM/SIGUSR1 (all stop after the same step).
+        """True on every rank when any rank received a stop signal (all stop after the same step).
         The signal's number travels with the flag, so every rank can name it (rank 0 prints)."""
         flag = torch.tensor([self.preempt.signum], dtype=torch.int32)
         signum = int(all_reduce_cpu(flag, op=dist.ReduceOp.MAX).item())
@@ -542,38 +568,63 @@ class Trainer:
         return None
 
     # ---- the loop ------------------------------------------------------------------------
-    def fit(self) -> bool:
-        """Train up to trainer.steps; returns False when stopped early by a preemption signal."""
+    def fit(self, resume: str | None = None) -> bool:
+        """Train up to trainer.steps, first resuming checkpoint `resume` when given; returns False when
+        stopped early by a preemption signal."""
         cfg = self.cfg
-        self.resume()
+        if resume is not None:
+            with self._stage("resume", {}, step=0):
+                self.resume(resume)
         if cfg.trainer.eval_every and self.step == 0:
-            record = self.evaluate()
+            with self._stage("eval", {}, step=0):
+                record = self.evaluate()
             if record:  # no held-out prompts (data.eval_size=0): nothing to log
                 self.log.log(record)
         while self.step < cfg.trainer.steps:
             record = self.train_step()
             self.step += 1
             if cfg.trainer.eval_every and (self.step % cfg.trainer.eval_every == 0 or self.step == cfg.trainer.steps):
-                record.update({k: v for k, v in self.evaluate().items() if k != "step"})
+                with self._stage("eval", {}, step=self.step):
+                    record.update({k: v for k, v in self.evaluate().items() if k != "step"})
             self.log.log(record)
             self.log.progress(self.step, record)
-            if self._stop_requested():
-                refusal = self._save_refused()
-                if refusal:
-                    print0(f"preempted ({self.preempt.signal_name}): stopped after step {self.step}, {refusal}; "
-                           "rerun with checkpoint.resume=auto to continue from the newest checkpoint")
+            for line in self.health.observe(record):  # the same records, so the same findings, on every rank
+                self.log.warn(line)
+            # The stop decision and the save are collective: a peer that dies here is one line too.
+            with self._stage("checkpoint", {}, step=self.step):
+                if self._stop_requested():
+                    refusal = self._save_refused()
+                    if refusal:
+                        print0(f"preempted ({self.preempt.signal_name}): stopped after step {self.step}, {refusal}; "
+                               "rerun with checkpoint.resume=auto to continue from the newest checkpoint")
+                        return False
+                    path = self._save_if_sound()
+                    print0(f"preempted ({self.preempt.signal_name}): stopped after step {self.step}, "
+                           f"{f'checkpoint {path}' if path else 'not saved'}; rerun with checkpoint.resume=auto to "
+                           "continue")
                     return False
-                path = self.save()
-                print0(f"preempted ({self.preempt.signal_name}): stopped after step {self.step}, "
-                       f"checkpoint {path}; rerun with checkpoint.resume=auto to continue")
-                return False
-            every = cfg.checkpoint.save_every
-            if (every and self.step % every == 0) or self.step == cfg.trainer.steps:
-                self.save()
-            every = cfg.checkpoint.hf_every
-            if every and (self.step % every == 0 or self.step == cfg.trainer.steps):
-                self.export_hf()
+                every = cfg.checkpoint.save_every
+                if (every and self.step % every == 0) or self.step == cfg.trainer.steps:
+                    self._save_if_sound()
+                every = cfg.checkpoint.hf_every
+                if every and (self.step % every == 0 or self.step == cfg.trainer.steps) \
+                        and self.health.save_refusal() is None:  # no export of a collapsed policy either
+                    self.export_hf()
         return True
+
+    def _save_if_sound(self) -> str | None:
+        """Collective: save, unless this state must not replace the last good checkpoint (health.py's
+        findings, or weights that are no longer finite); then say so and keep it. Returns the path."""
+        why = self.health.save_refusal()
+        local = any(not bool(torch.isfinite(p).all()) for p in self.actor_module.parameters())
+        if all_reduce_cpu(torch.tensor([int(local)], dtype=torch.int32), op=dist.ReduceOp.MAX).item():
+            why = "the actor's weights hold NaN or inf"
+        if why:
+            latest = latest_checkpoint(self.cfg.checkpoint.dir)
+            self.log.warn(f"warning: not saving step {self.step}: {why}; the newest checkpoint stays "
+                          f"{latest or 'none (nothing was saved yet)'}")
+            return None
+        return self.save()
 
 
 @dataclass
@@ -588,18 +639,6 @@ class Update:
 
 class StageError(RuntimeError):
     """A stage of the step failed (a peer died, a collective timed out): names the step and stage."""
-
-
-class PreemptionFlag:
-    """SIGTERM / SIGUSR1 (what SLURM sends before a kill) only set a flag; the loop stops at a step boundary."""
-
-    def __init__(self):
-        self.requested, self.signal_name, self.signum = False, "", 0
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.requested, self.signal_name, self.signum = True, signal.Signals(signum).name, int(signum)
 
 
 def _clipped(value, limit: int = 200) -> str:

@@ -286,8 +286,15 @@ class PromptSampler:
         return batch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "position": self.position, "size": len(self.prompts)}
 
     def load_state_dict(self, state: dict) -> None:
+        """ValueError (one line) when the saved position is past the end of these prompts: the
+        checkpoint was trained on a longer prompt list (another data file, or fewer kept)."""
+        if state["position"] > len(self.prompts):
+            then = f" of {state['size']}" if "size" in state else ""
+            raise ValueError(f"its data-loader position {state['position']}{then} is past the end of the "
+                             f"{len(self.prompts)} train prompts loaded now: resume with the data it was trained on, "
+                             "or start fresh with checkpoint.resume=none")
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._permutation(self.epoch)

@@ -187,10 +187,21 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
     backend = "nccl" if cpu_compat.cuda_present() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(
-        backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=timeout_minutes)
-    )
+    try:
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=timeout_minutes)
+        )
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e):
+            raise
+        raise ValueError(port_in_use(os.environ["MASTER_PORT"])) from None
     return rank, world
+
+
+def port_in_use(port: str) -> str:
+    """The one line for a rendezvous port another process already listens on (the launcher's too)."""
+    return (f"MASTER_PORT {port} is already in use on this host (EADDRINUSE): another job listens there; "
+            "give this one a free port (torchrun / remax_megatron.launch --master_port=N, or MASTER_PORT=N)")
 
 
 def _free_port() -> int:

@@ -1,8 +1,24 @@
-"""HF <-> Megatron weights: one mapping; load into shards; export full tensors."""
+"""HF <-> Megatron weights: one mapping; load into shards; export full tensors.
 
-from remax_megatron.weights.export import export_hf_weights
-from remax_megatron.weights.hf_io import HFCheckpointReader, write_hf_dir
-from remax_megatron.weights.load import load_hf_weights
-from remax_megatron.weights.mapping import WeightMapping
+Names are imported on first use: reading a checkpoint's headers (hf_io) does not import megatron-core,
+so start-up checks stay fast.
+"""
 
-__all__ = ["HFCheckpointReader", "WeightMapping", "export_hf_weights", "load_hf_weights", "write_hf_dir"]
+import importlib
+
+_EXPORTS = {
+    "HFCheckpointReader": "remax_megatron.weights.hf_io",
+    "WeightMapping": "remax_megatron.weights.mapping",
+    "export_hf_weights": "remax_megatron.weights.export",
+    "load_hf_weights": "remax_megatron.weights.load",
+    "write_hf_dir": "remax_megatron.weights.hf_io",
+}
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+__all__ = sorted(_EXPORTS)

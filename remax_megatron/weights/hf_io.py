@@ -41,9 +41,7 @@ class HFCheckpointReader:
         elif os.path.isfile(os.path.join(model_dir, SINGLE)):
             weight_map = None
         else:
-            raise FileNotFoundError(
-                f"no {SINGLE} or {INDEX} in {model_dir}: point at a Hugging Face safetensors directory"
-            )
+            raise FileNotFoundError(_no_safetensors(model_dir))
         files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
         self._handles = {}
         for name in files:
@@ -84,6 +82,23 @@ class HFCheckpointReader:
 
     def dtype(self, name: str) -> torch.dtype:
         return self.read(name, 0, 0, 1).dtype
+
+
+def _no_safetensors(model_dir: str) -> str:
+    """Why `model_dir` has no weights this reader takes, and the fix (PyTorch pickles: convert them)."""
+    pickles = sorted(n for n in os.listdir(model_dir) if n.endswith((".bin", ".pt", ".pth")))
+    if not pickles:
+        return f"no {SINGLE} or {INDEX} in {model_dir}: point at a Hugging Face safetensors directory"
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cls = json.load(f)["architectures"][0]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        cls = "AutoModelForCausalLM"
+    out = model_dir.rstrip("/") + "-safetensors"
+    return (f"{model_dir} holds {pickles[0]}{' and more' if len(pickles) > 1 else ''} (PyTorch pickle) but no "
+            f"safetensors ({SINGLE} or {INDEX}); convert it once: python -c \"import transformers as t; "
+            f"d, o = '{model_dir}', '{out}'; t.{cls}.from_pretrained(d).save_pretrained(o); "
+            f"t.AutoTokenizer.from_pretrained(d).save_pretrained(o)\" and point at {out}")
 
 
 def _open_checked(path: str):

@@ -195,6 +195,17 @@ def _corruption_body(rank, world, model_dir, other_dir, root):
     skipped = [str(w.message) for w in caught if "skipping invalid checkpoint" in str(w.message)]
     assert len(skipped) == (1 if rank == 0 else 0), skipped      # once, from rank 0
     load_checkpoint(older, actor, opt)
+    # A problem only one rank sees (a node whose view of the filesystem lags, here faked on rank 1): every
+    # rank still gets the same verdict and picks the same checkpoint (no rank waits in another collective).
+    from unittest import mock
+
+    real_getsize = os.path.getsize
+    with mock.patch("os.path.getsize", lambda p: real_getsize(p) + (1 if rank == 1 and p.startswith(older) else 0)):
+        with pytest.raises(CheckpointError, match="bytes, the manifest says"):
+            validate(older)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert find_resume_checkpoint(root, "auto") is None  # newest corrupt, older bad on rank 1
 
     other, other_opt = _build(other_dir, world)   # another model: hidden 48 instead of 32
     with pytest.raises(CheckpointError) as info:

@@ -1,12 +1,13 @@
-"""Stopping a job (issue 17, items 2 and 10), through remax_megatron.launch with 2 gloo workers on the
-tiny default (native engine):
+"""Stopping a job (issue 17, items 2 and 10; issue 31 items 9, 10), through remax_megatron.launch with 2
+gloo workers on the tiny default (native engine):
 
-- SIGUSR1 / SIGTERM sent to the launcher, or to one rank: exit 0, a checkpoint of the last finished
-  step that validates (and resumes), and no process of the job left (its whole session is checked)
+- SIGUSR1 / SIGTERM sent to the launcher, or to one rank, and Ctrl-C (SIGINT to the launcher's process
+  group): exit 0, a checkpoint of the last finished step that validates (and resumes), and no process
+  of the job left (its whole session is checked)
 - plain torchrun killed by SIGUSR1 (what it does with that signal): its orphaned workers still save
   at the step boundary and exit (parent-death signal), instead of training on
 - exit codes: an input error is the worker's one line and exit 2, nothing after it; a rank killed by
-  SIGKILL is one line naming it, exit 137
+  SIGKILL is one line naming it, exit 137; a MASTER_PORT in use is one line naming it, exit 2
 """
 
 import contextlib
@@ -108,12 +109,18 @@ def _assert_saved_last_step(out):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target, sig", [("launcher", signal.SIGUSR1), ("launcher", signal.SIGTERM),
-                                         ("rank", signal.SIGUSR1), ("rank", signal.SIGTERM)])
+                                         ("rank", signal.SIGUSR1), ("rank", signal.SIGTERM),
+                                         ("terminal", signal.SIGINT)])
 def test_stop_signal_saves_and_exits_0_with_nothing_left(tmp_path, target, sig):
+    """target "terminal": Ctrl-C, SIGINT to the launcher's process group as a terminal sends it (the
+    workers run in sessions of their own: they get it from the launcher)."""
     out = str(tmp_path / "run")
     with _job(_cmd(LAUNCH, out, "trainer.steps=200")) as proc:
         _wait_for_steps(proc, out)
-        os.kill(proc.pid if target == "launcher" else _workers(proc.pid)[-1], sig)
+        if target == "terminal":
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid if target == "launcher" else _workers(proc.pid)[-1], sig)
         stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, (stdout + stderr)[-3000:]
     assert stderr == "", stderr[-3000:]
@@ -170,7 +177,7 @@ def test_killed_rank_is_one_line_naming_it(tmp_path):
 
 
 def test_launcher_keeps_sigterm_and_sigusr1_for_itself():
-    assert _without_ours("SIGTERM,SIGINT,SIGHUP,SIGQUIT") == "SIGINT,SIGHUP,SIGQUIT"
+    assert _without_ours("SIGTERM,SIGINT,SIGHUP,SIGQUIT") == "SIGHUP,SIGQUIT"
     assert _without_ours("SIGUSR1, SIGUSR2,SIGTERM") == "SIGUSR2"
 
 
@@ -224,3 +231,32 @@ def test_outside_the_launcher_only_the_printing_rank_prints(tmp_path, monkeypatc
     report_error("error: b", printer=True, same_on_every_rank=True)
     assert capsys.readouterr().err == "error: b\n"
     assert not (tmp_path / "reply.json").exists()
+
+
+@pytest.fixture
+def busy_port():
+    """A port another process listens on."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_a_master_port_in_use_is_one_line_naming_it(busy_port, tmp_path):
+    """The launcher's rendezvous store (torchrun's agent hosts it) and a trainer started without
+    torchrun (MASTER_PORT exported): exit 2 and one line naming MASTER_PORT and --master_port, not
+    torch's EADDRINUSE traceback."""
+    line = (f"error: MASTER_PORT {busy_port} is already in use on this host (EADDRINUSE): another job listens "
+            "there; give this one a free port (torchrun / remax_megatron.launch --master_port=N, or MASTER_PORT=N)")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("LOGLEVEL", None)
+    r = subprocess.run([*LAUNCH, "--nproc_per_node=1", f"--master_port={busy_port}", "-m", "json.tool", "/dev/null"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert (r.returncode, r.stderr.splitlines()) == (2, [line]), r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-c", "from remax_megatron.parallel import init_distributed\n"
+                        "try:\n    init_distributed(1)\nexcept ValueError as e:\n    print(f'error: {e}')"],
+                       cwd=ROOT, env=dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(busy_port), WORLD_SIZE="1",
+                                          RANK="0"), capture_output=True, text=True, timeout=300)
+    assert r.stdout.splitlines() == [line], (r.stdout + r.stderr)[-3000:]

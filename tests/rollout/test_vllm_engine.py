@@ -290,6 +290,42 @@ def test_vllm_matches_a_moe_actor_at_ep2(family, rollout_tp, moe_models):
     run_distributed(_body, world_size=2, args=(moe_models[family], 1, 1, rollout_tp, "auto", 2))
 
 
+def _greedy_body(rank, world, model_dir, result_path):
+    from remax_megatron.config import RolloutConfig
+    from remax_megatron.rollout import build_engine
+    from remax_megatron.weights import HFCheckpointReader
+
+    engine = build_engine(RolloutConfig(engine="vllm", kv_cache_gib=0.05), hf_dir=model_dir, seed=0,
+                          dtype=torch.float32, max_model_len=64)
+    engine.update_weights([list(HFCheckpointReader(model_dir).tensors())])  # the model's own weights
+    # A hot sampling temperature: a greedy row decoded at it would leave argmax within a few tokens.
+    rollouts = engine.generate(PROMPTS, n=2, sampling=SamplingParams(temperature=1.7, max_new_tokens=MAX_NEW),
+                               seeds=list(range(len(PROMPTS))))
+    torch.save([(ro.greedy.token_ids, ro.greedy.logprobs) for ro in rollouts], result_path)
+
+
+def test_vllm_greedy_is_argmax_decoding(tiny_llama, tmp_path):
+    """One small vLLM engine (world 1, the model's weights): its greedy rows are transformers' argmax
+    decoding token for token, with log-probs at temperature 1 (fast lane; the engine-vs-actor cases
+    above are slow)."""
+    pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM
+
+    run_distributed(_greedy_body, world_size=1, args=(tiny_llama, str(tmp_path / "greedy.pt")))
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    for prompt, (tokens, logprobs) in zip(PROMPTS, torch.load(tmp_path / "greedy.pt")):
+        seq = list(prompt)
+        assert tokens, prompt
+        for token, logprob in zip(tokens, logprobs):
+            with torch.no_grad():
+                logits = model(torch.tensor([seq])).logits[0, -1].float()
+            assert token == int(logits.argmax()), f"greedy row left argmax after {seq} (prompt {prompt})"
+            assert abs(logprob - torch.log_softmax(logits, -1)[token].item()) < 1e-4
+            seq.append(token)
+            if token == EOS:
+                break
+
+
 def test_compile_mode_and_device():
     from remax_megatron.config import RolloutConfig
     from remax_megatron.rollout.vllm_engine import compiles

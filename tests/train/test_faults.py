@@ -159,3 +159,30 @@ def test_fallback_resume_has_each_step_once_and_short_steps_warn(tmp_path):
     assert r.stderr.splitlines() == ["warning: the checkpoint resumed from is at step 4, past trainer.steps=3: "
                                      "nothing was trained; set trainer.steps above 4 to train on (or "
                                      "checkpoint.resume=none to start over)"], r.stderr[-3000:]
+
+
+@pytest.fixture
+def builtin_model():
+    """The tiny default's model built before the run: its one-time build writes to stderr."""
+    from remax_megatron.builtin.models import ensure_builtin_model
+
+    ensure_builtin_model("tiny-arith", verbose=False)
+
+
+@pytest.mark.slow
+def test_a_policy_that_collapses_is_warned_and_not_checkpointed(tmp_path, builtin_model):
+    """optim.lr=1e3 on the warm-started default: the first update destroys the policy (entropy = ln vocab
+    from step 2, rewards 0). One warning; the saves of the collapsed steps are refused, each said on
+    stderr, and step 1's checkpoint stays the newest."""
+    out = str(tmp_path / "run")
+    r = _run([sys.executable, "-m", "remax_megatron.train", "--config", "configs/tiny_cpu.yaml", "actor.tp=1",
+              f"trainer.output_dir={out}", *SHORT, "trainer.steps=3", "optim.lr=1e3", "checkpoint.save_every=1",
+              "logging.tensorboard=false"])
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("warning: the policy collapsed to uniform at step 2: entropy 4.6"), r.stderr
+    first = os.path.join(out, "checkpoints", "step_000001")
+    assert lines[1:] == [f"warning: not saving step {s}: the policy has been collapsed to uniform since step 2 "
+                         f"(entropy at ln(vocab) = 4.615); the newest checkpoint stays {first}" for s in (2, 3)], lines
+    assert open(os.path.join(out, "checkpoints", "latest")).read() == "step_000001"
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000001"]

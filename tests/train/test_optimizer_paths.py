@@ -119,3 +119,40 @@ def test_resume_steps_with_this_codes_adamw_not_the_checkpoints():
     step(resumed, 2)
     for a, b in zip(resumed.main_params, straight.main_params):
         assert torch.equal(a, b)
+
+
+def test_a_resume_takes_the_schedule_and_adam_settings_from_its_config():
+    """A 4-update linear schedule to min_lr 0, resumed with 8 updates and another lr and beta2: the update
+    count comes from the checkpoint, everything else from the new config (megatron's default kept the
+    checkpoint's: lr 0 on every new step, the old lr), and what changed is listed."""
+    import types
+
+    from remax_megatron.config import load_config
+    from remax_megatron.optimizer import CpuAdamW, build_scheduler, restore_config_hyperparameters, \
+        schedule_changes
+
+    def build(*overrides, updates):
+        cfg = load_config(None, ["reward.functions=[exact_match]", "optim.schedule=linear", "optim.min_lr=0",
+                                 *overrides]).optim
+        torch.manual_seed(0)
+        ddp = types.SimpleNamespace(module=torch.nn.Linear(8, 4), zero_grad_buffer=lambda: None)
+        opt = CpuAdamW(ddp, cfg, process_groups=types.SimpleNamespace(mp=None))
+        return cfg, opt, build_scheduler(opt, cfg, updates)
+
+    _, first, schedule = build("optim.lr=1e-3", updates=4)
+    for _ in range(4):
+        schedule.step(increment=1)
+    assert first.param_groups[0]["lr"] == 0.0  # the first run's schedule ended
+    saved_schedule, saved_adam = schedule.state_dict(), first.optimizer.state_dict()
+
+    cfg, resumed, schedule = build("optim.lr=2e-3", "optim.beta2=0.99", updates=8)
+    resumed.optimizer.load_state_dict(saved_adam)  # what load_checkpoint does: the saved groups' betas come back
+    changes = restore_config_hyperparameters(resumed, cfg) + schedule_changes(saved_schedule, schedule)
+    schedule.load_state_dict(saved_schedule)
+    assert schedule.num_steps == 4
+    assert resumed.param_groups[0]["lr"] == pytest.approx(2e-3 * (1 - 4 / 8))  # > 0, from the new lr
+    assert resumed.param_groups[0]["betas"] == (0.9, 0.99)
+    assert changes == ["optim.beta1, optim.beta2 (0.9, 0.99) (checkpoint: (0.9, 0.999))",
+                       "optim.lr 0.002 (checkpoint: 0.001)", "trainer.steps * trainer.mini_batches 8 (checkpoint: 4)"]
+    schedule.step(increment=1)
+    assert resumed.param_groups[0]["lr"] == pytest.approx(2e-3 * (1 - 5 / 8))

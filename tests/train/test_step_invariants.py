@@ -1,13 +1,21 @@
-"""ReMax's invariants at trainer level: one real `Trainer.train_step` (native engine, tiny random
-Llama, one process) with spies on the engine, the scorer and the advantage kernel.
+"""ReMax's invariants at trainer level: real `Trainer.train_step`s (native engine, tiny random Llama,
+one process) with spies on the engine, the scorer and the advantage kernel. The first group is in
+the fast lane: each fails within seconds when its invariant breaks.
 
 The spy scorer gives prompt p's greedy response the reward 10 * index(p) and its sample j the reward
-10 * index(p) + j. So if every sample is paired with ITS prompt's greedy reward, sample j's advantage
-is exactly j on every response token: 0 for sample 0 (same reward as the greedy), positive for the
-others. Pairing a sample with another prompt's greedy reward, or flipping the sign, changes that.
+10 * index(p) + OFFSETS[j], OFFSETS = (-1, 0, 2). So when every sample is paired with ITS prompt's
+greedy reward, sample j's advantage is exactly OFFSETS[j] on every response token: negative, zero
+(a tie) and positive. Pairing a sample with another prompt's greedy reward (`repeat` instead of
+`repeat_interleave` in Trainer._pack), flipping the sign, or a baseline that is not the greedy reward
+(the mean of the prompt's sampled rewards is 10 * index(p) + 1/3) changes that. Two steps at a
+large learning rate: the engine the second step samples from must carry the first update's weights
+(an engine one update behind shows a log-prob gap of 1e-2 and more).
+
+Greedy == argmax decoding, per engine: tests/rollout/test_native.py (native) and
+tests/rollout/test_vllm_engine.py (vLLM).
 
 The same step with a reference model and KL in the reward (advantages vs a plain fp64 loop) or in the
-loss, and with two mini-batches per rollout (old log-probs, ratio 1 then != 1).
+loss, and with two mini-batches per rollout (old log-probs, ratio 1 then != 1): slow.
 """
 
 import pytest
@@ -17,6 +25,7 @@ from tests._dist import run_distributed
 from tools.make_tiny_model import make_tiny_model
 
 N = 3  # sampled responses per prompt
+OFFSETS = (-1.0, 0.0, 2.0)  # sample j's reward minus its prompt's greedy reward
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +39,14 @@ class SpyScorer:
 
     reward_model = None
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, offsets=tuple(float(j) for j in range(N))):
+        self.calls, self.offsets = [], offsets
 
     def score(self, prompts, responses):
         indices = [q.index for q in prompts]
         self.calls.append((indices, responses))
-        return [[10.0 * i + (j if j < N else 0.0) for j in range(len(row))] for i, row in zip(indices, responses)], {}
+        return [[10.0 * i + (self.offsets[j] if j < N else 0.0) for j in range(len(row))]
+                for i, row in zip(indices, responses)], {}
 
 
 def _step_body(rank, world, model_dir, out_dir, result_path):
@@ -48,69 +58,114 @@ def _step_body(rank, world, model_dir, out_dir, result_path):
         f"actor.model={model_dir}", "rollout.engine=native", f"rollout.n={N}", "rollout.max_new_tokens=6",
         "reward.functions=[exact_match]", "trainer.prompts_per_step=4", "trainer.micro_batch_size=4",
         "trainer.eval_every=0", f"trainer.output_dir={out_dir}", "data.max_prompt_tokens=64",
-        "logging.tensorboard=false", "logging.progress_bar=false", "optim.lr=1e-3"])
+        "logging.tensorboard=false", "logging.progress_bar=false", "optim.lr=1e-2"])
     parts = build(cfg, check_inputs(cfg, world))
-    parts.scorer = SpyScorer()
+    parts.scorer = SpyScorer(OFFSETS)
     generated = []
     engine_generate = parts.engine.generate
 
     def spy_generate(prompts, n, sampling, seeds=None):
         rollouts = engine_generate(prompts, n=n, sampling=sampling, seeds=seeds)
-        generated.extend(rollouts)
+        generated.append(rollouts)
         return rollouts
 
     parts.engine.generate = spy_generate
     advantages = []
     kernel = trainer_module.compute_advantages
 
-    def spy_advantages(*args, **kwargs):
-        out = kernel(*args, **kwargs)
-        advantages.append(out.clone())
+    def spy_advantages(rewards, baseline, mask, *args, **kwargs):
+        out = kernel(rewards, baseline, mask, *args, **kwargs)
+        advantages[-1].append((rewards.clone(), baseline.clone(), out.clone()))
         return out
 
     trainer_module.compute_advantages = spy_advantages
     trainer = trainer_module.Trainer(parts, logger=None)
-    record = trainer.train_step()
-    torch.save({"calls": parts.scorer.calls, "generated": generated, "advantages": torch.cat(advantages),
-                "record": record}, result_path)
+    records, weights = [], []
+    initial = {n: p.detach().clone() for n, p in trainer.actor_module.named_parameters()}
+    for _ in range(2):
+        advantages.append([])
+        records.append(trainer.train_step())
+        trainer.step += 1
+        weights.append({n: p.detach().clone() for n, p in trainer.actor_module.named_parameters()})
+    steps = [{"calls": call, "generated": gen, "record": rec,
+              "rewards": torch.cat([r for r, _, _ in adv]), "baseline": torch.cat([b for _, b, _ in adv]),
+              "advantages": torch.cat([a for _, _, a in adv])}
+             for call, gen, rec, adv in zip(parts.scorer.calls, generated, records, advantages)]
+    moved = max((after - initial[n]).abs().max().item() for n, after in weights[0].items())
+    torch.save({"steps": steps, "moved": moved}, result_path)
 
 
 @pytest.fixture(scope="module")
-def step(model_dir, tmp_path_factory):
+def run(model_dir, tmp_path_factory):
+    """Two steps of the real trainer: {"steps": [{calls, generated, record, rewards, baseline, advantages}] per
+    step, "moved": the largest weight change of step 1's update}."""
     tmp = tmp_path_factory.mktemp("step")
     path = tmp / "step.pt"
     run_distributed(_step_body, world_size=1, args=(model_dir, str(tmp / "out"), str(path)))
     return torch.load(path, weights_only=False)
 
 
-@pytest.mark.slow
-def test_samples_and_greedy_are_scored_together_by_the_same_scorer(step):
-    (indices, responses), = step["calls"]  # one scoring call per step
+def _rows(step):
+    """(prompt index, sample j, response length) of each trained row, prompt-major."""
+    indices, _ = step["calls"]
+    return [(i, j, len(c.token_ids)) for i, r in zip(indices, step["generated"]) for j, c in enumerate(r.sampled)]
+
+
+def test_samples_and_greedy_are_scored_together_by_the_same_scorer(run):
+    steps = run["steps"]
+    indices, responses = steps[0]["calls"]  # one scoring call per step
     assert len(responses) == 4 and all(len(row) == N + 1 for row in responses)
-    for row, rollout in zip(responses, step["generated"]):
+    for row, rollout in zip(responses, steps[0]["generated"]):
         assert [ids for ids, _ in row[:N]] == [c.token_ids for c in rollout.sampled]
         assert row[N][0] == rollout.greedy.token_ids  # the greedy response comes last in its prompt's row
 
 
-@pytest.mark.slow
-def test_each_sample_is_paired_with_its_own_prompts_greedy_reward(step):
-    adv = step["advantages"]  # [prompts * N, S], rows prompt-major
-    lengths = [len(c.token_ids) for r in step["generated"] for c in r.sampled]
-    assert adv.shape[0] == 4 * N
-    for row, length in enumerate(lengths):
-        j = row % N
-        values = adv[row][adv[row] != 0] if j else adv[row]
-        # sample j's advantage is j on each of its response tokens (and 0 on sample 0: same reward as greedy)
-        assert int((adv[row] != 0).sum()) == (length if j else 0), (row, adv[row])
-        assert torch.all(values == float(j)), (row, adv[row])
+def test_each_sample_is_paired_with_its_own_prompts_greedy_reward(run):
+    steps = run["steps"]
+    for step in steps:
+        rows = _rows(step)
+        assert step["baseline"].shape[0] == len(rows) == 4 * N
+        for b, (i, j, _) in enumerate(rows):
+            assert step["rewards"][b] == 10.0 * i + OFFSETS[j], (b, step["rewards"])
+            assert step["baseline"][b] == 10.0 * i, f"row {b} (prompt {i}, sample {j}) got baseline " \
+                                                    f"{float(step['baseline'][b])}, not its prompt's greedy reward"
 
 
-@pytest.mark.slow
-def test_the_step_reports_the_rewards_it_trained_on(step):
-    record, (indices, _) = step["record"], step["calls"][0]
-    assert record["reward/greedy_mean"] == pytest.approx(sum(10.0 * i for i in indices) / 4)
-    assert record["reward/sampled_mean"] == pytest.approx(sum(10.0 * i + j for i in indices for j in range(N)) / 12)
-    assert record["advantage/mean"] > 0
+def test_advantage_is_reward_minus_greedy_reward_with_its_sign_and_zero_on_ties(run):
+    steps = run["steps"]
+    for step in steps:
+        adv = step["advantages"]  # [prompts * N, S]
+        for b, (i, j, length) in enumerate(_rows(step)):
+            tokens = adv[b][adv[b] != 0]
+            if OFFSETS[j] == 0:  # a tie with the greedy reward: no signal at all
+                assert int((adv[b] != 0).sum()) == 0, (b, adv[b])
+            else:  # every response token carries r - r_greedy, with its sign
+                assert int((adv[b] != 0).sum()) == length, (b, adv[b])
+                assert torch.all(tokens == OFFSETS[j]), (b, j, adv[b])
+
+
+def test_the_baseline_is_the_greedy_reward_not_a_mean_of_samples(run):
+    steps = run["steps"]
+    for step in steps:
+        indices, _ = step["calls"]
+        sampled = step["rewards"].view(-1, N)
+        assert not torch.allclose(sampled.mean(1), torch.tensor([10.0 * i for i in indices]))  # tells them apart
+        assert torch.equal(step["baseline"].view(-1, N)[:, 0], torch.tensor([10.0 * i for i in indices]))
+        record = step["record"]
+        assert record["reward/greedy_mean"] == pytest.approx(sum(10.0 * i for i in indices) / 4)
+        assert record["reward/sampled_mean"] == pytest.approx(
+            sum(10.0 * i + o for i in indices for o in OFFSETS) / 12)
+        assert record["reward/tie_frac"] == pytest.approx(1 / 3)  # sample 1 of each prompt
+
+
+def test_the_engine_follows_the_actor_after_an_update(run):
+    steps = run["steps"]
+    first, second = steps[0]["record"], steps[1]["record"]
+    # step 1 changed the weights, enough for an engine left behind to be 1e-2 and more off
+    assert first["grad_norm"] > 0 and first["optim/skipped_updates"] == 0 and run["moved"] > 5e-3, run["moved"]
+    # step 2 sampled from the engine after step 1's update: its log-probs are the updated actor's
+    assert second["logprob/engine_vs_actor_max_diff"] < 1e-4, second["logprob/engine_vs_actor_max_diff"]
+    assert first["logprob/engine_vs_actor_max_diff"] < 1e-4
 
 
 # ---- the reference model + KL (both modes) and several mini-batches, through the real step ------

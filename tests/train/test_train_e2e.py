@@ -308,6 +308,15 @@ BAD_INPUT = [
     # Mistral with a 16-token sliding window, sequences up to 16 + 4: full causal attention is not the model's
     (["actor.model={tmp}/mistral-window16", "rollout.engine=native"], 1,
      "'s sliding_window=16, which remax-megatron does not implement"),
+    # weights as a PyTorch pickle only; a tokenizer with a token the model has no embedding for
+    (["actor.model={tmp}/pickled", "rollout.engine=native"], 1,
+     "pickled holds pytorch_model.bin (PyTorch pickle) but no safetensors (model.safetensors or "
+     "model.safetensors.index.json); convert it once: python -c \"import transformers as t; d, o = '{tmp}/pickled', "
+     "'{tmp}/pickled-safetensors'; t.LlamaForCausalLM.from_pretrained(d).save_pretrained(o); "
+     "t.AutoTokenizer.from_pretrained(d).save_pretrained(o)\" and point at {tmp}/pickled-safetensors"),
+    (["actor.model={tmp}/bigtok", "rollout.engine=native"], 1,
+     "bigtok has 102 tokens but the model's vocabulary 101 (config.json vocab_size): ids from 101 on have no "
+     "embedding; use the model's own tokenizer, or resize the model's embeddings"),
 ]
 
 
@@ -330,6 +339,22 @@ def test_bad_input_is_refused_by_the_checks(tmp_path_factory, monkeypatch, overr
 
         make_tiny_model(str(tmp / "mistral-window16"), "mistral", hidden=64, heads=2, kv_heads=2,
                         sliding_window=16)
+    if "pickled" in " ".join(overrides) or "bigtok" in " ".join(overrides):
+        import safetensors.torch
+        import torch
+        from transformers import AutoTokenizer
+
+        from remax_megatron.builtin.tiny import make_tiny_model
+
+        name = "pickled" if "pickled" in " ".join(overrides) else "bigtok"
+        model = make_tiny_model(str(tmp / name), "llama", hidden=64, heads=4, kv_heads=2)
+        if name == "pickled":  # what an older checkpoint download holds
+            torch.save(safetensors.torch.load_file(f"{model}/model.safetensors"), f"{model}/pytorch_model.bin")
+            os.remove(f"{model}/model.safetensors")
+        else:  # a token added to the tokenizer, the embeddings not resized
+            tok = AutoTokenizer.from_pretrained(model)
+            tok.add_tokens(["<tool>"])
+            tok.save_pretrained(model)
     monkeypatch.setenv("REMAX_CACHE", str(tmp / "cache"))
     out = tmp / "out"
     with pytest.raises((ValueError, FileNotFoundError)) as refused:
@@ -337,7 +362,7 @@ def test_bad_input_is_refused_by_the_checks(tmp_path_factory, monkeypatch, overr
             f"trainer.output_dir={out}", "actor.tp=1", *[o.format(tmp=tmp) for o in overrides]])
         check_inputs(cfg, world)
     line = str(refused.value)
-    assert message in line and "\n" not in line, line
+    assert message.format(tmp=tmp) in line and "\n" not in line, line
     assert not out.exists()
     assert not (tmp / "cache").exists() or _built(tmp / "cache") == []
 
