@@ -63,7 +63,12 @@ class TrainerConfig:
     seed: int = knob(0, "seeds data order, sampling and init on every rank")
     output_dir: str = knob("outputs/run", "metrics.jsonl, config.yaml, TensorBoard events, checkpoints")
     prompts_per_step: int = knob(8, "global prompts per step (each gets rollout.n samples + 1 greedy)")
-    micro_batch_size: int = knob(4, "sequences per micro-batch in the train forward/backward")
+    micro_batch_size: int = knob(4, "sequences per micro-batch in the train forward/backward (trainer.micro_batch_tokens=0)")
+    micro_batch_tokens: int = knob(0, "token budget of a micro-batch, padding included: rows grouped under it, each "
+                                   "micro-batch padded to its own longest row, DP ranks given near-equal tokens; "
+                                   "0: micro_batch_size rows per micro-batch, all as long as the step's longest")
+    pack_sequences: bool = knob(False, "several sequences per row, attention kept inside each (a block-diagonal mask "
+                                "on CPU, Transformer Engine's THD format on GPU); needs trainer.micro_batch_tokens")
     mini_batches: int = knob(1, "optimizer steps per rollout (> 1 uses the clipped ratio)")
     eval_every: int = knob(5, "greedy eval every N steps (0: never)")
     eval_prompts: int = knob(32, "held-out prompts evaluated")
@@ -76,6 +81,10 @@ class TrainerConfig:
         for key in ("eval_every", "eval_prompts"):
             _positive(f"trainer.{key}", getattr(self, key), zero_ok=True)
         _positive("trainer.dist_timeout_minutes", self.dist_timeout_minutes)
+        _positive("trainer.micro_batch_tokens", self.micro_batch_tokens, zero_ok=True)
+        if self.pack_sequences and not self.micro_batch_tokens:
+            raise ValueError("trainer.pack_sequences=true needs a token budget: set trainer.micro_batch_tokens (e.g. "
+                             "4096) or trainer.pack_sequences=false")
         _positive("trainer.peak_tflops", self.peak_tflops, zero_ok=True)
 
 
@@ -288,6 +297,16 @@ class Config:
                              "set reference.enabled=true (or algo.kl_coef=0)")
         if not self.reward.functions and not self.reward.model:
             raise ValueError("no reward: set reward.functions (e.g. [exact_match]) and/or reward.model")
+        budget = self.trainer.micro_batch_tokens
+        if budget:
+            multiple = self.actor.tp if self.actor.sequence_parallel else 1
+            longest = -(-(self.data.max_prompt_tokens + self.rollout.max_new_tokens) // multiple) * multiple
+            if budget < longest:
+                raise ValueError(f"trainer.micro_batch_tokens={budget} is smaller than one row of the longest sequence "
+                                 f"this run can produce, data.max_prompt_tokens({self.data.max_prompt_tokens}) + "
+                                 f"rollout.max_new_tokens({self.rollout.max_new_tokens})"
+                                 f"{f' rounded up to a multiple of tp={multiple}' if multiple > 1 else ''} = {longest}: "
+                                 f"raise it to at least {longest}")
 
     def check_world(self, world_size: int) -> None:
         """Layout checks that need the launched world size (one line, every factor named)."""
@@ -301,7 +320,10 @@ class Config:
         if t.prompts_per_step % dp:
             raise ValueError(f"trainer.prompts_per_step={t.prompts_per_step} is not divisible by dp={dp}")
         local = t.prompts_per_step // dp * self.rollout.n
-        if local % (t.mini_batches * t.micro_batch_size):
+        if t.micro_batch_tokens and local % t.mini_batches:
+            raise ValueError(f"{local} sequences per DP rank (prompts_per_step/dp * rollout.n) are not divisible by "
+                             f"trainer.mini_batches({t.mini_batches})")
+        if not t.micro_batch_tokens and local % (t.mini_batches * t.micro_batch_size):
             raise ValueError(f"{local} sequences per DP rank (prompts_per_step/dp * rollout.n) are not divisible by "
                              f"trainer.mini_batches({t.mini_batches}) * trainer.micro_batch_size({t.micro_batch_size})")
         if self.reward.model:

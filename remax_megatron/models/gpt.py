@@ -175,9 +175,10 @@ class PolicyModel(GPTModel):
 
     arch: ModelArch
 
-    def run(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Forward this stage: the first stage takes input_ids [b, s] (right-padded)."""
-        return self(input_ids, _position_ids(input_ids), attention_mask=None)
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Forward this stage: the first stage takes input_ids [b, s] (right-padded, or packed rows with
+        their `attention_mask` / `packed_seq_params`: rollout.batching.model_inputs)."""
+        return self(input_ids, _position_ids(input_ids), attention_mask=attention_mask, **kwargs)
 
     def output_weight(self) -> torch.Tensor:
         """This rank's shard of the (padded) vocab-parallel output weight: [V_padded / tp, h]."""
@@ -303,6 +304,24 @@ def sequence_multiple(model) -> int:
     """Batches for `model` need a sequence length that is a multiple of this (TP with sequence parallel)."""
     config = model.config
     return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
+def packed_attention() -> str:
+    """How packed rows (trainer.pack_sequences) keep their sequences apart: "thd" where the Transformer Engine
+    layer spec runs (its THD format with cu_seqlens: megatron's PackedSeqParams), else "mask" (a block-diagonal
+    causal attention_mask through megatron's local attention). Position ids are the rows' own either way: RoPE
+    depends only on positions relative to each other within a sequence (the THD path restarts them per
+    sequence)."""
+    return "thd" if transformer_engine_usable() else "mask"
+
+
+def check_packing(params_dtype: torch.dtype) -> None:
+    """Refuse packed rows where the attention cannot keep the sequences apart (one line)."""
+    if packed_attention() == "thd" and params_dtype == torch.float32:
+        raise ValueError("trainer.pack_sequences=true with actor.dtype=float32 under Transformer Engine: its THD "
+                         "attention (packed sequences) runs in its flash and cuDNN backends, which take bfloat16 or "
+                         "float16 only, and its unfused fallback has no THD format: use actor.dtype=bfloat16 or "
+                         "trainer.pack_sequences=false")
 
 
 def check_sequence_length(model, seq_length: int) -> None:
