@@ -108,6 +108,9 @@ def _cases(model_dir, top):
     cases[1]["recompute"] = (_recompute_body, (model_dir, out("recompute")))
     for tp, pp in [(1, 1), (2, 1), (1, 2)]:
         cases[tp * pp][f"hint-{tp}{pp}"] = (_gradient_hint_body, (model_dir, tp, pp, out(f"hint-{tp}{pp}")))
+    for tp, pp, dp, sp in BUDGET_LAYOUTS:
+        name = f"budget-{tp}{pp}{dp}"
+        cases[tp * pp * dp][name] = (_budget_body, (model_dir, tp, pp, sp, out(name)))
     return cases
 
 
@@ -495,3 +498,72 @@ def test_load_balancing_loss_is_megatrons_formula(moe_launched):
     assert out["ours"].shape == out["megatron"].shape == (2,)
     assert torch.allclose(out["ours"].float(), out["megatron"].float(), rtol=1e-5, atol=1e-6), out
     assert out["metrics"]["moe/aux_loss"] == pytest.approx(out["ours"].mean().item(), rel=1e-6)
+
+
+# ---- token-budget micro-batches and packed rows (issue 29) --------------------------------------------------
+
+BUDGET_LAYOUTS = [(1, 1, 1, False), (2, 1, 1, True), (1, 2, 1, False), (1, 1, 2, False)]  # tp, pp, dp, sp
+# fixed: 2 rows per micro-batch, all 12 wide; budget: <= 24 tokens per micro-batch, each as wide as its longest
+# row; packed: rows of 12 holding several sequences, 2 rows per micro-batch. The longest sequence (4 prompt +
+# 8 response tokens) fits the budget's check.
+BUDGET_VARIANTS = {
+    "fixed": ["trainer.micro_batch_size=2"],
+    "budget": ["trainer.micro_batch_tokens=24", "data.max_prompt_tokens=4", "rollout.max_new_tokens=8"],
+    "packed": ["trainer.micro_batch_tokens=24", "trainer.pack_sequences=true", "data.max_prompt_tokens=4",
+               "rollout.max_new_tokens=8"],
+}
+
+
+def _var_batch():
+    """_batch() as the trainer packs it: rows of 6..12 tokens (4 prompt tokens, responses of 1..7 labelled
+    tokens), right-padded with 0, with their lengths."""
+    batch = _batch()
+    batch["lengths"] = torch.tensor([6 + i % 7 for i in range(8)])
+    batch["input_ids"][torch.arange(12)[None, :] >= batch["lengths"][:, None]] = 0
+    batch["response_mask"] = batch["response_mask"].bool()
+    return batch
+
+
+def _budget_body(rank, world, model_dir, tp, pp, sp, out_path):
+    """One update per loss mode and micro-batching variant on this DP rank's contiguous share of _var_batch()
+    (as Trainer._local_share gives it); with a budget, the trainer balances the rows over DP by tokens."""
+    from remax_megatron.weights import export_hf_weights
+
+    results = {}
+    for mode in LOSS_AGG:
+        for variant, overrides in BUDGET_VARIANTS.items():
+            trainer, actor, _, _ = _trainer(
+                world, model_dir, tp, pp,
+                [*overrides, "optim.lr=1e-2", "optim.grad_clip=0", "optim.eps=1e-3", f"algo.loss_agg={mode}"],
+                sequence_parallel=sp)
+            g, batch = trainer.groups, _var_batch()
+            rows = batch["input_ids"].shape[0] // g.dp_size
+            update = trainer._train_on({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()},
+                                       None, None)
+            results[mode, variant] = {"stats": update.stats, "computed": update.computed_tokens,
+                                      "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+@pytest.mark.slow
+def test_token_budget_and_packed_updates_equal_the_padded_update(launched):
+    """Issue 29: with token-budget micro-batches (each as wide as its longest row) and with packed rows
+    (several sequences per row, attention kept inside each), one update equals the padded fixed-count update
+    of the same batch at world 1, at tp1, tp2 with sequence parallel, pp2 (micro-batches of several shapes)
+    and dp2 (rows balanced over DP by tokens), in every loss mode: loss, grad norm and weights within 1e-6
+    (fp32). The forward computes fewer tokens than the padded one."""
+    base = launched("budget-111")
+    for tp, pp, dp, sp in BUDGET_LAYOUTS:
+        runs = launched(f"budget-{tp}{pp}{dp}")
+        for mode in LOSS_AGG:
+            ref = base[mode, "fixed"]
+            for variant in BUDGET_VARIANTS:
+                got = runs[mode, variant]
+                where = (tp, pp, dp, mode, variant)
+                assert abs(got["stats"]["loss"] - ref["stats"]["loss"]) < 1e-6, (where, got["stats"], ref["stats"])
+                assert abs(got["stats"]["grad_norm"] - ref["stats"]["grad_norm"]) < 1e-6, where
+                worst = max((got["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
+                assert worst < 1e-6, (where, worst)
+            fixed = runs[mode, "fixed"]["computed"]
+            assert fixed == 8 * 12 and runs[mode, "budget"]["computed"] < fixed and runs[mode, "packed"]["computed"] < fixed
