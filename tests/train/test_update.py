@@ -371,7 +371,8 @@ def _moe_batch():
     return batch
 
 
-def _moe_update_body(rank, world, model_dir, tp, pp, ep, kind, micro_batch_size, out_path):
+def _moe_update_body(rank, world, model_dir, tp, pp, ep, kind, micro_batch_size, out_path, overrides=(),
+                     batch_fn=None):
     """One update of a tiny Qwen3-MoE (load-balancing coefficient 0.5, so it moves the update) on this DP
     rank's share of the global batch; whole experts split over EP, sequence parallel at TP=2."""
     from types import SimpleNamespace
@@ -388,7 +389,7 @@ def _moe_update_body(rank, world, model_dir, tp, pp, ep, kind, micro_batch_size,
     groups = ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize(seed=0)
     cfg = load_config(None, ["reward.functions=[exact_match]", f"trainer.micro_batch_size={micro_batch_size}",
                              "optim.lr=1e-2", "optim.grad_clip=0", "optim.eps=1e-3", f"algo.moe_aux_loss={kind}",
-                             "algo.moe_aux_loss_coef=0.5"])
+                             "algo.moe_aux_loss_coef=0.5", *overrides])
     actor = build_policy(read_hf_config(model_dir), tp=tp, pp=pp, init_weights=False, sequence_parallel=tp > 1,
                          experts=ExpertOptions(ep=ep, etp=etp))
     load_hf_weights(actor, model_dir)
@@ -398,7 +399,7 @@ def _moe_update_body(rank, world, model_dir, tp, pp, ep, kind, micro_batch_size,
     parts = SimpleNamespace(cfg=cfg, groups=groups, actor=ddp, optimizer=opt,
                             scheduler=build_scheduler(opt, cfg.optim, 10), kl=SimpleNamespace(coef=0.0))
     trainer = Trainer(parts, logger=None)
-    batch, g = _moe_batch(), trainer.groups
+    batch, g = (batch_fn or _moe_batch)(), trainer.groups
     rows = batch["input_ids"].shape[0] // g.dp_size
     stats = trainer._train_on({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()},
                               None, None).stats
@@ -443,6 +444,11 @@ def _moe_launches(moe_dir, top):
             name = f"moe-{kind}-{tp}{pp}{ep}-w{world}-mbs2"
             cases[world][name] = (_moe_update_body, (moe_dir, tp, pp, ep, kind, 2, os.path.join(top, name + ".pt")))
     cases[1]["aux-vs-megatron"] = (_aux_vs_megatron_body, (moe_dir, os.path.join(top, "aux-vs-megatron.pt")))
+    for tp, pp, ep, world in MOE_PACKED_LAYOUTS:
+        for variant, overrides in (("fixed", ()), ("packed", BUDGET_VARIANTS["packed"]))[world > 1:]:
+            name = f"moe-seq_aux-{tp}{pp}{ep}-w{world}-{variant}"
+            cases[world][name] = (_moe_update_body, (moe_dir, tp, pp, ep, "seq_aux", 2, os.path.join(top, name + ".pt"),
+                                                     overrides, _var_batch))
     return cases
 
 
@@ -567,3 +573,22 @@ def test_token_budget_and_packed_updates_equal_the_padded_update(launched):
                 assert worst < 1e-6, (where, worst)
             fixed = runs[mode, "fixed"]["computed"]
             assert fixed == 8 * 12 and runs[mode, "budget"]["computed"] < fixed and runs[mode, "packed"]["computed"] < fixed
+
+
+MOE_PACKED_LAYOUTS = [(1, 1, 1, 1), (2, 1, 2, 2), (1, 2, 2, 4)]  # tp, pp, ep, world
+
+
+@pytest.mark.slow
+def test_moe_packed_update_equals_the_padded_one(moe_launched):
+    """Issue 29: packed rows (several sequences per row, rows balanced over DP) leave a MoE update with the
+    per-sequence load-balancing loss (seq_aux, coefficient 0.5) unchanged: loss, that loss, grad norm and
+    weights within 1e-6 of the padded fixed-count update at world 1, at world 1, (tp2 + SP, ep2) and
+    (pp2, ep2, dp2)."""
+    base = moe_launched("moe-seq_aux-111-w1-fixed")
+    assert base["stats"]["loss"] - base["stats"]["pg_loss"] > 0.5, "the load-balancing loss must count here"
+    for tp, pp, ep, world in MOE_PACKED_LAYOUTS:
+        got = moe_launched(f"moe-seq_aux-{tp}{pp}{ep}-w{world}-packed")
+        for key in ("loss", "moe/aux_loss", "grad_norm"):
+            assert abs(got["stats"][key] - base["stats"][key]) < 1e-6, (tp, pp, ep, world, key)
+        worst = max((got["weights"][k] - base["weights"][k]).abs().max().item() for k in base["weights"])
+        assert worst < 1e-6, (tp, pp, ep, world, worst)
