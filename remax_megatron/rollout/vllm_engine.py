@@ -314,8 +314,14 @@ class VllmEngine(RolloutEngine):
         if self.asleep and self._weights_asleep:
             self.llm.wake_up(tags=["weights"])
             self._weights_asleep = False
+        self.reload(_handed_over(buckets, self.untied_head))
+
+    def reload(self, weights) -> None:
+        """ONE in-place reload of vLLM's weights from (hf_name, tensor) pairs the caller keeps valid until it
+        returns (a tied model's output layer included: see untied_head); what a sync costs the engine without
+        the export (tools/bench_weight_sync.py's floor)."""
         self._weights_valid = False
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _handed_over(buckets, self.untied_head)})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self.reprocess_moe:
             self.llm.collective_rpc(_reprocess_moe_experts)
         self.llm.reset_prefix_cache()
