@@ -154,6 +154,7 @@ class RolloutConfig:
     max_new_tokens: int = knob(64, "completion length limit (sampled and greedy); prompt + this <= "
                                "max_position_embeddings")
     stop: list[str] = knob([], "stop strings (EOS always stops)")
+    stop_token_ids: list[int] = knob([], "token ids that end a completion as EOS does (kept in it)")
     sync_bucket_mb: int = knob(256, "weight-sync bucket size in MiB (peak extra memory of the sync)")
     kv_cache_gib: float = knob(0.0, "vLLM KV cache per engine in GiB; 0: sized by gpu_memory_utilization")
     gpu_memory_utilization: float = knob(0.5, "vLLM's memory fraction when kv_cache_gib=0 (CPU: of HOST memory, per "
@@ -176,6 +177,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p={self.top_p!r} must be in (0, 1]")
         _positive("rollout.top_k", self.top_k, zero_ok=True)
         _positive("rollout.max_new_tokens", self.max_new_tokens)
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"rollout.stop_token_ids={self.stop_token_ids} holds a negative id: token ids are >= 0")
         _positive("rollout.sync_bucket_mb", self.sync_bucket_mb)
         _positive("rollout.kv_cache_gib", self.kv_cache_gib, zero_ok=True)
         if not 0 < self.gpu_memory_utilization <= 1:

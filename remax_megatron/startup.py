@@ -89,6 +89,10 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     if cfg.trainer.pack_sequences:
         check_packing(params_dtype_of(cfg.actor.dtype))
     check_rollout(cfg.rollout, arch, world_size)
+    beyond = [t for t in cfg.rollout.stop_token_ids if t >= arch.vocab_size]
+    if beyond:
+        raise ValueError(f"rollout.stop_token_ids: {beyond[:5]} are not tokens of actor.model {actor_dir} "
+                         f"(vocab_size {arch.vocab_size}): use ids below it")
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     how = f"data.max_prompt_tokens({cfg.data.max_prompt_tokens}) + rollout.max_new_tokens({cfg.rollout.max_new_tokens})"
     check_run_length(arch, longest, f"actor.model {actor_dir}", how)

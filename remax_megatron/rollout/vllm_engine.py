@@ -79,7 +79,8 @@ def build_requests(prompt_token_ids: list[list[int]], n: int, sampling: Sampling
     for ids, seed in zip(prompt_token_ids, seeds):
         # Text is only needed to match stop strings: without them vLLM detokenizes nothing (neither
         # the completion nor each token's log-prob entry); the trainer reads token ids.
-        common = dict(max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None, logprobs=0,
+        common = dict(max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None,
+                      stop_token_ids=list(sampling.stop_token_ids) or None, logprobs=0,
                       include_stop_str_in_output=True, skip_special_tokens=True, detokenize=bool(sampling.stop))
         if n > 0:
             prompts.append({"prompt_token_ids": list(ids)})
