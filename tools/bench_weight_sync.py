@@ -21,10 +21,10 @@ actor)()` (export in the engine dtype -> buckets -> engine) between barriers. Me
 The syncs, the plain broadcasts and the floors are timed between barriers in turns (the order
 reversed every repeat), `--repeats` of each after one warm-up of each.
 
-JSON (rank 0 writes it): bytes, seconds (median of the syncs), gbps, transport_gbps, memcpy_gbps, ratio (= gbps / transport_gbps),
-transport_s, floor_s and overhead_ratio (= (floor_s + transport_s) / seconds: 1.0 when the
-sync costs no more than its two parts; vLLM only), buckets, max_logprob_diff, plus the layout
-and the per-repeat times.
+JSON (rank 0 writes it): bytes, seconds (median of the syncs), gbps, transport_gbps, memcpy_gbps,
+ratio (= gbps / transport_gbps), transport_s, floor_s and overhead_ratio (= (floor_s + transport_s)
+/ seconds: 1.0 when the sync costs no more than its two parts; vLLM only), buckets,
+max_logprob_diff, plus the layout and the per-repeat times.
 """
 
 from __future__ import annotations
