@@ -203,3 +203,16 @@ def test_global_counts_make_the_loss_independent_of_the_grouping(mode, pack):
         local += aggregate(mb["values"], mb["response_mask"], mode) / len(micro)
     assert abs(parts - whole) < 1e-12
     assert abs(local - whole) > 1e-3  # per-micro-batch normalisation depends on the grouping
+
+
+def test_packing_where_the_attention_cannot_keep_sequences_apart_is_refused(monkeypatch):
+    """Under Transformer Engine packed rows run in its THD attention, which float32 does not reach (its flash
+    and cuDNN backends take bf16 / fp16); the local attention's mask path runs any dtype."""
+    import remax_megatron.models.gpt as gpt
+
+    monkeypatch.setattr(gpt, "transformer_engine_usable", lambda: True)
+    with pytest.raises(ValueError, match=r"^trainer.pack_sequences=true with actor.dtype=float32 under Transformer"):
+        gpt.check_packing(torch.float32)
+    gpt.check_packing(torch.bfloat16)
+    monkeypatch.setattr(gpt, "transformer_engine_usable", lambda: False)
+    gpt.check_packing(torch.float32)

@@ -532,7 +532,9 @@ def _var_batch():
 
 def _budget_body(rank, world, model_dir, tp, pp, sp, out_path):
     """One update per loss mode and micro-batching variant on this DP rank's contiguous share of _var_batch()
-    (as Trainer._local_share gives it); with a budget, the trainer balances the rows over DP by tokens."""
+    (as Trainer._local_share gives it); with a budget, the trainer balances the rows over DP by tokens. The
+    separate log-prob pass (what old / reference log-probs use) over the same micro-batches gives the
+    training forward's log-probs (checked here, on the last stage)."""
     from remax_megatron.weights import export_hf_weights
 
     results = {}
@@ -544,8 +546,13 @@ def _budget_body(rank, world, model_dir, tp, pp, sp, out_path):
                 sequence_parallel=sp)
             g, batch = trainer.groups, _var_batch()
             rows = batch["input_ids"].shape[0] // g.dp_size
-            update = trainer._train_on({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()},
-                                       None, None)
+            local, plan = trainer._plan({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()})
+            # the separate log-prob pass (old / reference log-probs) runs the same micro-batches
+            separate = trainer._logprobs(actor, local, plan)
+            update = trainer._train_on(local, None, None, plan)
+            if g.is_last_stage:
+                gap = (separate - update.logprobs)[local["response_mask"]].abs().max().item()
+                assert gap < 1e-6, (mode, variant, gap)
             results[mode, variant] = {"stats": update.stats, "computed": update.computed_tokens,
                                       "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
     if rank == 0:
