@@ -538,8 +538,11 @@ def _budget_body(rank, world, model_dir, tp, pp, sp, out_path):
     from remax_megatron.weights import export_hf_weights
 
     results = {}
+    # The padded update at other layouts equals world 1's (test_update_matches_across_layouts_and_micro_batches,
+    # test_data_parallel_update_equals_one_replica): only world 1 runs it here.
+    variants = BUDGET_VARIANTS if world == 1 else {k: v for k, v in BUDGET_VARIANTS.items() if k != "fixed"}
     for mode in LOSS_AGG:
-        for variant, overrides in BUDGET_VARIANTS.items():
+        for variant, overrides in variants.items():
             trainer, actor, _, _ = _trainer(
                 world, model_dir, tp, pp,
                 [*overrides, "optim.lr=1e-2", "optim.grad_clip=0", "optim.eps=1e-3", f"algo.loss_agg={mode}"],
@@ -571,15 +574,15 @@ def test_token_budget_and_packed_updates_equal_the_padded_update(launched):
         runs = launched(f"budget-{tp}{pp}{dp}")
         for mode in LOSS_AGG:
             ref = base[mode, "fixed"]
-            for variant in BUDGET_VARIANTS:
+            for variant in BUDGET_VARIANTS if (tp, pp, dp) == (1, 1, 1) else ("budget", "packed"):
                 got = runs[mode, variant]
                 where = (tp, pp, dp, mode, variant)
                 assert abs(got["stats"]["loss"] - ref["stats"]["loss"]) < 1e-6, (where, got["stats"], ref["stats"])
                 assert abs(got["stats"]["grad_norm"] - ref["stats"]["grad_norm"]) < 1e-6, where
                 worst = max((got["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
                 assert worst < 1e-6, (where, worst)
-            fixed = runs[mode, "fixed"]["computed"]
-            assert fixed == 8 * 12 and runs[mode, "budget"]["computed"] < fixed and runs[mode, "packed"]["computed"] < fixed
+            for variant in ("budget", "packed"):  # fewer tokens computed than the padded update's 8 x 12
+                assert runs[mode, variant]["computed"] < base[mode, "fixed"]["computed"] == 8 * 12, (variant, runs)
 
 
 MOE_PACKED_LAYOUTS = [(1, 1, 1, 1), (2, 1, 2, 2), (1, 2, 2, 4)]  # tp, pp, ep, world
