@@ -19,8 +19,8 @@ With `trainer.micro_batch_tokens` = 0 the trainer keeps fixed-count micro-batche
   inside each sequence: a block-diagonal causal mask over the rows through megatron's local
   attention (path "mask", CPU), or Transformer Engine's THD format, all sequences of the micro-batch
   in one row with their cu_seqlens (path "thd", GPU). RoPE needs no per-sequence positions under the
-  mask: it depends on relative positions only (tests/rollout/test_batching.py checks it against
-  transformers at offsets up to 2000, plain and llama3 scaling).
+  mask: it depends on relative positions only (tests/models/test_parity.py checks each sequence of a
+  packed row against transformers 1900+ positions in, plain and llama3-scaled RoPE).
 - **Same count everywhere.** Megatron's schedule (and expert-parallel collectives, which span DP
   replicas) need every DP rank to run the same number of micro-batches: a rank with fewer splits
   its largest ones, and runs an empty "ghost" micro-batch (one row of padding, no label) only when
