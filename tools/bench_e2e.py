@@ -32,8 +32,9 @@ Variable lengths (issue 29): --stop-every K makes every K-th token id a stop tok
 after a geometric number of tokens, mean ~K. The JSON reports `computed_over_real` (the training
 forward's tokens, padding included, over the rows' tokens: batch/computed_tokens /
 batch/real_tokens) and `update_s_per_real_token`; --padded-steps N adds N steps with today's
-fixed-count padded micro-batches (trainer.micro_batch_tokens=0) in the same process, after ours'
-first measured block, reported under `padded` (not part of the ratio).
+fixed-count padded micro-batches (trainer.micro_batch_tokens=0) in the same process, alternating
+with ours' first measured steps (packed, padded, packed, ...), reported under `padded` (not part of
+the ratio).
 
     python tools/bench_e2e.py --hf-dir /tmp/llama-60m --peer trl --stop-every 128 --padded-steps 3 \
         --json e2e.json actor.tp=1 trainer.prompts_per_step=16 rollout.n=2 rollout.max_new_tokens=512 \
@@ -336,6 +337,20 @@ def run_peer(args, spec: dict) -> dict:
     raise RuntimeError(f"TRL failed in every generation mode: {failures}")
 
 
+def alternate(ours: OursRun, steps: int, padded_steps: int) -> tuple[list[dict], list[float], list[dict]]:
+    """`steps` steps as configured and `padded_steps` with today's padded micro-batches, taking turns (a drift
+    of the machine's speed reaches both alike): (records, CPU seconds, padded records)."""
+    records, cpu_s, padded = [], [], []
+    for i in range(max(steps, padded_steps)):
+        if i < steps:
+            rec, cpu = ours.steps(1)
+            records += rec
+            cpu_s += cpu
+        if i < padded_steps:
+            padded += ours.steps(1, padded=True)[0]
+    return records, cpu_s, padded
+
+
 def run_rounds(args, ours: OursRun) -> dict:
     """--rounds R (one process): ours and TRL alternate, ABBA order (ours first in even rounds, TRL
     first in odd ones), each round `--steps` measured steps per side (ours warms up once, TRL in
@@ -350,12 +365,12 @@ def run_rounds(args, ours: OursRun) -> dict:
                 peers.append(run_peer(args, spec))
                 continue
             warm = args.warmup if r == 0 else 0
-            records, cpu = ours.steps(warm + args.steps)
-            measured += records[warm:]
-            cpu_s += cpu[warm:]
-            ours_step_s = [rec["time/step_s"] for rec in records[warm:]]
-            if r == 0 and args.padded_steps:
-                padded = ours.steps(args.padded_steps, padded=True)[0]
+            ours.steps(warm)
+            records, cpu, more_padded = alternate(ours, args.steps, args.padded_steps if r == 0 else 0)
+            measured += records
+            cpu_s += cpu
+            padded += more_padded
+            ours_step_s = [rec["time/step_s"] for rec in records]
         peer_step_s = peers[-1]["step_s"]
         rounds.append({"order": "ours, trl" if r % 2 == 0 else "trl, ours", "ours_step_s": ours_step_s,
                        "peer_step_s": peer_step_s, "ratio": median(peer_step_s) / median(ours_step_s)})
@@ -415,9 +430,9 @@ def main(argv=None) -> None:
 
     rank = dist.get_rank()
     if args.rounds == 1:
-        records, cpu_s = ours.steps(args.warmup + args.steps)
-        padded = ours.steps(args.padded_steps, padded=True)[0] if args.padded_steps else []
-        result = ours.result(args, records[args.warmup:], cpu_s[args.warmup:], padded)
+        ours.steps(args.warmup)
+        records, cpu_s, padded = alternate(ours, args.steps, args.padded_steps)
+        result = ours.result(args, records, cpu_s, padded)
         if args.peer and rank == 0:
             peer = run_peer(args, peer_spec(args, ours.cfg, ours.checked))
             result.update(peer_samples_per_s=peer["samples_per_s"],
