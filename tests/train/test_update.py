@@ -247,7 +247,7 @@ def _saved_forward_body(rank, world, model_dir, tp, pp, out_path):
         trainer.parts.kl.coef = 0.3
         batch = _batch()
         ref = -3.0 * torch.rand(8, 12, generator=torch.Generator().manual_seed(1))  # [B, S] reference log-probs
-        old = trainer._logprobs(actor, batch) if separate else None
+        old = trainer._logprobs(actor, batch, trainer._plan(batch)[1]) if separate else None
         update = trainer._train_on(batch, old, ref)
         results[separate] = {"stats": update.stats, "logprobs": update.logprobs, "advantages": update.advantages,
                              "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
