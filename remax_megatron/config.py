@@ -62,7 +62,12 @@ class TrainerConfig:
     seed: int = knob(0, "seeds data order, sampling and init on every rank")
     output_dir: str = knob("outputs/run", "metrics.jsonl, config.yaml, TensorBoard events, checkpoints")
     prompts_per_step: int = knob(8, "global prompts per step (each gets rollout.n samples + 1 greedy)")
-    micro_batch_size: int = knob(4, "sequences per micro-batch in the train forward/backward")
+    micro_batch_size: int = knob(4, "sequences per micro-batch in the train forward/backward (trainer.micro_batch_tokens=0)")
+    micro_batch_tokens: int = knob(0, "token budget of a micro-batch, padding included: rows grouped under it, each "
+                                   "micro-batch padded to its own longest row, DP ranks given near-equal tokens; "
+                                   "0: micro_batch_size rows per micro-batch, all as long as the step's longest")
+    pack_sequences: bool = knob(False, "several sequences per row, attention kept inside each (a block-diagonal mask "
+                                "on CPU, Transformer Engine's THD format on GPU); needs trainer.micro_batch_tokens")
     mini_batches: int = knob(1, "optimizer steps per rollout (> 1 uses the clipped ratio)")
     eval_every: int = knob(5, "greedy eval every N steps (0: never)")
     eval_prompts: int = knob(32, "held-out prompts evaluated")
@@ -77,6 +82,10 @@ class TrainerConfig:
         for key in ("eval_every", "eval_prompts"):
             _positive(f"trainer.{key}", getattr(self, key), zero_ok=True)
         _positive("trainer.dist_timeout_minutes", self.dist_timeout_minutes)
+        _positive("trainer.micro_batch_tokens", self.micro_batch_tokens, zero_ok=True)
+        if self.pack_sequences and not self.micro_batch_tokens:
+            raise ValueError("trainer.pack_sequences=true needs a token budget: set trainer.micro_batch_tokens (e.g. "
+                             "4096) or trainer.pack_sequences=false")
         _positive("trainer.peak_tflops", self.peak_tflops, zero_ok=True)
         _positive("trainer.no_signal_steps", self.no_signal_steps, zero_ok=True)
 
@@ -147,6 +156,7 @@ class RolloutConfig:
     max_new_tokens: int = knob(64, "completion length limit (sampled and greedy); prompt + this <= "
                                "max_position_embeddings")
     stop: list[str] = knob([], "stop strings (EOS always stops)")
+    stop_token_ids: list[int] = knob([], "token ids that end a completion as EOS does (kept in it)")
     sync_bucket_mb: int = knob(256, "weight-sync bucket size in MiB (peak extra memory of the sync)")
     kv_cache_gib: float = knob(0.0, "vLLM KV cache per engine in GiB; 0: sized by gpu_memory_utilization")
     gpu_memory_utilization: float = knob(0.5, "vLLM's memory fraction when kv_cache_gib=0 (CPU: of HOST memory, per "
@@ -173,6 +183,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p={self.top_p!r} must be in (0, 1]")
         _positive("rollout.top_k", self.top_k, zero_ok=True)
         _positive("rollout.max_new_tokens", self.max_new_tokens)
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"rollout.stop_token_ids={self.stop_token_ids} holds a negative id: token ids are >= 0")
         _positive("rollout.sync_bucket_mb", self.sync_bucket_mb)
         _positive("rollout.kv_cache_gib", self.kv_cache_gib, zero_ok=True)
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -320,6 +332,16 @@ class Config:
                              "set reference.enabled=true (or algo.kl_coef=0)")
         if not self.reward.functions and not self.reward.model:
             raise ValueError("no reward: set reward.functions (e.g. [exact_match]) and/or reward.model")
+        budget = self.trainer.micro_batch_tokens
+        if budget:
+            multiple = self.actor.tp if self.actor.sequence_parallel else 1
+            longest = -(-(self.data.max_prompt_tokens + self.rollout.max_new_tokens) // multiple) * multiple
+            if budget < longest:
+                raise ValueError(f"trainer.micro_batch_tokens={budget} is smaller than one row of the longest sequence "
+                                 f"this run can produce, data.max_prompt_tokens({self.data.max_prompt_tokens}) + "
+                                 f"rollout.max_new_tokens({self.rollout.max_new_tokens})"
+                                 f"{f' rounded up to a multiple of tp={multiple}' if multiple > 1 else ''} = {longest}: "
+                                 f"raise it to at least {longest}")
 
     def check_world(self, world_size: int) -> None:
         """Layout checks that need the launched world size (one line, every factor named)."""
@@ -337,7 +359,10 @@ class Config:
         if t.prompts_per_step % dp:
             raise ValueError(f"trainer.prompts_per_step={t.prompts_per_step} is not divisible by dp={dp}")
         local = t.prompts_per_step // dp * self.rollout.n
-        if local % (t.mini_batches * t.micro_batch_size):
+        if t.micro_batch_tokens and local % t.mini_batches:
+            raise ValueError(f"{local} sequences per DP rank (prompts_per_step/dp * rollout.n) are not divisible by "
+                             f"trainer.mini_batches({t.mini_batches})")
+        if not t.micro_batch_tokens and local % (t.mini_batches * t.micro_batch_size):
             raise ValueError(f"{local} sequences per DP rank (prompts_per_step/dp * rollout.n) are not divisible by "
                              f"trainer.mini_batches({t.mini_batches}) * trainer.micro_batch_size({t.micro_batch_size})")
         if self.reward.model:

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from remax_megatron.builtin.models import resolve_model
 from remax_megatron.data.prompts import Prompt, load_prompts
-from remax_megatron.models.arch import ExpertOptions, ModelArch, transformer_engine_usable
+from remax_megatron.models.arch import DTYPES, ExpertOptions, ModelArch, check_packing, transformer_engine_usable
 from remax_megatron.models.hf_config import check_layout, check_run_length, read_hf_config
 from remax_megatron.reward.functions import PLACEHOLDER, RewardBatch, RewardFunctions
 from remax_megatron.reward.rm_inputs import RewardModelInputs, load_rm_tokenizer
@@ -80,7 +80,13 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     arch = read_hf_config(actor_dir)
     check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor", ep=cfg.actor.ep)
     experts = expert_options(cfg, arch)
+    if cfg.trainer.pack_sequences:
+        check_packing(DTYPES[cfg.actor.dtype])
     check_rollout(cfg.rollout, arch, world_size)
+    beyond = [t for t in cfg.rollout.stop_token_ids if t >= arch.vocab_size]
+    if beyond:
+        raise ValueError(f"rollout.stop_token_ids: {beyond[:5]} are not tokens of actor.model {actor_dir} "
+                         f"(vocab_size {arch.vocab_size}): use ids below it")
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     how = f"data.max_prompt_tokens({cfg.data.max_prompt_tokens}) + rollout.max_new_tokens({cfg.rollout.max_new_tokens})"
     check_run_length(arch, longest, f"actor.model {actor_dir}", how)
@@ -202,6 +208,14 @@ def expert_options(cfg, arch: ModelArch) -> ExpertOptions:
         raise ValueError("rollout.routing_replay=true with actor.recompute=full: the recomputed forward would route "
                          "on its own (megatron's REPLAY_BACKWARD is not driven by the schedule); use "
                          "actor.recompute=selective or none")
+    if cfg.trainer.micro_batch_tokens and a.moe_dispatcher == "allgather":
+        raise ValueError("trainer.micro_batch_tokens with actor.moe_dispatcher=allgather: micro-batches of several "
+                         "shapes need megatron's variable_seq_lengths, which its allgather dispatcher refuses; use "
+                         "actor.moe_dispatcher=alltoall")
+    if cfg.trainer.pack_sequences and cfg.algo.moe_aux_loss == "seq_aux" and cfg.actor.recompute == "full":
+        raise ValueError("trainer.pack_sequences=true with algo.moe_aux_loss=seq_aux and actor.recompute=full: the "
+                         "recomputed routers would not know which packed sequence each token belongs to; use "
+                         "actor.recompute=selective, algo.moe_aux_loss=aux, or trainer.pack_sequences=false")
     if cfg.rollout.routing_replay and cfg.trainer.mini_batches > 1:
         raise ValueError(f"rollout.routing_replay=true with trainer.mini_batches={cfg.trainer.mini_batches}: the old "
                          "log-prob pass does not replay routes yet; use trainer.mini_batches=1")

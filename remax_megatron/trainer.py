@@ -5,7 +5,8 @@ One step, on every rank (SPMD under torchrun):
     sync      actor TP/PP shards -> full HF tensors -> rollout engine (buckets)
     rollout   per prompt: n sampled responses + 1 greedy response, one engine request
     reward    score samples and greedy responses with the same reward
-    pack      samples -> one padded batch with rewards and greedy baselines
+    pack      samples -> one padded batch with rewards and greedy baselines; with a token budget the rows
+              are balanced over DP by tokens and grouped into micro-batches (rollout/batching.py)
     logprobs  reference log-probs (when KL is on); the actor's own only for several mini-batches,
               on-policy the training forward gives them
     update    micro-batches through megatron's schedule: fused log-probs, advantage
@@ -47,8 +48,11 @@ from remax_megatron.memory import TrainStateOffload, phase_memory
 from remax_megatron.metrics import MetricsLogger, count_weighted, global_mean, print0, reduce_totals
 from remax_megatron.models.forward import broadcast_from_last_stage, forward_only, run_schedule, to_model_device
 from remax_megatron.data.prompts import Prompt, PromptSampler
+from remax_megatron.models.arch import packed_attention
 from remax_megatron.models.gpt import PolicyModel, sequence_multiple
 from remax_megatron.models.moe import LoadBalancing, end_replay, padding_mask, replay_routes
+from remax_megatron.rollout.batching import MicroBatch, assemble, fixed_micro_batches, model_inputs, model_labels, \
+    plan_step, take_rows, to_rows, to_sequences
 from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer, restore_config_hyperparameters, schedule_changes
 from remax_megatron.parallel import ProcessGroups, all_reduce_cpu
 from remax_megatron.processes import preemption_flag
@@ -128,15 +132,16 @@ class Trainer:
 
         with self._stage("pack", times):
             batch = self._pack(prompts, rollouts, r_sampled, r_greedy)
+            batch, plan = self._plan(batch)  # this rank's rows and micro-batches per update
 
         with self._stage("logprobs", times):
             # On-policy (one update per rollout) the training forward itself gives the rollout policy's
             # log-probs (same weights, no dropout): a separate pass only for several mini-batches.
-            old_logprobs = self._logprobs(self.actor_module, batch) if cfg.trainer.mini_batches > 1 else None
-            ref_logprobs = self._logprobs(parts.reference, batch) if parts.reference is not None else None
+            old_logprobs = self._logprobs(self.actor_module, batch, plan) if cfg.trainer.mini_batches > 1 else None
+            ref_logprobs = self._logprobs(parts.reference, batch, plan) if parts.reference is not None else None
 
         with self._stage("update", times):
-            update = self._train_on(batch, old_logprobs, ref_logprobs)
+            update = self._train_on(batch, old_logprobs, ref_logprobs, plan)
 
         with self._stage("metrics", times):
             record = self._step_record(batch, rollouts, r_sampled, r_greedy, update, ref_logprobs, reward_metrics)
@@ -151,6 +156,8 @@ class Trainer:
         record.update(self._perf(prompts, rollouts, batch, step_time, times["time/train_s"]))
         record.update({
             "time/step_s": step_time, "throughput/tokens_per_s": tokens / step_time,
+            # What the training forward ran: every row's tokens, and with the padding it computed.
+            "batch/real_tokens": tokens, "batch/computed_tokens": update.computed_tokens,
             "sync/bytes": sync["bytes"], "sync/buckets": sync["buckets"], "kl/coef": parts.kl.coef,
             "lr": parts.optimizer.param_groups[0]["lr"], "optim/skipped_updates": self.skipped_updates,
             # Where the data loader stands after this step (resume must continue exactly here).
@@ -230,49 +237,69 @@ class Trainer:
         batch["baseline"] = torch.tensor(r_greedy, dtype=torch.float32).repeat_interleave(n)  # [B]
         return batch
 
-    def _micro_batches(self, batch: dict, rows: slice | range, extra: dict | None = None) -> list[dict]:
-        mbs = self.cfg.trainer.micro_batch_size
-        idx = list(rows)
-        out = []
-        for s in range(0, len(idx), mbs):
-            sel = idx[s:s + mbs]
-            mb = {k: v[sel] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
-            for k, v in (extra or {}).items():
-                if v is not None:
-                    mb[k] = v[sel]
-            out.append(mb)
-        return out
+    def _plan(self, batch: dict) -> tuple[dict, list[list[MicroBatch]]]:
+        """This rank's rows and its micro-batches per update (rollout.batching).
+
+        trainer.micro_batch_tokens = 0: the rows stay, micro_batch_size rows per micro-batch, all as wide as
+        the batch. Otherwise each update's rows are balanced over DP by tokens (a row carries its reward and
+        its prompt's greedy reward) and grouped under the token budget, packed with trainer.pack_sequences;
+        every DP rank runs as many micro-batches."""
+        t = self.cfg.trainer
+        rows, width = batch["input_ids"].shape
+        per_update = rows // t.mini_batches
+        if not t.micro_batch_tokens:
+            return batch, [fixed_micro_batches(per_update, t.micro_batch_size, width, start=u * per_update)
+                           for u in range(t.mini_batches)]
+        batches = [batch]
+        if self.groups.dp_size > 1:
+            batches = [None] * self.groups.dp_size
+            dist.all_gather_object(batches, batch, group=self.groups.dp)
+        plan = plan_step([b["lengths"].tolist() for b in batches], t.mini_batches, t.micro_batch_tokens,
+                         sequence_multiple(self.actor_module), t.pack_sequences)
+        me = self.groups.dp_rank if self.groups.dp_size > 1 else 0
+        return take_rows(batches, plan.sources[me]), plan.updates[me]
+
+    def _micro_batches(self, batch: dict, micro: list[MicroBatch], extra: dict | None = None) -> list[dict]:
+        """The micro-batches' tensors (rollout.batching.assemble)."""
+        path = packed_attention()
+        multiple = sequence_multiple(self.actor_module)
+        return [assemble(batch, m, path, extra, multiple) for m in micro]
 
     @torch.no_grad()
-    def _logprobs(self, model, batch: dict) -> torch.Tensor | None:
+    def _logprobs(self, model, batch: dict, plan: list[list[MicroBatch]]) -> torch.Tensor | None:
         """Per-token log-probs [B, S] of the batch's labels under `model` (last stage; None elsewhere)."""
         temperature = self.cfg.rollout.temperature
-        out = forward_only(model, self._micro_batches(batch, range(batch["input_ids"].shape[0])),
-                           lambda m, hidden, mb: m.token_logprobs(hidden, mb["labels"], temperature=temperature)[0])
-        return torch.cat(out).cpu() if out else None  # the step's bookkeeping stays on the CPU
+        micro = [m for update in plan for m in update]
+        out = forward_only(model, self._micro_batches(batch, micro),
+                           lambda m, hidden, mb: to_sequences(mb, m.token_logprobs(hidden, model_labels(mb),
+                                                                                   temperature=temperature)[0]),
+                           inputs=model_inputs)
+        return _scatter(out, micro, batch["input_ids"].shape) if out else None
 
-    def _train_on(self, batch, old_logprobs, ref_logprobs) -> "Update":
-        """One or several optimizer updates over the rollout batch.
+    def _train_on(self, batch, old_logprobs, ref_logprobs, plan: list[list[MicroBatch]] | None = None) -> "Update":
+        """One optimizer update per entry of `plan` (its micro-batches; default `_plan(batch)`'s) over the
+        rollout batch.
 
-        The advantages are computed per micro-batch inside the loss (remax_megatron.kernels.
-        compute_advantages: per row, so equal to a whole-batch call) from the rollout policy's
-        log-probs: `old_logprobs` when given (several mini-batches), else the training forward's own,
-        detached (on-policy: the weights that produced the rollout, before this update).
+        The loss of every update is normalised by its GLOBAL response-token (sequence) count, summed over
+        its micro-batches and DP ranks, so how its rows are grouped does not change it. The advantages
+        are computed per micro-batch inside the loss (remax_megatron.kernels.compute_advantages: per
+        row, so equal to a whole-batch call) from the rollout policy's log-probs: `old_logprobs` when
+        given (several mini-batches), else the training forward's own, detached (on-policy: the
+        weights that produced the rollout, before this update).
         """
         cfg, parts = self.cfg, self.parts
-        total = batch["input_ids"].shape[0]
-        per_update = total // cfg.trainer.mini_batches
+        if plan is None:
+            batch, plan = self._plan(batch)
         summed = {k: 0.0 for k in LOSS_STATS + (MOE_STATS if self.balance else ())}
-        grad_norms, behaviour, advantages = [], [], []
-        for u in range(cfg.trainer.mini_batches):
-            rows = range(u * per_update, (u + 1) * per_update)
-            mask = batch["response_mask"][rows.start:rows.stop]
-            num_tokens = self._dp_sum(mask.sum().double()).item()
+        grad_norms, behaviour, advantages, computed = [], [], [], 0
+        for update in plan:
+            rows = torch.tensor([r for m in update for r in m.rows], dtype=torch.long)
+            num_tokens = self._dp_sum(batch["response_mask"][rows].sum().double()).item()
             num_seqs = self._dp_sum(torch.tensor(float(len(rows)), dtype=torch.float64)).item()
-            micro = self._micro_batches(batch, rows, {"old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs})
+            micro = self._micro_batches(batch, update, {"old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs})
+            computed += sum(mb["input_ids"].numel() for mb in micro)
             if self.balance:  # normalised by every token the routers see (prompt and response, no padding)
-                self.balance.begin_update(self._dp_sum(batch["lengths"][rows.start:rows.stop].sum().double()).item(),
-                                          num_seqs)
+                self.balance.begin_update(self._dp_sum(batch["lengths"][rows].sum().double()).item(), num_seqs)
             stats = self._forward_backward(micro, num_tokens, num_seqs, behaviour, advantages)
             if self.balance:
                 stats.update(self.balance.end_update())
@@ -286,26 +313,37 @@ class Trainer:
             parts.optimizer.zero_grad()
             grad_norms.append(norm)
             for k in summed:
-                summed[k] += stats.get(k, 0.0) / cfg.trainer.mini_batches
+                summed[k] += stats.get(k, 0.0) / len(plan)
         summed["grad_norm"] = sum(grad_norms) / len(grad_norms)
         last = self.groups.is_last_stage
+        micro = [m for update in plan for m in update]
+        shape = batch["input_ids"].shape
         # The step's bookkeeping stays on the CPU: one transfer each, not a host sync per micro-batch.
-        return Update(stats=summed, logprobs=torch.cat(behaviour).cpu() if last else None,
-                      advantages=torch.cat(advantages).cpu() if last else None)
+        return Update(stats=summed, logprobs=_scatter(behaviour, micro, shape) if last else None,
+                      advantages=_scatter(advantages, micro, shape) if last else None,
+                      computed_tokens=self._global_sum(float(computed)))
 
     def _forward_backward(self, micro: list[dict], num_tokens: float, num_seqs: float,
                           behaviour: list, advantages: list) -> dict:
         """Megatron's schedule over the micro-batches (gradients accumulate); appends each micro-batch's
-        rollout-policy log-probs and advantages [b, S] to `behaviour` / `advantages` (last stage)."""
+        rollout-policy log-probs and advantages [b, w] to `behaviour` / `advantages` (last stage).
+
+        A micro-batch's loss, advantages and log-probs are in the sequence layout (one row per sample); the
+        model runs its input rows (rollout.batching: padded rows, or packed ones with their attention
+        boundaries), whose per-token values `to_rows` / `to_sequences` move between the two."""
         cfg, model = self.cfg, self.actor_module
         off_policy = cfg.trainer.mini_batches > 1
         kl_in_loss = cfg.algo.kl_mode == "loss"
         def step_fn(data_iterator, ddp_model):
             mb = to_model_device(next(data_iterator), model)
-            moe = {"padding_mask": padding_mask(model, mb["input_ids"], mb["lengths"])} if self.balance else {}
+            input_ids, inputs = model_inputs(mb)
+            moe = {}
+            if self.balance:  # which tokens are padding, and for seq_aux which sequence each token is of
+                moe = {"padding_mask": padding_mask(model, input_ids, padding=mb["padding"])}
+                self.balance.set_sequences(mb.get("segments"))
             if "routed_experts" in mb:  # rollout.routing_replay: the engine's experts for these tokens
                 replay_routes(model, mb["routed_experts"])
-            hidden = ddp_model(mb["input_ids"], _positions(mb["input_ids"]), attention_mask=None, **moe)
+            hidden = ddp_model(input_ids, _positions(input_ids), **inputs, **moe)
 
             def loss_fn(output):
                 old, ref = mb.get("old_logprobs"), mb.get("ref_logprobs")
@@ -318,8 +356,10 @@ class Trainer:
                 # On-policy without KL the loss is linear in the log-probs: its gradient is known before the
                 # output layer runs, and the fused kernel takes it in its forward pass (no logits recomputed).
                 hint = logprob_gradient(adv, mb["response_mask"], **agg) if old is None and ref is None else None
-                logprobs, entropy = model.token_logprobs(output, mb["labels"], temperature=cfg.rollout.temperature,
-                                                         with_entropy=True, grad_hint=hint)
+                logprobs, entropy = model.token_logprobs(output, model_labels(mb), temperature=cfg.rollout.temperature,
+                                                         with_entropy=True,
+                                                         grad_hint=to_rows(mb, hint) if hint is not None else None)
+                logprobs, entropy = to_sequences(mb, logprobs), to_sequences(mb, entropy)  # [b, w]
                 rollout_policy = old if old is not None else logprobs.detach()  # [b, S]
                 if kl_in_reward:
                     adv = compute_advantages(mb["rewards"], mb["baseline"], mb["response_mask"], rollout_policy,
@@ -635,6 +675,7 @@ class Update:
     stats: dict
     logprobs: torch.Tensor | None
     advantages: torch.Tensor | None
+    computed_tokens: float = 0.0  # tokens the training forward ran, padding included, over DP
 
 
 class StageError(RuntimeError):
@@ -652,6 +693,20 @@ def _share(count: int, parts: int, index: int) -> tuple[int, int]:
     base, extra = divmod(count, parts)
     lo = index * base + min(index, extra)
     return lo, lo + base + (index < extra)
+
+
+def _scatter(outputs: list[torch.Tensor], micro: list[MicroBatch], shape) -> torch.Tensor:
+    """Per-micro-batch values [b, w] (in `micro`'s order; ghosts' dropped) -> [B, S] on the CPU, 0 elsewhere."""
+    width = shape[1]
+    # One transfer to the host, not a synchronisation per micro-batch.
+    rows = torch.cat([torch.nn.functional.pad(v.float(), (0, width - v.shape[1])) for v in outputs]).cpu()
+    out, at = torch.zeros(shape, dtype=torch.float32), 0
+    for m in micro:
+        count = max(len(m.rows), 1)  # a ghost ran one row
+        if not m.ghost:
+            out[torch.tensor(m.rows)] = rows[at:at + count]
+        at += count
+    return out
 
 
 def _positions(input_ids: torch.Tensor) -> torch.Tensor:

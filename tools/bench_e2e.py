@@ -27,6 +27,20 @@ ours, ...), --steps measured steps per side and round, so a drift of the machine
 the run reaches both sides alike; `ratio` is the median of the rounds' ratios (`rounds` lists
 them), `pooled_ratio` the ratio of the medians over all steps.
 
+Variable lengths (issue 29): --stop-every K makes every K-th token id a stop token
+(rollout.stop_token_ids; TRL's generation gets the same ids), so a random model's responses end
+after a geometric number of tokens, mean ~K. The JSON reports `computed_over_real` (the training
+forward's tokens, padding included, over the rows' tokens: batch/computed_tokens /
+batch/real_tokens) and `update_s_per_real_token`; --padded-steps N adds N steps with today's
+fixed-count padded micro-batches (trainer.micro_batch_tokens=0) in the same process, alternating
+with ours' first measured steps (packed, padded, packed, ...), reported under `padded` (not part of
+the ratio).
+
+    python tools/bench_e2e.py --hf-dir /tmp/llama-60m --peer trl --stop-every 128 --padded-steps 3 \
+        --json e2e.json actor.tp=1 trainer.prompts_per_step=16 rollout.n=2 rollout.max_new_tokens=512 \
+        trainer.micro_batch_size=8 trainer.micro_batch_tokens=4096 trainer.pack_sequences=true \
+        rollout.kv_cache_gib=0.5 actor.dtype=bfloat16
+
 Output: one JSON object (DESIGN.md, "Benchmark JSON"), printed and written to --json
 (rank 0).
 """
@@ -55,14 +69,24 @@ def median(values: list[float]) -> float:
 
 # ---- ours ---------------------------------------------------------------------------------
 def bench_config(args, overrides: list[str], output_dir: str):
-    """The run's Config: --config, actor.model=--hf-dir, no eval / checkpoints / progress bar, then
-    the user's overrides (they win)."""
+    """The run's Config: --config, actor.model=--hf-dir, no eval / checkpoints / progress bar, the
+    --stop-every stop set, then the user's overrides (they win)."""
     from remax_megatron.config import load_config
 
-    fixed = [f"actor.model={args.hf_dir}", f"trainer.steps={args.warmup + args.steps * args.rounds}",
+    steps = args.warmup + args.steps * args.rounds + args.padded_steps
+    fixed = [f"actor.model={args.hf_dir}", f"trainer.steps={steps}",
              f"trainer.output_dir={output_dir}", "trainer.eval_every=0", "checkpoint.save_every=0",
              "logging.progress_bar=false", "logging.tensorboard=false"]
+    if args.stop_every:
+        fixed.append(f"rollout.stop_token_ids={stop_ids(args.hf_dir, args.stop_every)}")
     return load_config(args.config, fixed + list(overrides))
+
+
+def stop_ids(hf_dir: str, every: int) -> list[int]:
+    """Every `every`-th token id of the model's vocabulary (the last of each block of `every`)."""
+    from remax_megatron.models import read_hf_config
+
+    return list(range(every - 1, read_hf_config(hf_dir).vocab_size, every))
 
 
 class OursRun:
@@ -101,8 +125,21 @@ class OursRun:
         self.cfg, self.samples = cfg, cfg.rollout.n * cfg.trainer.prompts_per_step
         self.checked = dataclasses.replace(checked, actor_dir=self.parts.hf_dir)  # a built-in model: now built
 
-    def steps(self, count: int) -> tuple[list[dict], list[float]]:
-        """(records, CPU seconds) of `count` more trainer steps."""
+    def steps(self, count: int, padded: bool = False) -> tuple[list[dict], list[float]]:
+        """(records, CPU seconds) of `count` more trainer steps; padded: with today's fixed-count padded
+        micro-batches (trainer.micro_batch_tokens=0), whatever the config says."""
+        records, cpu_s = [], []
+        t = self.cfg.trainer
+        budget, pack = t.micro_batch_tokens, t.pack_sequences
+        if padded:
+            t.micro_batch_tokens, t.pack_sequences = 0, False
+        try:
+            records, cpu_s = self._steps(count)
+        finally:
+            t.micro_batch_tokens, t.pack_sequences = budget, pack
+        return records, cpu_s
+
+    def _steps(self, count: int) -> tuple[list[dict], list[float]]:
         records, cpu_s = [], []
         for _ in range(count):
             cpu_start = time.process_time()  # every thread of this process (the vLLM engine's too)
@@ -113,8 +150,9 @@ class OursRun:
             records.append(record)
         return records, cpu_s
 
-    def result(self, args, measured: list[dict], cpu_s: list[float]) -> dict:
-        """The JSON of the measured steps (DESIGN.md, "Benchmark JSON"), the greedy row measured now."""
+    def result(self, args, measured: list[dict], cpu_s: list[float], padded: list[dict] = ()) -> dict:
+        """The JSON of the measured steps (DESIGN.md, "Benchmark JSON"), the greedy row measured now;
+        `padded`: the --padded-steps records."""
         import torch
 
         self.logger.close()
@@ -144,8 +182,25 @@ class OursRun:
             # torch's threads after the run: vLLM's CPU build sets 1 in its process unless OMP_NUM_THREADS is set.
             "threads": torch.get_num_threads(),
         }
+        result.update(token_work(measured))
+        result["workload"].update(micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+                                  pack_sequences=cfg.trainer.pack_sequences,
+                                  stop_token_ids=len(cfg.rollout.stop_token_ids))
+        if padded:
+            result["padded"] = dict(token_work(padded), step_s=[r["time/step_s"] for r in padded],
+                                    stages={k: median([r[k] for r in padded]) for k in time_keys})
+            result["update_speedup_per_real_token"] = (result["padded"]["update_s_per_real_token"]
+                                                       / result["update_s_per_real_token"])
         result["greedy_row"] = measure_greedy_row(self.trainer, self.checked.train, args.greedy_repeats)
         return result
+
+
+def token_work(records: list[dict]) -> dict:
+    """What the training forward computed per real token, and the update's seconds per real token (medians)."""
+    return {"computed_over_real": median([r["batch/computed_tokens"] / r["batch/real_tokens"] for r in records]),
+            "update_s_per_real_token": median([r["time/update_s"] / r["batch/real_tokens"] for r in records]),
+            "real_tokens": median([r["batch/real_tokens"] for r in records]),
+            "computed_tokens": median([r["batch/computed_tokens"] for r in records])}
 
 
 def measure_greedy_row(trainer, train_prompts: list, repeats: int) -> dict:
@@ -239,6 +294,7 @@ def peer_spec(args, cfg, checked) -> dict:
         "reward_functions": list(cfg.reward.functions), "reward_weights": list(cfg.reward.weights),
         "reward_options": {"pattern": cfg.reward.format_pattern, "tolerance": cfg.reward.numeric_tolerance,
                            "limit": cfg.reward.length_limit},
+        "stop_token_ids": list(cfg.rollout.stop_token_ids),
         # Same KV-cache budget as our engine (on CPU vLLM's memory fraction is of host memory).
         "kv_cache_gib": cfg.rollout.kv_cache_gib or 0.5,
     }
@@ -281,6 +337,20 @@ def run_peer(args, spec: dict) -> dict:
     raise RuntimeError(f"TRL failed in every generation mode: {failures}")
 
 
+def alternate(ours: OursRun, steps: int, padded_steps: int) -> tuple[list[dict], list[float], list[dict]]:
+    """`steps` steps as configured and `padded_steps` with today's padded micro-batches, taking turns (a drift
+    of the machine's speed reaches both alike): (records, CPU seconds, padded records)."""
+    records, cpu_s, padded = [], [], []
+    for i in range(max(steps, padded_steps)):
+        if i < steps:
+            rec, cpu = ours.steps(1)
+            records += rec
+            cpu_s += cpu
+        if i < padded_steps:
+            padded += ours.steps(1, padded=True)[0]
+    return records, cpu_s, padded
+
+
 def run_rounds(args, ours: OursRun) -> dict:
     """--rounds R (one process): ours and TRL alternate, ABBA order (ours first in even rounds, TRL
     first in odd ones), each round `--steps` measured steps per side (ours warms up once, TRL in
@@ -288,21 +358,23 @@ def run_rounds(args, ours: OursRun) -> dict:
     a round alike: `ratio` is the median of the rounds' ratios, each TRL's median step time over
     ours of the same round."""
     spec = peer_spec(args, ours.cfg, ours.checked)
-    rounds, measured, cpu_s, peers = [], [], [], []
+    rounds, measured, cpu_s, peers, padded = [], [], [], [], []
     for r in range(args.rounds):
         for side in (("ours", "peer") if r % 2 == 0 else ("peer", "ours")):
             if side == "peer":
                 peers.append(run_peer(args, spec))
                 continue
             warm = args.warmup if r == 0 else 0
-            records, cpu = ours.steps(warm + args.steps)
-            measured += records[warm:]
-            cpu_s += cpu[warm:]
-            ours_step_s = [rec["time/step_s"] for rec in records[warm:]]
+            ours.steps(warm)
+            records, cpu, more_padded = alternate(ours, args.steps, args.padded_steps if r == 0 else 0)
+            measured += records
+            cpu_s += cpu
+            padded += more_padded
+            ours_step_s = [rec["time/step_s"] for rec in records]
         peer_step_s = peers[-1]["step_s"]
         rounds.append({"order": "ours, trl" if r % 2 == 0 else "trl, ours", "ours_step_s": ours_step_s,
                        "peer_step_s": peer_step_s, "ratio": median(peer_step_s) / median(ours_step_s)})
-    result = ours.result(args, measured, cpu_s)
+    result = ours.result(args, measured, cpu_s, padded)
     peer_steps = [t for p in peers for t in p["step_s"]]
     peer_samples = ours.samples / median(peer_steps)
     result.update(
@@ -334,12 +406,20 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="with --peer: alternate ours and TRL this many rounds (ABBA order); the ratio is the "
                         "median of the rounds' ratios")
+    p.add_argument("--stop-every", type=int, default=0,
+                   help="every K-th token id stops a completion (rollout.stop_token_ids; TRL gets the same ids): "
+                        "geometric response lengths, mean ~K, on a random model; 0: EOS only")
+    p.add_argument("--padded-steps", type=int, default=0,
+                   help="also run this many steps with today's fixed-count padded micro-batches "
+                        "(trainer.micro_batch_tokens=0), reported under `padded`")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. actor.tp=1 rollout.n=2")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.greedy_repeats < 1:
         p.error("--steps and --greedy-repeats must be >= 1, --warmup >= 0")
     if args.rounds < 1:
         p.error(f"--rounds: {args.rounds} must be >= 1")
+    if args.stop_every < 0 or args.padded_steps < 0:
+        p.error("--stop-every and --padded-steps must be >= 0")
     if args.rounds > 1 and (not args.peer or int(os.environ.get("WORLD_SIZE", "1")) > 1):
         p.error(f"--rounds {args.rounds} alternates with the peer in one process: add --peer trl and run "
                 "without torchrun (world 1)")
@@ -350,8 +430,9 @@ def main(argv=None) -> None:
 
     rank = dist.get_rank()
     if args.rounds == 1:
-        records, cpu_s = ours.steps(args.warmup + args.steps)
-        result = ours.result(args, records[args.warmup:], cpu_s[args.warmup:])
+        ours.steps(args.warmup)
+        records, cpu_s, padded = alternate(ours, args.steps, args.padded_steps)
+        result = ours.result(args, records, cpu_s, padded)
         if args.peer and rank == 0:
             peer = run_peer(args, peer_spec(args, ours.cfg, ours.checked))
             result.update(peer_samples_per_s=peer["samples_per_s"],

@@ -16,6 +16,10 @@ AdamW, bf16 autocast around every forward, generation included), no gradient che
 importance-sampling correction (it costs an extra forward; ours has none either). Generation:
 vLLM colocate (`--generation vllm`) with a KV cache of the spec's size, or transformers generate.
 
+Stop tokens (the spec's stop_token_ids, bench_e2e.py --stop-every): the model is given to TRL
+from a directory whose generation_config.json lists them beside EOS as `eos_token_id` (links to
+the same weights), so TRL's generation stops there and its completion masks end there, as ours.
+
 Seconds per step: the wall time between consecutive optimizer steps (on_step_end), so
 generation, rewards, forward/backward and TRL's own bookkeeping all count.
 """
@@ -47,6 +51,25 @@ def make_reward(spec: dict, columns: list[str]):
 
     remax_reward.__name__ = "+".join(spec["reward_functions"])
     return remax_reward
+
+
+def with_stop_tokens(hf_dir: str, stop_ids: list[int], tokenizer) -> str:
+    """`hf_dir` itself without stop ids; else a temporary directory linking its files, whose
+    generation_config.json has eos_token_id = EOS + stop_ids."""
+    if not stop_ids:
+        return hf_dir
+    out = tempfile.mkdtemp(prefix="bench-e2e-trl-model-")
+    for name in os.listdir(hf_dir):
+        if name != "generation_config.json":
+            os.symlink(os.path.join(os.path.abspath(hf_dir), name), os.path.join(out, name))
+    path = os.path.join(hf_dir, "generation_config.json")
+    config = json.load(open(path)) if os.path.exists(path) else {}
+    eos = config.get("eos_token_id", tokenizer.eos_token_id)
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    config["eos_token_id"] = eos + [t for t in stop_ids if t not in eos]
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump(config, f)
+    return out
 
 
 def main(argv=None) -> None:
@@ -113,8 +136,9 @@ def main(argv=None) -> None:
                 history.append(dict(logs))
 
     tokenizer = AutoTokenizer.from_pretrained(spec["hf_dir"])
+    model_dir = with_stop_tokens(spec["hf_dir"], spec.get("stop_token_ids") or [], tokenizer)
     t0 = time.perf_counter()
-    trainer = GRPOTrainer(model=spec["hf_dir"], reward_funcs=make_reward(spec, columns), args=grpo_args,
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=make_reward(spec, columns), args=grpo_args,
                           train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[StepClock()])
     build_s = time.perf_counter() - t0
     generate = getattr(trainer, "_generate", None)  # TRL 1.x: the rollout of one generation batch
@@ -147,6 +171,7 @@ def main(argv=None) -> None:
             "trainer": "trl.GRPOTrainer", "trl": trl.__version__, "transformers": transformers.__version__,
             "torch": torch.__version__, "generation": "vllm colocate" if use_vllm else "transformers generate",
             "threads": torch.get_num_threads(), "weights_dtype": str(trainer.model.dtype).replace("torch.", ""),
+            "stop_token_ids": len(trainer.eos_token_ids),
             **{k: v for k, v in config.items() if k != "report_to"},
         },
     }

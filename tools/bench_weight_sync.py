@@ -12,12 +12,19 @@ actor)()` (export in the engine dtype -> buckets -> engine) between barriers. Me
 - transport_gbps: one plain `dist.broadcast` of the same number of bytes from
   rank 0 over all ranks and the same backend: what the transport allows;
 - memcpy_gbps: a single-process tensor copy of min(bytes, 256 MiB);
+- floor_s (vLLM): the engine's own cost, every rank's engine reloading the same tensors already
+  in its memory (`VllmEngine.reload`, ONE reload_weights call, no export, no copy);
+- transport_s: the plain broadcast's median seconds (transport_gbps in seconds);
 - max_logprob_diff: after the sync, every rank's engine samples 2 prompts (n=1 +
   greedy); the actor scores all ranks' rows; the largest |engine - actor| log-prob.
 
-JSON (rank 0 writes it): bytes, seconds (median of --repeats syncs after one
-warm-up), gbps, transport_gbps, memcpy_gbps, ratio (= gbps / transport_gbps),
-buckets, max_logprob_diff, plus the layout and the per-repeat times.
+The syncs, the plain broadcasts and the floors are timed between barriers in turns (the order
+reversed every repeat), `--repeats` of each after one warm-up of each.
+
+JSON (rank 0 writes it): bytes, seconds (median of the syncs), gbps, transport_gbps, memcpy_gbps,
+ratio (= gbps / transport_gbps), transport_s, floor_s and overhead_ratio (= (floor_s + transport_s)
+/ seconds: 1.0 when the sync costs no more than its two parts; vLLM only), buckets,
+max_logprob_diff, plus the layout and the per-repeat times.
 """
 
 from __future__ import annotations
@@ -106,14 +113,26 @@ def run(args) -> dict:
         stats.update(weight_sync())
 
     sync()  # warm-up: first-touch page faults, allocator growth
-    sync_times = _timed(sync, args.repeats)
     nbytes = stats["bytes"]
     payload = torch.empty(nbytes, dtype=torch.uint8)
     if rank == 0:
         payload.fill_(1)
     device_payload = payload.cuda() if dist.get_backend() == "nccl" else payload
     dist.broadcast(device_payload, src=0)
-    bcast_times = _timed(lambda: dist.broadcast(device_payload, src=0), args.repeats)
+    parts = {"sync": sync, "broadcast": lambda: dist.broadcast(device_payload, src=0)}
+    if args.engine == "vllm":  # the engine's floor: its reload of the same tensors, held in memory
+        held = [(name, tensor.clone()) for name, tensor in weight_sync.exporter]
+        if engine.untied_head:
+            held += [("lm_head.weight", t) for n, t in held if n == "model.embed_tokens.weight"]
+        engine.reload(iter(held))  # warm-up, as the syncs had
+        parts["floor"] = lambda: engine.reload(iter(held))
+    # Interleaved, the order reversed every repeat: a machine whose speed drifts moves all parts alike.
+    times = {name: [] for name in parts}
+    for r in range(args.repeats):
+        for name in (list(parts) if r % 2 == 0 else list(parts)[::-1]):
+            times[name] += _timed(parts[name], 1)
+    sync()  # the engine ends on the synced weights (the same values either way)
+    sync_times, bcast_times, floor_times = times["sync"], times["broadcast"], times.get("floor", [])
     seconds, bcast = statistics.median(sync_times), statistics.median(bcast_times)
     result = {
         "bytes": nbytes,
@@ -125,9 +144,12 @@ def run(args) -> dict:
         "max_logprob_diff": _max_logprob_diff(actor, engine, arch.vocab_size),
         "engine": args.engine, "tp": args.tp, "pp": args.pp, "world": world, "backend": dist.get_backend(),
         "dtype": args.dtype, "bucket_mb": args.bucket_mb, "sync_times": sync_times,
-        "broadcast_times": bcast_times,
+        "broadcast_times": bcast_times, "transport_s": bcast,
     }
     result["ratio"] = result["gbps"] / result["transport_gbps"]
+    if floor_times:
+        result.update(floor_s=statistics.median(floor_times), floor_times=floor_times)
+        result["overhead_ratio"] = (result["floor_s"] + bcast) / seconds
     return result
 
 

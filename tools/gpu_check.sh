@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
-# One-shot GPU check: everything of the GPU path that a single GPU can show, in about 5-8 minutes on one
-# H200, summarised in $OUT/gpu_check.json (plus the kernel benchmark JSON, the pytest report and a log).
+# One-shot GPU check: everything of the GPU path that a single GPU can show, in about 6-10 minutes on one
+# H200 (the varlen step adds ~1-2), summarised in $OUT/gpu_check.json (plus the kernel benchmark JSON, the pytest report and a log).
 #
 #   bash tools/fetch_gpu_wheels.sh        # here, once: megatron-core for the GPU machine's Python
 #   OUT=/some/dir bash tools/gpu_check.sh # there (default OUT: ./gpu_check_out)
 # tools/wheels/ is git-ignored: a device run must carry it (this project's device tool:
-# run(command="bash tools/gpu_check.sh", carry=["tools/wheels"], timeout_s=540)).
+# run(command="bash tools/gpu_check.sh", carry=["tools/wheels"], timeout_s=600)).
 #
 # Steps (each under its own time limit; a failing step is recorded and the next one runs):
 #   env      torch / CUDA / GPU / library versions
 #   tests    pytest tests/gpu: compiled Triton kernels vs the fp64 oracle, actor TP=1 bf16/fp32 vs
 #            transformers, megatron DistributedOptimizer vs the CPU optimizer path on the same grads,
-#            train-state offload round trip with the DistributedOptimizer (GPU memory freed)
+#            train-state offload round trip with the DistributedOptimizer (GPU memory freed), and
+#            (test_packing_cuda.py) packed rows in Transformer Engine's THD format == padded rows in bf16
+#            (log-probs and one update; skipped, with the reason, where TE is missing)
 #   kernels  tools/bench_kernels.py at the GPU shape (bf16, 16384 tokens, hidden 4096, vocab 151936)
 #            and tests/gpu/test_moe_cuda.py: TE grouped experts vs SequentialMLP vs transformers, vLLM's CUDA
 #            reload of MoE experts without the CPU re-processing
 #   train    10 steps of the tiny default on the GPU (TP=1, native engine, megatron optimizer)
 #   moe_train 10 steps of the MoE default on the GPU (EP=1 on one GPU, grouped experts where TE runs,
 #            megatron optimizer with its expert grad norm)
+#   varlen   the variable-length benchmark (issue 29): tools/bench_e2e.py on the 60M shape, every 128th
+#            token a stop token (geometric responses, mean ~128, max_new_tokens 512), packed rows under a
+#            4096-token budget, then 2 steps with today's padded micro-batches: computed/real tokens and
+#            the update's seconds per real token both ways (vLLM when it imports, else the native engine)
 #   cpu_tests the fast lane (pytest -m "not slow", tests/gpu left out) with CUDA present: the CPU-tensor
 #            tests must keep gloo and CPU placement there (issue 16; the full README command takes ~20 min)
 # megatron-core is installed from wheels in tools/wheels/ or .whl/ when the Python there lacks it.
@@ -86,6 +92,15 @@ step moe_train 150 $PY -m torch.distributed.run --nproc_per_node=1 -m remax_mega
     trainer.output_dir="$MOE_DIR" checkpoint.save_every=0 logging.progress_bar=false
 cp "$MOE_DIR/metrics.jsonl" "$OUT/moe_train_metrics.jsonl" 2>/dev/null
 
+VARLEN_MODEL=/tmp/gpu_check_llama60m
+ENGINE=$($PY -c "import vllm" >/dev/null 2>&1 && echo vllm || echo native)
+step varlen 240 bash -c "$PY tools/make_tiny_model.py --family llama --hidden 512 --layers 8 --heads 8 \
+    --kv-heads 4 --ffn 1408 --vocab 32003 --out $VARLEN_MODEL --overwrite >/dev/null && \
+    $PY tools/bench_e2e.py --hf-dir $VARLEN_MODEL --stop-every 128 --padded-steps 2 --steps 3 --warmup 1 \
+    --greedy-repeats 1 --json $OUT/bench_varlen.json actor.tp=1 trainer.prompts_per_step=16 rollout.n=2 \
+    rollout.max_new_tokens=512 trainer.micro_batch_size=8 trainer.micro_batch_tokens=4096 \
+    trainer.pack_sequences=true rollout.kv_cache_gib=0.5 actor.dtype=bfloat16 rollout.engine=$ENGINE"
+
 step cpu_tests 150 $PY -m pytest -q -p no:cacheprovider -m "not slow" tests --ignore=tests/gpu \
     --junitxml="$OUT/cpu_tests.xml"
 
@@ -111,6 +126,12 @@ def junit(name):
     except Exception as e:
         return {"error": str(e)}
 summary["tests"] = junit("gpu_tests.xml")
+varlen = load("bench_varlen.json")
+if varlen:
+    summary["varlen"] = {k: varlen.get(k) for k in ("samples_per_s", "computed_over_real", "update_s_per_real_token",
+                                                   "update_speedup_per_real_token", "engine", "stages")}
+    summary["varlen"]["padded"] = {k: (varlen.get("padded") or {}).get(k)
+                                   for k in ("computed_over_real", "update_s_per_real_token")}
 summary["cpu_tests"] = junit("cpu_tests.xml")
 try:
     records = [json.loads(l) for l in open(os.path.join(out, "train_metrics.jsonl"))]

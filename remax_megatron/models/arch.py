@@ -25,6 +25,23 @@ def transformer_engine_usable() -> bool:
     return True
 
 
+def packed_attention() -> str:
+    """How packed rows (trainer.pack_sequences) keep their sequences apart: "thd" where the Transformer Engine
+    layer spec runs (its THD format with cu_seqlens: megatron's PackedSeqParams), else "mask" (a block-diagonal
+    causal attention_mask through megatron's local attention). Position ids are the rows' own either way: RoPE
+    depends only on positions relative to each other within a sequence (the THD path restarts them per
+    sequence)."""
+    return "thd" if transformer_engine_usable() else "mask"
+
+
+def check_packing(params_dtype: torch.dtype) -> None:
+    """Refuse packed rows where the attention cannot keep the sequences apart (one line)."""
+    if packed_attention() == "thd" and params_dtype == torch.float32:
+        raise ValueError("trainer.pack_sequences=true with actor.dtype=float32 under Transformer Engine: its THD "
+                         "attention (packed sequences) runs in its flash and cuDNN backends, which take bfloat16 or "
+                         "float16 only, and its unfused fallback has no THD format: use actor.dtype=bfloat16 or "
+                         "trainer.pack_sequences=false")
+
 
 @dataclass(frozen=True)
 class ModelArch:

@@ -18,26 +18,39 @@ from remax_megatron.parallel.layout import comm_device
 def run_schedule(model, step_fn: Callable, micro_batches: list[dict], *, forward_only: bool,
                  wrapped=None) -> list:
     """megatron's pipeline schedule (any PP, on `model`'s own process groups) over micro-batches
-    with equal [b, s] `input_ids`; returns the loss functions' outputs (last stage; [] elsewhere).
+    with [b, s] `input_ids` (the model's input rows); returns the loss functions' outputs (last stage;
+    [] elsewhere). Micro-batches of several shapes (token budgets, packed rows) run with megatron's
+    `variable_seq_lengths`: the stages send each activation's shape before it.
 
     step_fn(data_iterator, module) -> (output, loss_fn) is megatron's forward_step_func; `wrapped`:
     the module the schedule runs (the DDP wrapper when training), default `model`.
     """
+    shapes = {tuple(mb["input_ids"].shape) for mb in micro_batches}
+    for _, s in shapes:
+        check_sequence_length(model, s)
     b, s = micro_batches[0]["input_ids"].shape
-    check_sequence_length(model, s)
-    return cpu_compat.forward_backward_func(pp_size=model.pp_group.size())(
-        forward_step_func=step_fn, data_iterator=iter(micro_batches), model=[wrapped or model],
-        num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b, forward_only=forward_only,
-        **schedule_groups(model))
+    config = model.config
+    variable = config.variable_seq_lengths
+    config.variable_seq_lengths = len(shapes) > 1
+    try:
+        return cpu_compat.forward_backward_func(pp_size=model.pp_group.size())(
+            forward_step_func=step_fn, data_iterator=iter(micro_batches), model=[wrapped or model],
+            num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b, forward_only=forward_only,
+            **schedule_groups(model))
+    finally:
+        config.variable_seq_lengths = variable
 
 
 @torch.no_grad()
-def forward_only(model, micro_batches: list[dict], head: Callable[[object, torch.Tensor, dict], object]) -> list:
-    """Run micro-batches (dicts with `input_ids` [b, s], equal shapes) through all stages.
+def forward_only(model, micro_batches: list[dict], head: Callable[[object, torch.Tensor, dict], object],
+                 inputs: Callable[[dict], tuple[torch.Tensor, dict]] | None = None) -> list:
+    """Run micro-batches (dicts with `input_ids` [b, s]) through all stages.
 
     On the last stage `head(model, output [b, s, ...], batch)` turns the model output
     into what the caller wants (log-probs, scores, logits); returns the list of those
-    on the last stage and [] on the other stages.
+    on the last stage and [] on the other stages. `inputs(batch)` -> (input_ids, keyword
+    arguments of the model's forward), e.g. packed rows' attention boundaries (default:
+    `input_ids`, causal attention).
     """
     if not micro_batches:
         return []
@@ -50,7 +63,8 @@ def forward_only(model, micro_batches: list[dict], head: Callable[[object, torch
             results.append(head(model, output, batch))
             return torch.zeros((), device=output.device), {}
 
-        return module.run(batch["input_ids"]), collect
+        input_ids, kwargs = inputs(batch) if inputs is not None else (batch["input_ids"], {})
+        return module.run(input_ids, **kwargs), collect
 
     run_schedule(model, step, micro_batches, forward_only=True)
     return results

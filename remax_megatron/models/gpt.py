@@ -165,9 +165,10 @@ class PolicyModel(GPTModel):
 
     arch: ModelArch
 
-    def run(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Forward this stage: the first stage takes input_ids [b, s] (right-padded)."""
-        return self(input_ids, _position_ids(input_ids), attention_mask=None)
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Forward this stage: the first stage takes input_ids [b, s] (right-padded, or packed rows with
+        their `attention_mask` / `packed_seq_params`: rollout.batching.model_inputs)."""
+        return self(input_ids, _position_ids(input_ids), attention_mask=attention_mask, **kwargs)
 
     def output_weight(self) -> torch.Tensor:
         """This rank's shard of the (padded) vocab-parallel output weight: [V_padded / tp, h]."""

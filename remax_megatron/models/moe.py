@@ -77,6 +77,7 @@ class LoadBalancing:
         self.routers = routers(model)
         self.num_layers = model.config.num_layers  # every layer is MoE (the families refuse dense ones)
         self._norm: float | None = None            # 1 / global tokens ("aux") or sequences ("seq_aux")
+        self._segments: torch.Tensor | None = None  # packed rows: the sequence of each token [b, s], -1 padding
         self._aux = torch.zeros(len(self.routers), dtype=torch.float64)  # this rank's weighted share per layer
         self._counts = torch.zeros(len(self.routers), model.config.num_moe_experts, dtype=torch.float64)
         for index, router in enumerate(self.routers):
@@ -91,6 +92,12 @@ class LoadBalancing:
         self._norm = 1.0 / max(global_sequences if self.kind == "seq_aux" else global_tokens, 1.0)
         self._aux.zero_()
         self._counts.zero_()
+
+    def set_sequences(self, segments: torch.Tensor | None) -> None:
+        """The next forward's packed rows: which sequence each token belongs to ([b, s], -1 padding; None:
+        one sequence per row), for seq_aux. Set right before the forward: a full recompute would route
+        later, which startup refuses together with packing."""
+        self._segments = segments
 
     def end_update(self) -> dict[str, float]:
         """The update's load-balancing loss (mean over layers) and expert load, the same on every rank."""
@@ -153,23 +160,43 @@ class LoadBalancing:
             aux = experts * (counts * scores.sum(0)).sum() / (k * tokens * tokens).clamp(min=1.0)
             # token-weighted: this micro-batch's tokens over the update's
             return self.coef * aux * tokens * self._norm
-        b = hidden.shape[1]                                       # seq_aux: per sequence
-        routed, scores = routed.view(s_local, b, experts), scores.view(s_local, b, experts)
-        stats = torch.cat([routed.sum(0), valid.view(s_local, b).sum(0).float()[:, None]], dim=1)  # [b, E + 1]
+        sequence, count = self._token_sequences(router, hidden)     # seq_aux: per sequence; [T], int
+        keep = (sequence >= 0)[:, None]
+        sequence = sequence.clamp(min=0)
+        stats = torch.zeros(count, experts + 1, device=routed.device).index_add(
+            0, sequence, torch.cat([routed, valid.float()[:, None]], dim=1) * keep)              # [n, E + 1]
         if self.tp_group is not None:
             dist.all_reduce(stats, group=self.tp_group)
         counts, tokens = stats[:, :experts], stats[:, experts]
-        aux = experts * (counts * scores.sum(0)).sum(-1) / (k * tokens * tokens).clamp(min=1.0)   # [b]
+        shares = torch.zeros(count, experts, device=scores.device, dtype=scores.dtype).index_add(
+            0, sequence, scores * keep)                                                          # [n, E]
+        aux = experts * (counts * shares).sum(-1) / (k * tokens * tokens).clamp(min=1.0)         # [n]
         return self.coef * aux[tokens > 0].sum() * self._norm
 
+    def _token_sequences(self, router, hidden) -> tuple[torch.Tensor, int]:
+        """The sequence of each of the router's tokens ([s_local * b], s-major as megatron flattens them; -1
+        for padding) and the number of sequences: each row's column, or the packed rows' segments."""
+        s_local, b = hidden.shape[0], hidden.shape[1]
+        if self._segments is None:
+            return torch.arange(b, device=hidden.device).repeat(s_local), b
+        segments = self._segments.to(hidden.device)
+        if self.tp_group is not None and router.config.sequence_parallel:
+            tp, rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
+            s = segments.shape[1]
+            segments = segments[:, rank * s // tp:(rank + 1) * s // tp]
+        return segments.transpose(0, 1).reshape(-1), int(self._segments.max()) + 1
 
-def padding_mask(model, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """[b, s] True past each row's length (right padding), as megatron's MoE routing reads it.
+
+def padding_mask(model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, *,
+                 padding: torch.Tensor | None = None) -> torch.Tensor:
+    """[b, s] True past each row's length (right padding), or `padding` as given (packed rows: where no
+    sequence sits), as megatron's MoE routing reads it.
 
     megatron's GPTModel splits it over the sequence for sequence parallelism on the first pipeline
     stage only; the later stages get their TP rank's slice here."""
     b, s = input_ids.shape
-    mask = torch.arange(s, device=input_ids.device)[None, :] >= lengths.to(input_ids.device)[:, None]
+    mask = padding.to(input_ids.device) if padding is not None else \
+        torch.arange(s, device=input_ids.device)[None, :] >= lengths.to(input_ids.device)[:, None]
     config = model.config
     if config.sequence_parallel and not model.pre_process:
         tp, rank = model.tp_group.size(), model.tp_group.rank()

@@ -63,6 +63,7 @@ class SamplingParams:
     top_k: int = 0                  # keep the k most likely tokens; 0: off
     max_new_tokens: int = 64        # per completion, >= 1
     stop: list[str] = field(default_factory=list)  # stop strings (EOS always stops)
+    stop_token_ids: list[int] = field(default_factory=list)  # token ids that end a completion, as EOS does
     seed: int | None = None         # without per-prompt seeds: base of this call's streams (None: the engine's)
     guided_regex: str = ""          # guided decoding, sampled and greedy rows alike: a regex every response matches
     guided_json: str = ""           # ... or a JSON schema (JSON text) every response's JSON matches
@@ -91,12 +92,17 @@ class SamplingParams:
             raise ValueError(f"sampling stop={self.stop!r} must be non-empty strings")
         if self.guided_regex and self.guided_json:
             raise ValueError("sampling guided_regex and guided_json are both set: give one constraint")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"sampling stop_token_ids={self.stop_token_ids!r} must be token ids >= 0")
 
     @classmethod
     def from_config(cls, rollout_cfg, seed: int | None = None) -> "SamplingParams":
-        """The sampling of `RolloutConfig` (temperature, top_p, top_k, max_new_tokens, stop, guided decoding)."""
+        """The sampling of `RolloutConfig` (temperature, top_p, top_k, max_new_tokens, stop, stop_token_ids,
+        guided decoding)."""
         return cls(temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
-                   max_new_tokens=rollout_cfg.max_new_tokens, stop=list(rollout_cfg.stop), seed=seed,
+                   max_new_tokens=rollout_cfg.max_new_tokens, stop=list(rollout_cfg.stop),
+                   stop_token_ids=list(rollout_cfg.stop_token_ids), seed=seed,
                    guided_regex=rollout_cfg.guided_regex, guided_json=rollout_cfg.guided_json)
 
 

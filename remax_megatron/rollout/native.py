@@ -216,7 +216,7 @@ class NativeEngine(RolloutEngine):
         tokens: list[list[int]] = [[] for _ in range(total)]
         logprobs: list[list[float]] = [[] for _ in range(total)]
         finish: list[str | None] = [None] * total
-        eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=dev)
+        eos = torch.tensor(sorted(self.eos_token_ids | set(sampling.stop_token_ids)), dtype=torch.long, device=dev)
         for step in range(sampling.max_new_tokens):
             tok, lp = sample_next(logits, temperature, greedy, sampling.top_k, sampling.top_p,
                                   [generators[row] for row in active.tolist()])

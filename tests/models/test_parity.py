@@ -77,6 +77,8 @@ def launched(models, tmp_path_factory):
         cases[2][f"{name}-sp"] = (_rm_body, (models[name], 2, 1, scores[name], True))
     rope_path, ids, expected, moved = _llama3_rope_case(tmp_path_factory.mktemp("rope"))
     cases[2]["rope"] = (_rope_body, (rope_path, ids, expected))
+    for variant, path in (("llama3", rope_path), ("default", rope_path + "-plain")):
+        cases[1][f"packed-{variant}"] = (_packed_body, (path, *_packed_case(path)))
     top = str(tmp_path_factory.mktemp("launches"))
     return SharedLaunches(cases, top), moved
 
@@ -298,7 +300,7 @@ def _llama3_rope_case(top):
     ids = torch.randint(4, config["vocab_size"], (1, 1024), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids).logits
-        unscaled_dir = str(top / "plain")
+        unscaled_dir = path + "-plain"
         AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).save_pretrained(unscaled_dir)
         with open(f"{unscaled_dir}/config.json", "w") as f:
             json.dump(plain, f)
@@ -315,3 +317,57 @@ def test_llama3_rope_scaling_matches_transformers(launched):
     moved = launched[1]
     assert moved > 1e-3, f"the scaling must matter at these positions (moved the logits by {moved})"
     launched[0].check("rope")
+
+
+PACKED_LENGTHS = [1900, 40, 37]  # one packed row: the short sequences start at positions 1900 and 1940
+
+
+def _packed_case(model_dir):
+    """(sequences, transformers' logits of each alone) for the packed-row test."""
+    from transformers import AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sequences = [torch.randint(4, model.config.vocab_size, (n,), generator=g) for n in PACKED_LENGTHS]
+    with torch.no_grad():
+        return sequences, [model(seq[None]).logits[0] for seq in sequences]
+
+
+def _packed_body(rank, world, model_dir, sequences, expected):
+    """Three sequences in one packed row (rollout.batching, the trainer's "mask" path: a block-diagonal causal
+    mask through megatron's local attention, RoPE at the row's positions): each one's logits equal
+    transformers' on that sequence alone, the last two starting 1900 and 1940 positions into the row."""
+    from remax_megatron.models import build_policy, read_hf_config
+    from remax_megatron.models.forward import forward_only
+    from remax_megatron.parallel import ParallelLayout
+    from remax_megatron.rollout.batching import MicroBatch, assemble, model_inputs, to_sequences
+    from remax_megatron.weights import load_hf_weights
+
+    ParallelLayout(tp=1, pp=1, world_size=world).initialize()
+    model = build_policy(read_hf_config(model_dir), tp=1, pp=1)
+    load_hf_weights(model, model_dir)
+    width = max(PACKED_LENGTHS)
+    ids = torch.zeros(3, width, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, :len(seq)] = seq
+    batch = {"input_ids": ids, "labels": torch.full_like(ids, -100), "lengths": torch.tensor(PACKED_LENGTHS)}
+    row = sum(PACKED_LENGTHS)
+    mb = assemble(batch, MicroBatch([0, 1, 2], width, bins=[[0, 1, 2]], row_width=row), "mask")
+    assert mb["input_ids"].shape == (1, row)
+
+    def head(m, hidden, micro):
+        logits = m.full_logits(hidden)                                     # [1, row, vocab]
+        return torch.stack([to_sequences(micro, logits[..., v]) for v in range(logits.shape[-1])], -1)
+
+    (logits,) = forward_only(model, [mb], head, inputs=model_inputs)       # [3, width, vocab]
+    for i, (seq, ref) in enumerate(zip(sequences, expected)):
+        err = (logits[i, :len(seq)] - ref).abs().max().item()
+        assert err < 1e-5, f"sequence {i} of the packed row: max |logits - transformers| = {err}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["default", "llama3"])
+def test_packed_row_matches_each_sequence_alone(launched, variant):
+    """Issue 29: packed rows keep attention inside each sequence, and RoPE at the row's positions (megatron
+    ignores position ids) gives each sequence its own logits, plain and llama3-scaled, 1900+ positions in."""
+    launched[0].check(f"packed-{variant}")

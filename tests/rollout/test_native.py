@@ -170,6 +170,17 @@ def test_eos_ends_the_completion_and_is_kept(engine, monkeypatch):
     assert out.token_ids == free.token_ids[:first + 1] and out.finish_reason == "stop"
 
 
+def test_stop_token_ids_end_the_completion_and_are_kept(engine):
+    """rollout.stop_token_ids: more ids that end a completion as EOS does (the variable-length benchmark's
+    stop set)."""
+    prompt = _prompts(engine, ("hello world",))[0]
+    free = engine.generate([prompt], n=1, sampling=SamplingParams(max_new_tokens=12))[0].greedy
+    stop = free.token_ids[4]
+    out = engine.generate([prompt], n=1, sampling=SamplingParams(max_new_tokens=12, stop_token_ids=[stop]))[0].greedy
+    first = free.token_ids.index(stop)
+    assert out.token_ids == free.token_ids[:first + 1] and out.finish_reason == "stop"
+
+
 def test_sleep_wake_and_unsynced_engine(engine, tiny_llama):
     from remax_megatron.rollout.native import NativeEngine
 

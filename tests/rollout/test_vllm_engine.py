@@ -43,6 +43,10 @@ def test_requests_pair_sampled_and_greedy_with_real_sampling_params():
     _, plain = build_requests([[1, 2]], 2, dataclasses.replace(SAMPLING, stop=()), seeds=[7],
                               params_cls=vllm.SamplingParams)
     assert not plain[0].detokenize and not plain[1].detokenize and plain[0].stop == []
+    # stop token ids (rollout.stop_token_ids) go to the sampled and the greedy entries alike
+    _, ids = build_requests([[1, 2]], 2, dataclasses.replace(SAMPLING, stop_token_ids=[9, 300]), seeds=[7],
+                            params_cls=vllm.SamplingParams)
+    assert all(set(q.stop_token_ids) == {9, 300} for q in ids) and not plain[0].stop_token_ids
     # n = 0 (greedy-only eval): vLLM refuses SamplingParams(n=0), so only the greedy entries go out.
     prompts, params = build_requests([[1, 2], [3]], 0, SAMPLING, seeds=[1, 2], params_cls=vllm.SamplingParams)
     assert [p["prompt_token_ids"] for p in prompts] == [[1, 2], [3]]

@@ -204,9 +204,9 @@ def _paths_body(rank, world, model_dir, ref_dir, out_dir, result_path):
         trainer = trainer_module.Trainer(parts, logger=None)
         logprobs = trainer._logprobs
 
-        def counted(model, batch):
+        def counted(model, batch, plan):
             seen["logprob_passes"] += 1
-            return logprobs(model, batch)
+            return logprobs(model, batch, plan)
 
         trainer._logprobs = counted
         seen["record"] = trainer.train_step()

@@ -305,6 +305,16 @@ BAD_INPUT = [
     (["rollout.guided_json='[1, 2]'"], 1, "rollout.guided_json='[1, 2]' is not a JSON object"),
     (["rollout.guided_regex='[0-9]+'", "rollout.guided_json='{{}}'"], 1, "are both set"),
     (["actor.ep=2"], 2, "has no experts: expert parallelism needs a mixture-of-experts model"),
+    # Token budgets and packed rows (the tiny config's longest sequence: 16 prompt + 4 new tokens)
+    (["trainer.micro_batch_tokens=19"], 1, "trainer.micro_batch_tokens=19 is smaller than one row of the longest"),
+    (["trainer.micro_batch_tokens=19", "actor.tp=2", "actor.sequence_parallel=true", "rollout.max_new_tokens=3"], 2,
+     "rounded up to a multiple of tp=2 = 20: raise it to at least 20"),
+    (["trainer.pack_sequences=true"], 1, "trainer.pack_sequences=true needs a token budget"),
+    (["actor.model=builtin:tiny-arith-moe", "actor.ep=2", "actor.moe_dispatcher=allgather",
+      "trainer.micro_batch_tokens=64"], 2, "which its allgather dispatcher refuses"),
+    (["actor.model=builtin:tiny-arith-moe", "actor.ep=2", "trainer.micro_batch_tokens=64", "trainer.pack_sequences=true",
+      "algo.moe_aux_loss=seq_aux", "actor.recompute=full"], 2, "would not know which packed sequence"),
+    (["rollout.stop_token_ids=[5,100000]"], 1, "rollout.stop_token_ids: [100000] are not tokens of actor.model"),
     # Mistral with a 16-token sliding window, sequences up to 16 + 4: full causal attention is not the model's
     (["actor.model={tmp}/mistral-window16", "rollout.engine=native"], 1,
      "'s sliding_window=16, which remax-megatron does not implement"),

@@ -108,6 +108,9 @@ def _cases(model_dir, top):
     cases[1]["recompute"] = (_recompute_body, (model_dir, out("recompute")))
     for tp, pp in [(1, 1), (2, 1), (1, 2)]:
         cases[tp * pp][f"hint-{tp}{pp}"] = (_gradient_hint_body, (model_dir, tp, pp, out(f"hint-{tp}{pp}")))
+    for tp, pp, dp, sp in BUDGET_LAYOUTS:
+        name = f"budget-{tp}{pp}{dp}"
+        cases[tp * pp * dp][name] = (_budget_body, (model_dir, tp, pp, sp, out(name)))
     return cases
 
 
@@ -244,7 +247,7 @@ def _saved_forward_body(rank, world, model_dir, tp, pp, out_path):
         trainer.parts.kl.coef = 0.3
         batch = _batch()
         ref = -3.0 * torch.rand(8, 12, generator=torch.Generator().manual_seed(1))  # [B, S] reference log-probs
-        old = trainer._logprobs(actor, batch) if separate else None
+        old = trainer._logprobs(actor, batch, trainer._plan(batch)[1]) if separate else None
         update = trainer._train_on(batch, old, ref)
         results[separate] = {"stats": update.stats, "logprobs": update.logprobs, "advantages": update.advantages,
                              "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
@@ -368,7 +371,8 @@ def _moe_batch():
     return batch
 
 
-def _moe_update_body(rank, world, model_dir, tp, pp, ep, kind, micro_batch_size, out_path):
+def _moe_update_body(rank, world, model_dir, tp, pp, ep, kind, micro_batch_size, out_path, overrides=(),
+                     batch_fn=None):
     """One update of a tiny Qwen3-MoE (load-balancing coefficient 0.5, so it moves the update) on this DP
     rank's share of the global batch; whole experts split over EP, sequence parallel at TP=2."""
     from types import SimpleNamespace
@@ -385,7 +389,7 @@ def _moe_update_body(rank, world, model_dir, tp, pp, ep, kind, micro_batch_size,
     groups = ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize(seed=0)
     cfg = load_config(None, ["reward.functions=[exact_match]", f"trainer.micro_batch_size={micro_batch_size}",
                              "optim.lr=1e-2", "optim.grad_clip=0", "optim.eps=1e-3", f"algo.moe_aux_loss={kind}",
-                             "algo.moe_aux_loss_coef=0.5"])
+                             "algo.moe_aux_loss_coef=0.5", *overrides])
     actor = build_policy(read_hf_config(model_dir), tp=tp, pp=pp, init_weights=False, sequence_parallel=tp > 1,
                          experts=ExpertOptions(ep=ep, etp=etp))
     load_hf_weights(actor, model_dir)
@@ -395,7 +399,7 @@ def _moe_update_body(rank, world, model_dir, tp, pp, ep, kind, micro_batch_size,
     parts = SimpleNamespace(cfg=cfg, groups=groups, actor=ddp, optimizer=opt,
                             scheduler=build_scheduler(opt, cfg.optim, 10), kl=SimpleNamespace(coef=0.0))
     trainer = Trainer(parts, logger=None)
-    batch, g = _moe_batch(), trainer.groups
+    batch, g = (batch_fn or _moe_batch)(), trainer.groups
     rows = batch["input_ids"].shape[0] // g.dp_size
     stats = trainer._train_on({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()},
                               None, None).stats
@@ -440,6 +444,11 @@ def _moe_launches(moe_dir, top):
             name = f"moe-{kind}-{tp}{pp}{ep}-w{world}-mbs2"
             cases[world][name] = (_moe_update_body, (moe_dir, tp, pp, ep, kind, 2, os.path.join(top, name + ".pt")))
     cases[1]["aux-vs-megatron"] = (_aux_vs_megatron_body, (moe_dir, os.path.join(top, "aux-vs-megatron.pt")))
+    for tp, pp, ep, world in MOE_PACKED_LAYOUTS:
+        for variant, overrides in (("fixed", ()), ("packed", BUDGET_VARIANTS["packed"]))[world > 1:]:
+            name = f"moe-seq_aux-{tp}{pp}{ep}-w{world}-{variant}"
+            cases[world][name] = (_moe_update_body, (moe_dir, tp, pp, ep, "seq_aux", 2, os.path.join(top, name + ".pt"),
+                                                     overrides, _var_batch))
     return cases
 
 
@@ -495,3 +504,101 @@ def test_load_balancing_loss_is_megatrons_formula(moe_launched):
     assert out["ours"].shape == out["megatron"].shape == (2,)
     assert torch.allclose(out["ours"].float(), out["megatron"].float(), rtol=1e-5, atol=1e-6), out
     assert out["metrics"]["moe/aux_loss"] == pytest.approx(out["ours"].mean().item(), rel=1e-6)
+
+
+# ---- token-budget micro-batches and packed rows (issue 29) --------------------------------------------------
+
+BUDGET_LAYOUTS = [(1, 1, 1, False), (2, 1, 1, True), (1, 2, 1, False), (1, 1, 2, False)]  # tp, pp, dp, sp
+# fixed: 2 rows per micro-batch, all 12 wide; budget: <= 24 tokens per micro-batch, each as wide as its longest
+# row; packed: rows of 12 holding several sequences, 2 rows per micro-batch. The longest sequence (4 prompt +
+# 8 response tokens) fits the budget's check.
+BUDGET_VARIANTS = {
+    "fixed": ["trainer.micro_batch_size=2"],
+    "budget": ["trainer.micro_batch_tokens=24", "data.max_prompt_tokens=4", "rollout.max_new_tokens=8"],
+    "packed": ["trainer.micro_batch_tokens=24", "trainer.pack_sequences=true", "data.max_prompt_tokens=4",
+               "rollout.max_new_tokens=8"],
+}
+
+
+def _var_batch():
+    """_batch() as the trainer packs it: rows of 6..12 tokens (4 prompt tokens, responses of 1..7 labelled
+    tokens), right-padded with 0, with their lengths."""
+    batch = _batch()
+    batch["lengths"] = torch.tensor([6 + i % 7 for i in range(8)])
+    batch["input_ids"][torch.arange(12)[None, :] >= batch["lengths"][:, None]] = 0
+    batch["response_mask"] = batch["response_mask"].bool()
+    return batch
+
+
+def _budget_body(rank, world, model_dir, tp, pp, sp, out_path):
+    """One update per loss mode and micro-batching variant on this DP rank's contiguous share of _var_batch()
+    (as Trainer._local_share gives it); with a budget, the trainer balances the rows over DP by tokens. The
+    separate log-prob pass (what old / reference log-probs use) over the same micro-batches gives the
+    training forward's log-probs (checked here, on the last stage)."""
+    from remax_megatron.weights import export_hf_weights
+
+    results = {}
+    # The padded update at other layouts equals world 1's (test_update_matches_across_layouts_and_micro_batches,
+    # test_data_parallel_update_equals_one_replica): only world 1 runs it here.
+    variants = BUDGET_VARIANTS if world == 1 else {k: v for k, v in BUDGET_VARIANTS.items() if k != "fixed"}
+    for mode in LOSS_AGG:
+        for variant, overrides in variants.items():
+            trainer, actor, _, _ = _trainer(
+                world, model_dir, tp, pp,
+                [*overrides, "optim.lr=1e-2", "optim.grad_clip=0", "optim.eps=1e-3", f"algo.loss_agg={mode}"],
+                sequence_parallel=sp)
+            g, batch = trainer.groups, _var_batch()
+            rows = batch["input_ids"].shape[0] // g.dp_size
+            local, plan = trainer._plan({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()})
+            # the separate log-prob pass (old / reference log-probs) runs the same micro-batches
+            separate = trainer._logprobs(actor, local, plan)
+            update = trainer._train_on(local, None, None, plan)
+            if g.is_last_stage:
+                gap = (separate - update.logprobs)[local["response_mask"]].abs().max().item()
+                assert gap < 1e-6, (mode, variant, gap)
+            results[mode, variant] = {"stats": update.stats, "computed": update.computed_tokens,
+                                      "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+@pytest.mark.slow
+def test_token_budget_and_packed_updates_equal_the_padded_update(launched):
+    """Issue 29: with token-budget micro-batches (each as wide as its longest row) and with packed rows
+    (several sequences per row, attention kept inside each), one update equals the padded fixed-count update
+    of the same batch at world 1, at tp1, tp2 with sequence parallel, pp2 (micro-batches of several shapes)
+    and dp2 (rows balanced over DP by tokens), in every loss mode: loss, grad norm and weights within 1e-6
+    (fp32). The forward computes fewer tokens than the padded one."""
+    base = launched("budget-111")
+    for tp, pp, dp, sp in BUDGET_LAYOUTS:
+        runs = launched(f"budget-{tp}{pp}{dp}")
+        for mode in LOSS_AGG:
+            ref = base[mode, "fixed"]
+            for variant in BUDGET_VARIANTS if (tp, pp, dp) == (1, 1, 1) else ("budget", "packed"):
+                got = runs[mode, variant]
+                where = (tp, pp, dp, mode, variant)
+                assert abs(got["stats"]["loss"] - ref["stats"]["loss"]) < 1e-6, (where, got["stats"], ref["stats"])
+                assert abs(got["stats"]["grad_norm"] - ref["stats"]["grad_norm"]) < 1e-6, where
+                worst = max((got["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
+                assert worst < 1e-6, (where, worst)
+            for variant in ("budget", "packed"):  # fewer tokens computed than the padded update's 8 x 12
+                assert runs[mode, variant]["computed"] < base[mode, "fixed"]["computed"] == 8 * 12, (variant, runs)
+
+
+MOE_PACKED_LAYOUTS = [(1, 1, 1, 1), (2, 1, 2, 2), (1, 2, 2, 4)]  # tp, pp, ep, world
+
+
+@pytest.mark.slow
+def test_moe_packed_update_equals_the_padded_one(moe_launched):
+    """Issue 29: packed rows (several sequences per row, rows balanced over DP) leave a MoE update with the
+    per-sequence load-balancing loss (seq_aux, coefficient 0.5) unchanged: loss, that loss, grad norm and
+    weights within 1e-6 of the padded fixed-count update at world 1, at world 1, (tp2 + SP, ep2) and
+    (pp2, ep2, dp2)."""
+    base = moe_launched("moe-seq_aux-111-w1-fixed")
+    assert base["stats"]["loss"] - base["stats"]["pg_loss"] > 0.5, "the load-balancing loss must count here"
+    for tp, pp, ep, world in MOE_PACKED_LAYOUTS:
+        got = moe_launched(f"moe-seq_aux-{tp}{pp}{ep}-w{world}-packed")
+        for key in ("loss", "moe/aux_loss", "grad_norm"):
+            assert abs(got["stats"][key] - base["stats"][key]) < 1e-6, (tp, pp, ep, world, key)
+        worst = max((got["weights"][k] - base["weights"][k]).abs().max().item() for k in base["weights"])
+        assert worst < 1e-6, (tp, pp, ep, world, worst)

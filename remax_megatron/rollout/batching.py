@@ -1,0 +1,348 @@
+"""A step's rows -> the micro-batches the training forward runs: token budgets, packed rows, DP balance.
+
+    plan = plan_step(lengths_by_rank, mini_batches=1, budget=4096, multiple=1, pack=True)
+    batch = take_rows(batches_by_rank, plan.sources[dp_rank])       # this rank's rows after the balance
+    for micro in plan.updates[dp_rank][u]:
+        mb = assemble(batch, micro, path="mask")                    # tensors of one micro-batch
+
+With `trainer.micro_batch_tokens` = 0 the trainer keeps fixed-count micro-batches (`fixed_micro_batches`):
+`micro_batch_size` rows each, all as wide as the step's longest row. With a budget B:
+
+- **DP balance.** The rows of each update are gathered over DP and dealt by length (longest first, to
+  the rank with the fewest tokens so far), so every DP rank trains on near-equal token counts. A row
+  is a sample with its reward AND its prompt's greedy reward (`baseline`): they travel together, so
+  the ReMax pairing holds wherever the row lands.
+- **Token budget, padded rows.** Longest first, rows join a micro-batch while rows x width <= B, the
+  width being its longest row rounded up to `multiple` (TP with sequence parallel).
+- **Packed rows** (`trainer.pack_sequences`): sequences go first-fit-decreasing into rows as wide as
+  the update's longest sequence (rounded), floor(B / width) rows per micro-batch. Attention stays
+  inside each sequence: a block-diagonal causal mask over the rows through megatron's local
+  attention (path "mask", CPU), or Transformer Engine's THD format, all sequences of the micro-batch
+  in one row with their cu_seqlens (path "thd", GPU). RoPE needs no per-sequence positions under the
+  mask: it depends on relative positions only (tests/models/test_parity.py checks each sequence of a
+  packed row against transformers 1900+ positions in, plain and llama3-scaled RoPE).
+- **Same count everywhere.** Megatron's schedule (and expert-parallel collectives, which span DP
+  replicas) need every DP rank to run the same number of micro-batches: a rank with fewer splits
+  its largest ones, and runs an empty "ghost" micro-batch (one row of padding, no label) only when
+  it has no row left to split.
+
+The loss and the fused log-prob kernel see each micro-batch in the sequence layout of
+`rollout.sequences.pack_sequences` (`labels`, `response_mask`, rewards per row, trimmed to the
+micro-batch's width): packed rows only change what the model's forward runs (`input_ids` and the
+attention boundaries); `to_rows` / `to_sequences` move per-token values between the two layouts. The
+trainer normalises the loss by the update's GLOBAL token (sequence) counts, so the grouping into
+micro-batches, the packing and the DP balance leave the update unchanged (tests/train/test_update.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from remax_megatron.kernels import IGNORE_INDEX
+
+PATHS = ("mask", "thd")
+# Fill of each per-token key beyond a row's length (anything else: 0).
+_FILL = {"labels": IGNORE_INDEX, "routed_experts": -1}
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass
+class MicroBatch:
+    """Rows of the rank's batch trained together. `width`: the longest of them rounded up to the
+    sequence multiple (the sequence layout's width). Packed: `bins` lists, per packed row, positions
+    in `rows`; `row_width` is the packed rows' width. No rows: a ghost (one padding row, no label)."""
+
+    rows: list[int]
+    width: int
+    bins: list[list[int]] | None = None
+    row_width: int = 0
+
+    @property
+    def ghost(self) -> bool:
+        return not self.rows
+
+
+@dataclass
+class StepPlan:
+    """Per DP rank: where its rows come from ((source rank, source row) in order) and its micro-batches
+    per update (rows index the rank's new batch)."""
+
+    sources: list[list[tuple[int, int]]]
+    updates: list[list[list[MicroBatch]]] = field(default_factory=list)
+
+
+def fixed_micro_batches(rows: int, micro_batch_size: int, width: int, start: int = 0) -> list[MicroBatch]:
+    """Today's micro-batches: `micro_batch_size` consecutive rows each, all `width` wide."""
+    return [MicroBatch(list(range(start + s, start + min(s + micro_batch_size, rows))), width)
+            for s in range(0, rows, micro_batch_size)]
+
+
+def balance_rows(lengths_by_rank: list[list[int]]) -> list[list[tuple[int, int]]]:
+    """Deal the rows of every rank ((rank, row) with its length) over the same ranks by tokens: longest
+    first, each to the rank with the fewest tokens so far (then the fewest rows, then the lowest rank).
+    Every rank computes the same result from the same lengths."""
+    ranks = len(lengths_by_rank)
+    rows = sorted(((length, r, i) for r, lengths in enumerate(lengths_by_rank) for i, length in enumerate(lengths)),
+                  key=lambda x: (-x[0], x[1], x[2]))
+    tokens, dealt = [0] * ranks, [[] for _ in range(ranks)]
+    for length, r, i in rows:
+        target = min(range(ranks), key=lambda k: (tokens[k], len(dealt[k]), k))
+        dealt[target].append((r, i))
+        tokens[target] += length
+    return [sorted(d) for d in dealt]
+
+
+def plan_micro_batches(lengths: list[int], budget: int, multiple: int = 1, pack: bool = False,
+                       rows: list[int] | None = None) -> list[MicroBatch]:
+    """Rows (`rows`, default 0..n-1, with `lengths`) grouped into micro-batches of <= `budget` tokens
+    computed (padding included; see the module docstring)."""
+    rows = list(range(len(lengths))) if rows is None else list(rows)
+    if not rows:
+        return []
+    longest = round_up(max(lengths), multiple)
+    if budget < longest:
+        raise ValueError(f"trainer.micro_batch_tokens={budget} is smaller than one row of {longest} tokens: "
+                         f"raise it to at least {longest}")
+    order = sorted(range(len(rows)), key=lambda j: (-lengths[j], rows[j]))
+    if pack:
+        return _packed(order, lengths, rows, longest, budget // longest)
+    out: list[MicroBatch] = []
+    for j in order:
+        if out and (len(out[-1].rows) + 1) * out[-1].width <= budget:
+            out[-1].rows.append(rows[j])
+        else:
+            out.append(MicroBatch([rows[j]], round_up(lengths[j], multiple)))
+    return out
+
+
+def _packed(order: list[int], lengths: list[int], rows: list[int], row_width: int,
+            rows_per_micro: int) -> list[MicroBatch]:
+    """First-fit decreasing into packed rows of `row_width`, `rows_per_micro` packed rows per micro-batch."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for j in order:
+        k = next((k for k, free in enumerate(room) if free >= lengths[j]), None)
+        if k is None:
+            bins.append([])
+            room.append(row_width)
+            k = len(bins) - 1
+        bins[k].append(j)
+        room[k] -= lengths[j]
+    out = []
+    for s in range(0, len(bins), rows_per_micro):
+        group = bins[s:s + rows_per_micro]
+        members = [j for b in group for j in b]
+        index = {j: p for p, j in enumerate(members)}
+        out.append(MicroBatch([rows[j] for j in members], row_width,
+                              bins=[[index[j] for j in b] for b in group], row_width=row_width))
+    return out
+
+
+def equalize(micro: list[MicroBatch], count: int, lengths: dict[int, int], multiple: int) -> list[MicroBatch]:
+    """`micro` made `count` long: split the micro-batch with the most rows in two (packed: each half
+    re-packed into rows of the same width) while one has two rows or more; then ghosts."""
+    micro = list(micro)
+    while len(micro) < count:
+        k = max(range(len(micro)), key=lambda i: (len(micro[i].rows), -i), default=None)
+        if k is None or len(micro[k].rows) < 2:
+            micro.append(MicroBatch([], multiple))
+            continue
+        big = micro.pop(k)
+        order = sorted(big.rows, key=lambda r: (-lengths[r], r))
+        halves = [order[0::2], order[1::2]]  # alternate: both halves keep long and short rows
+        for half in halves:
+            if big.bins is not None:
+                micro.insert(k, _packed(list(range(len(half))), [lengths[r] for r in half], half, big.row_width,
+                                        len(half))[0])
+            else:
+                micro.insert(k, MicroBatch(half, round_up(max(lengths[r] for r in half), multiple)))
+            k += 1
+    return micro
+
+
+def plan_step(lengths_by_rank: list[list[int]], mini_batches: int, budget: int, multiple: int = 1,
+              pack: bool = False) -> StepPlan:
+    """The whole step's plan, the same on every rank: per update (each rank's u-th contiguous share of
+    its rows), the rows balanced over the DP ranks by tokens, then grouped into micro-batches under
+    `budget`; every rank gets as many micro-batches as the busiest one."""
+    ranks = len(lengths_by_rank)
+    plan = StepPlan(sources=[[] for _ in range(ranks)], updates=[[] for _ in range(ranks)])
+    for u in range(mini_batches):
+        shares = []
+        for lengths in lengths_by_rank:
+            per = len(lengths) // mini_batches
+            shares.append([(i, lengths[i]) for i in range(u * per, (u + 1) * per)])
+        dealt = balance_rows([[length for _, length in share] for share in shares])
+        micro, lengths_of = [], []
+        for r in range(ranks):
+            start = len(plan.sources[r])
+            mine = [(src, shares[src][i][0]) for src, i in dealt[r]]
+            plan.sources[r].extend(mine)
+            lens = {start + p: shares[src][i][1] for p, (src, i) in enumerate(dealt[r])}
+            lengths_of.append(lens)
+            micro.append(plan_micro_batches(list(lens.values()), budget, multiple, pack, rows=list(lens)))
+        count = max(len(m) for m in micro)
+        for r in range(ranks):
+            plan.updates[r].append(equalize(micro[r], count, lengths_of[r], multiple))
+    return plan
+
+
+def take_rows(batches: list[dict], sources: list[tuple[int, int]]) -> dict:
+    """The rows `sources` ((rank, row) pairs) of the ranks' batches as one batch: per-token tensors
+    ([B, S, ...]) padded to the widest batch (labels -100, routes -1, else 0); per-row ones as they are."""
+    width = max(b["input_ids"].shape[1] for b in batches)
+    out = {}
+    for key, value in batches[0].items():
+        if not torch.is_tensor(value):
+            continue
+        picked = []
+        for r, i in sources:
+            source = batches[r][key]
+            row = source[i]
+            per_token = source.dim() >= 2 and source.shape[1] == batches[r]["input_ids"].shape[1]
+            if per_token and row.shape[0] < width:
+                pad = torch.full((width - row.shape[0], *row.shape[1:]), _FILL.get(key, 0), dtype=row.dtype)
+                row = torch.cat([row, pad])
+            picked.append(row)
+        out[key] = torch.stack(picked) if picked else value[:0]
+    return out
+
+
+def assemble(batch: dict, micro: MicroBatch, path: str = "mask", extra: dict | None = None,
+             multiple: int = 1) -> dict:
+    """The tensors of one micro-batch: every tensor of `batch` (and of `extra`, e.g. reference
+    log-probs [B, S]) at the micro-batch's rows, per-token ones trimmed to its width (the sequence
+    layout), and `padding` [b, w] (True past each row's length) when the batch has `lengths`.
+
+    Packed micro-batches: `input_ids`, `padding` and `routed_experts` are the model's input rows
+    instead ([rows, row width]; path "thd": one row, rounded up to `multiple`), with `row_labels`
+    (the labels at the same places), `segments` (sequence per position, -1 padding), `unpack` (the
+    flat position of each sequence-layout token in the rows) and the attention boundaries
+    (`attention_mask`, or `cu_seqlens` and `max_seqlen`); see the module docstring."""
+    if path not in PATHS:
+        raise ValueError(f"packed attention path {path!r} is not one of {PATHS}")
+    width_of_batch = batch["input_ids"].shape[1]
+    sources = {k: v for k, v in batch.items() if torch.is_tensor(v)}
+    sources.update({k: v for k, v in (extra or {}).items() if v is not None})
+    if micro.ghost:
+        return _ghost(sources, width_of_batch, micro.width)
+    index = torch.tensor(micro.rows, dtype=torch.long)
+    mb = {}
+    for key, value in sources.items():
+        picked = value[index]
+        if value.dim() >= 2 and value.shape[1] == width_of_batch:
+            picked = picked[:, :micro.width]
+        mb[key] = picked
+    if "lengths" in mb:
+        mb["padding"] = torch.arange(micro.width)[None, :] >= mb["lengths"][:, None]
+    if micro.bins is not None:
+        mb.update(_pack_rows(mb, micro, path, multiple))
+    return mb
+
+
+def _ghost(sources: dict, width_of_batch: int, width: int) -> dict:
+    """One row of padding with no label: runs through the model like any micro-batch, adds nothing."""
+    mb = {}
+    for key, value in sources.items():
+        per_token = value.dim() >= 2 and value.shape[1] == width_of_batch
+        shape = (1, width, *value.shape[2:]) if per_token else (1, *value.shape[1:])
+        mb[key] = torch.full(shape, _FILL.get(key, 0), dtype=value.dtype)
+    mb["padding"] = torch.ones(1, width, dtype=torch.bool)
+    return mb
+
+
+def _pack_rows(mb: dict, micro: MicroBatch, path: str, multiple: int) -> dict:
+    """The model's input rows of a packed micro-batch and the index from the sequence layout into them."""
+    lengths = mb["lengths"].tolist()
+    b, w = mb["input_ids"].shape
+    if path == "thd":  # every sequence in one row, back to back (padding only at the end)
+        layout = [[j for members in micro.bins for j in members]]
+        row_width = round_up(sum(lengths), multiple)
+    else:
+        layout, row_width = micro.bins, micro.row_width
+    rows = len(layout)
+    unpack = torch.full((b, w), rows * row_width, dtype=torch.long)   # default: the zero slot past the rows
+    segments = torch.full((rows, row_width), -1, dtype=torch.long)
+    row_ids = torch.zeros(rows, row_width, dtype=mb["input_ids"].dtype)
+    row_labels = torch.full((rows, row_width), IGNORE_INDEX, dtype=mb["labels"].dtype)
+    bounds = [0]
+    for r, members in enumerate(layout):
+        at = 0
+        for j in members:
+            n = lengths[j]
+            unpack[j, :n] = r * row_width + at + torch.arange(n)
+            segments[r, at:at + n] = j
+            row_ids[r, at:at + n] = mb["input_ids"][j, :n]
+            row_labels[r, at:at + n] = mb["labels"][j, :n]
+            at += n
+            bounds.append(r * row_width + at)
+    out = {"input_ids": row_ids, "row_labels": row_labels, "padding": segments < 0, "segments": segments,
+           "unpack": unpack}
+    if "routed_experts" in mb:
+        routes = mb["routed_experts"]
+        flat = torch.full((rows * row_width + 1, *routes.shape[2:]), -1, dtype=routes.dtype)
+        flat[unpack.reshape(-1)] = routes.reshape(b * w, *routes.shape[2:])
+        out["routed_experts"] = flat[:-1].view(rows, row_width, *routes.shape[2:])
+    if path == "thd":
+        if bounds[-1] < row_width:  # the trailing padding is a sequence of its own
+            bounds.append(row_width)
+        out["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
+        out["max_seqlen"] = torch.tensor(max(e - s for s, e in zip(bounds, bounds[1:])), dtype=torch.int32)
+    else:
+        out["attention_mask"] = block_causal_mask(segments)
+    return out
+
+
+def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
+    """segments [r, W] (sequence per position; -1 padding, which attends within its own run) ->
+    attention_mask [r, 1, W, W] bool, True = masked: causal and inside the position's own segment."""
+    w = segments.shape[1]
+    causal = torch.ones(w, w, dtype=torch.bool).tril()
+    same = segments[:, :, None] == segments[:, None, :]
+    return ~(causal[None] & same)[:, None]
+
+
+def packed(mb: dict) -> bool:
+    return "unpack" in mb
+
+
+def model_labels(mb: dict) -> torch.Tensor:
+    """The labels where the model's output sits: the input rows' (packed) or the sequence layout's."""
+    return mb["row_labels"] if packed(mb) else mb["labels"]
+
+
+def to_rows(mb: dict, values: torch.Tensor) -> torch.Tensor:
+    """Per-token values in the sequence layout [b, w] -> the model's input rows (the same tensor when
+    the micro-batch is not packed); 0 where no sequence token sits."""
+    if not packed(mb):
+        return values
+    rows, width = mb["input_ids"].shape
+    flat = values.new_zeros(rows * width + 1)
+    flat[mb["unpack"].reshape(-1)] = values.reshape(-1)
+    return flat[:-1].view(rows, width)
+
+
+def to_sequences(mb: dict, values: torch.Tensor | None) -> torch.Tensor | None:
+    """Per-token values on the model's input rows -> the sequence layout [b, w] (0 past each row's
+    length); differentiable (a gather)."""
+    if values is None or not packed(mb):
+        return values
+    flat = torch.cat([values.reshape(-1), values.new_zeros(1)])
+    return flat[mb["unpack"]]
+
+
+def model_inputs(mb: dict) -> tuple[torch.Tensor, dict]:
+    """(input_ids, keyword arguments) of the model's forward for micro-batch `mb`: padded rows
+    (attention_mask None: megatron's causal mask), or packed rows with their boundaries."""
+    if "cu_seqlens" in mb:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu, longest = mb["cu_seqlens"], int(mb["max_seqlen"])
+        return mb["input_ids"], {"attention_mask": None, "packed_seq_params": PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)}
+    return mb["input_ids"], {"attention_mask": mb.get("attention_mask")}
