@@ -1,8 +1,9 @@
 """Start-up: check every input a user can get wrong, then build the trainer's components.
 
     checked = check_inputs(cfg, world_size)   # one-line ValueError / FileNotFoundError; nothing built or written
+    prepare_models(cfg, checked)              # built-in models on first use, before any process group
     claim = claim_run(cfg, checked)           # collective: directory lock, the checkpoint to resume; ValueError
-    parts = build(cfg, checked)               # built-in models, process groups, models, optimizer, engine, reward
+    parts = build(cfg, checked)               # process groups, models, optimizer, engine, reward
 
 The checks import torch and transformers only: megatron-core, vLLM and the trainer are imported by
 build(), so a mistake is refused before they load (seconds, not a minute).
@@ -227,9 +228,20 @@ def expert_options(cfg, arch: ModelArch) -> ExpertOptions:
                          routing_replay=cfg.rollout.routing_replay)
 
 
+def prepare_models(cfg, checked: CheckedInputs) -> None:
+    """Build the built-in models the run names (on first use; a no-op for model directories and once
+    cached). Before the process group exists: transformers saves a model only on rank 0 of an
+    initialised group, and any rank may win the build's lock."""
+    resolve_model(cfg.actor.model, "actor.model")
+    if checked.ref_dir:
+        resolve_model(cfg.reference.model or cfg.actor.model, "reference.model")
+    if checked.rm_dir:
+        resolve_model(cfg.reward.model, "reward.model")
+
+
 def build(cfg, checked: CheckedInputs):
-    """Built-in models (on first use), process groups, models, optimizer, engine, reward: the
-    trainer's Components."""
+    """Process groups, models, optimizer, engine, reward: the trainer's Components (built-in models
+    built first by prepare_models)."""
     import torch
 
     from remax_megatron.algo.kl_controller import KLController
@@ -243,7 +255,7 @@ def build(cfg, checked: CheckedInputs):
     from remax_megatron.trainer import Components
     from remax_megatron.weights import load_hf_weights
 
-    # The checks passed: build the built-in models now (a no-op for model directories).
+    # Built already (prepare_models): the built models' directories, or the model directories as given.
     actor_dir = resolve_model(cfg.actor.model, "actor.model")
     ref_dir = checked.ref_dir and resolve_model(cfg.reference.model or cfg.actor.model, "reference.model")
     rm_dir = checked.rm_dir and resolve_model(cfg.reward.model, "reward.model")

@@ -104,12 +104,13 @@ def main(argv=None) -> None:
     from remax_megatron.console import quiet_console
 
     quiet_console(cfg.logging.level)
-    from remax_megatron.startup import check_inputs, claim_run
+    from remax_megatron.startup import check_inputs, claim_run, prepare_models
 
     try:
         checked = check_inputs(cfg, world)
     except (ValueError, FileNotFoundError) as e:
         _refuse(e)
+    prepare_models(cfg, checked)  # built-in models on first use (a minute once), before the process group
     from remax_megatron.checkpoint import CheckpointError
     from remax_megatron.metrics import is_rank0
 

@@ -110,6 +110,11 @@ def ensure_builtin_model(name: str, cache_dir: str | None = None, verbose: bool 
     final = builtin_model_path(name, cache_dir)
     if is_built(final):
         return final
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # transformers' save_pretrained writes only on rank 0 of an initialised process group: a build that
+        # another rank wins would leave a directory without its config and weights (startup.prepare_models)
+        raise RuntimeError(f"built-in model {name} is not built yet and torch.distributed is initialised: build "
+                           "built-in models before the process group (remax_megatron.startup.prepare_models)")
     root = os.path.dirname(final)
     os.makedirs(root, exist_ok=True)
     with open(final + ".lock", "a+") as lock:
@@ -119,6 +124,9 @@ def ensure_builtin_model(name: str, cache_dir: str | None = None, verbose: bool 
                 return final
             if os.path.exists(final):  # an incomplete leftover (should not happen: we rename complete dirs)
                 shutil.rmtree(final)
+            for entry in os.listdir(root):  # builds killed mid-way (only a lock holder builds: none is live)
+                if entry.startswith(f".{os.path.basename(final)}.tmp-"):
+                    shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
             tmp = tempfile.mkdtemp(dir=root, prefix=f".{os.path.basename(final)}.tmp-")
             try:
                 if verbose:

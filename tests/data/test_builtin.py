@@ -115,7 +115,12 @@ print(bm.ensure_builtin_model("tiny-arith", sys.argv[1]))
 
 
 @pytest.mark.slow
-def test_concurrent_callers_build_once(tmp_path):
+def test_concurrent_callers_build_once(tmp_path, monkeypatch):
+    """Two processes, one build; the leftover of a build killed earlier (planted) is removed by it."""
+    monkeypatch.setitem(bm.RECIPES, "tiny-arith", dict(bm.RECIPES["tiny-arith"], steps=3))  # as _CONCURRENT's
+    stale = tmp_path / f".{os.path.basename(bm.builtin_model_path('tiny-arith', str(tmp_path)))}.tmp-killed"
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     procs = [subprocess.Popen([sys.executable, "-c", _CONCURRENT, str(tmp_path)], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
@@ -128,3 +133,19 @@ def test_concurrent_callers_build_once(tmp_path):
     info = bm.read_build_info(path)
     assert info["recipe"]["steps"] == 3 and os.path.isfile(os.path.join(path, "model.safetensors"))
     assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(path), os.path.basename(path) + ".lock"])
+
+
+def test_a_build_refuses_an_initialised_process_group(tmp_path):
+    """transformers saves a model only on rank 0 of an initialised group: a build another rank won wrote no
+    config.json (the README's command failed so on a fresh machine when rank 1 took the build's lock). The
+    trainer builds before its process group (startup.prepare_models); a build after it is refused, on any
+    rank, before anything is written."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="before the process group"):
+            bm.ensure_builtin_model("tiny-arith", str(tmp_path))
+    finally:
+        dist.destroy_process_group()
+    assert os.listdir(tmp_path) == []
