@@ -133,10 +133,16 @@ def _forked_writer(child, rank):
 
 
 def _running(pid):
+    """Whether any thread of `pid` is not stopped yet. The process's own state is its main thread's: a
+    checkpoint writer thread still finishing a file's creation showed up in the frozen run's files."""
     try:
-        return psutil.Process(pid).status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)
-    except psutil.NoSuchProcess:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+    except (FileNotFoundError, ProcessLookupError):
         return False
+    return any(state not in ("T", "t", "Z", "X") for state in states)
 
 
 def _error_lines(log_dir, rank):
