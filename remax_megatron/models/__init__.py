@@ -5,7 +5,7 @@ Names are imported on first use: reading a config or a family does not import me
 seconds), so start-up checks and tools that only read configs stay fast.
 """
 
-import importlib
+from remax_megatron.lazy import lazy_exports
 
 _EXPORTS = {
     "ModelArch": "remax_megatron.models.arch",
@@ -16,11 +16,7 @@ _EXPORTS = {
     "read_hf_config": "remax_megatron.models.hf_config",
 }
 
-
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = sorted(_EXPORTS)

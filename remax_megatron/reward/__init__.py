@@ -4,7 +4,7 @@ Names are imported on first use: the functions (start-up checks) do not import m
 the scorer's reward-model path needs.
 """
 
-import importlib
+from remax_megatron.lazy import lazy_exports
 
 _EXPORTS = {
     "REGISTRY": "remax_megatron.reward.functions",
@@ -15,11 +15,7 @@ _EXPORTS = {
     "RewardScorer": "remax_megatron.reward.scoring",
 }
 
-
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = sorted(_EXPORTS)

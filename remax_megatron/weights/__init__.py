@@ -4,7 +4,7 @@ Names are imported on first use: reading a checkpoint's headers (hf_io) does not
 so start-up checks stay fast.
 """
 
-import importlib
+from remax_megatron.lazy import lazy_exports
 
 _EXPORTS = {
     "HFCheckpointReader": "remax_megatron.weights.hf_io",
@@ -14,11 +14,7 @@ _EXPORTS = {
     "write_hf_dir": "remax_megatron.weights.hf_io",
 }
 
-
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = sorted(_EXPORTS)
