@@ -19,6 +19,11 @@ from tests._ckpt import max_difference, saved_weights
 from tests._dist import run_main
 
 RUN_DEPENDENT = ("time/", "throughput/", "memory/", "perf/")
+# the engine-vs-actor gaps (both directions) are fp32 noise themselves: another layout rounds differently
+ENGINE_GAPS = ("logprob/engine_vs_actor", "logprob/engine_below_actor")
+# the gradient sums each rank's rows in an order that follows the layout; its norm carries the fp32
+# cancellation of those sums (seen: 1.5e-6 relative at dp4 vs dp2 on one machine, within 1e-6 on another)
+GRADIENT = ("grad_norm",)
 # what the forward computed, padding included: each rank pads its own micro-batches, so it follows the layout
 LAYOUT_DEPENDENT = ("batch/computed_tokens",)
 # micro-batches of 4 sequences divide every DP share of 8 prompts x 2 samples (dp 1, 2, 4)
@@ -42,8 +47,7 @@ def _assert_same(got, want, what, rel=1e-6):
         assert keys <= set(g), (what, sorted(keys - set(g)))
         for k in sorted(keys):
             a, b = g[k], w[k]
-            # The engine-vs-actor gap is fp32 noise itself (another TP layout rounds differently).
-            tol = 1e-5 if k.startswith("logprob/engine_vs_actor") else rel * max(1.0, abs(b))
+            tol = 1e-5 if k.startswith(ENGINE_GAPS) else (10 * rel if k in GRADIENT else rel) * max(1.0, abs(b))
             assert abs(a - b) <= tol, f"{what}: step {w['step']} {k}: {a} vs {b}"
 
 
