@@ -51,8 +51,8 @@ from remax_megatron.data.prompts import Prompt, PromptSampler
 from remax_megatron.models.arch import packed_attention
 from remax_megatron.models.gpt import PolicyModel, sequence_multiple
 from remax_megatron.models.moe import LoadBalancing, end_replay, padding_mask, replay_routes
-from remax_megatron.rollout.batching import MicroBatch, assemble, fixed_micro_batches, model_inputs, model_labels, \
-    plan_step, take_rows, to_rows, to_sequences
+from remax_megatron.rollout.batching import MicroBatch, assemble, exchange_rows, fixed_micro_batches, model_inputs, \
+    model_labels, plan_step, take_rows, to_rows, to_sequences
 from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer, restore_config_hyperparameters, schedule_changes
 from remax_megatron.parallel import ProcessGroups, all_reduce_cpu
 from remax_megatron.processes import preemption_flag
@@ -250,14 +250,16 @@ class Trainer:
         if not t.micro_batch_tokens:
             return batch, [fixed_micro_batches(per_update, t.micro_batch_size, width, start=u * per_update)
                            for u in range(t.mini_batches)]
-        batches = [batch]
+        shapes = [(batch["lengths"].tolist(), width)]  # every DP rank's row lengths and batch width
         if self.groups.dp_size > 1:
-            batches = [None] * self.groups.dp_size
-            dist.all_gather_object(batches, batch, group=self.groups.dp)
-        plan = plan_step([b["lengths"].tolist() for b in batches], t.mini_batches, t.micro_batch_tokens,
+            shapes = [None] * self.groups.dp_size
+            dist.all_gather_object(shapes, (batch["lengths"].tolist(), width), group=self.groups.dp)
+        plan = plan_step([lengths for lengths, _ in shapes], t.mini_batches, t.micro_batch_tokens,
                          sequence_multiple(self.actor_module), t.pack_sequences)
-        me = self.groups.dp_rank if self.groups.dp_size > 1 else 0
-        return take_rows(batches, plan.sources[me]), plan.updates[me]
+        if self.groups.dp_size == 1:
+            return take_rows([batch], plan.sources[0]), plan.updates[0]
+        me, widest = self.groups.dp_rank, max(w for _, w in shapes)
+        return exchange_rows(batch, plan.sources, me, widest, self.groups.dp), plan.updates[me]
 
     def _micro_batches(self, batch: dict, micro: list[MicroBatch], extra: dict | None = None) -> list[dict]:
         """The micro-batches' tensors (rollout.batching.assemble)."""

@@ -1,17 +1,19 @@
 """A step's rows -> the micro-batches the training forward runs: token budgets, packed rows, DP balance.
 
     plan = plan_step(lengths_by_rank, mini_batches=1, budget=4096, multiple=1, pack=True)
-    batch = take_rows(batches_by_rank, plan.sources[dp_rank])       # this rank's rows after the balance
+    batch = exchange_rows(batch, plan.sources, dp_rank, width, dp_group)   # this rank's rows after the balance
     for micro in plan.updates[dp_rank][u]:
         mb = assemble(batch, micro, path="mask")                    # tensors of one micro-batch
 
 With `trainer.micro_batch_tokens` = 0 the trainer keeps fixed-count micro-batches (`fixed_micro_batches`):
 `micro_batch_size` rows each, all as wide as the step's longest row. With a budget B:
 
-- **DP balance.** The rows of each update are gathered over DP and dealt by length (longest first, to
-  the rank with the fewest tokens so far), so every DP rank trains on near-equal token counts. A row
-  is a sample with its reward AND its prompt's greedy reward (`baseline`): they travel together, so
-  the ReMax pairing holds wherever the row lands.
+- **DP balance.** The lengths of each update's rows are gathered over DP and the rows dealt by length
+  (longest first, to the rank with the fewest tokens so far), so every DP rank trains on near-equal
+  token counts; then one all-to-all moves each row to the rank it was dealt to (a rank sends and
+  receives about its own batch, where gathering every rank's batch was DP times that). A row is a
+  sample with its reward AND its prompt's greedy reward (`baseline`): they travel together, so the
+  ReMax pairing holds wherever the row lands.
 - **Token budget, padded rows.** Longest first, rows join a micro-batch while rows x width <= B, the
   width being its longest row rounded up to `multiple` (TP with sequence parallel).
 - **Packed rows** (`trainer.pack_sequences`): sequences go first-fit-decreasing into rows as wide as
@@ -36,9 +38,11 @@ micro-batches, the packing and the DP balance leave the update unchanged (tests/
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from remax_megatron.kernels import IGNORE_INDEX
 
@@ -192,10 +196,49 @@ def plan_step(lengths_by_rank: list[list[int]], mini_batches: int, budget: int, 
     return plan
 
 
-def take_rows(batches: list[dict], sources: list[tuple[int, int]]) -> dict:
+def exchange_rows(batch: dict, sources: list[list[tuple[int, int]]], rank: int, width: int, group) -> dict:
+    """This DP rank's batch after the balance: the rows `sources[rank]` ((source rank, row) pairs, in
+    order) gathered from the ranks that rolled them out, each rank sending every other only the rows it
+    takes (one all-to-all). Per-token tensors padded to `width` (the widest batch of the DP group), as
+    `take_rows` over every rank's batch gives."""
+    tensors = {k: v for k, v in batch.items() if torch.is_tensor(v)}
+    outgoing = [{k: v[[i for r, i in sources[dest] if r == rank]] for k, v in tensors.items()}
+                for dest in range(len(sources))]
+    mine, outgoing[rank] = outgoing[rank], {}                  # this rank's own rows stay here
+    incoming = all_to_all_objects(outgoing, group)
+    incoming[rank] = mine
+    taken, local = [0] * len(sources), []                      # (source rank, row within what it sent)
+    for r, _ in sources[rank]:
+        local.append((r, taken[r]))
+        taken[r] += 1
+    return take_rows(incoming, local, width)
+
+
+def all_to_all_objects(objects: list, group) -> list:
+    """`objects[k]` (picklable) to rank k of `group`; returns what each rank sent this one. Two
+    `all_to_all_single` calls (sizes, then bytes), on the device the group's backend needs."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    payloads = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objects]
+    send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.long, device=device)
+    recv_sizes = torch.empty_like(send_sizes)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    sent = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).to(device)
+    received = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(received, sent, output_split_sizes=recv_sizes.tolist(),
+                           input_split_sizes=send_sizes.tolist(), group=group)
+    data = received.cpu().numpy().tobytes()
+    out, start = [], 0
+    for size in recv_sizes.tolist():
+        out.append(pickle.loads(data[start:start + size]))
+        start += size
+    return out
+
+
+def take_rows(batches: list[dict], sources: list[tuple[int, int]], width: int | None = None) -> dict:
     """The rows `sources` ((rank, row) pairs) of the ranks' batches as one batch: per-token tensors
-    ([B, S, ...]) padded to the widest batch (labels -100, routes -1, else 0); per-row ones as they are."""
-    width = max(b["input_ids"].shape[1] for b in batches)
+    ([B, S, ...]) padded to `width` (default: the widest batch; labels -100, routes -1, else 0); per-row
+    ones as they are."""
+    width = width or max(b["input_ids"].shape[1] for b in batches)
     out = {}
     for key, value in batches[0].items():
         if not torch.is_tensor(value):

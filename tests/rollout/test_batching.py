@@ -1,7 +1,7 @@
 """rollout/batching.py: token-budget micro-batches, packed rows, the DP balance, the global normalisation.
 
-Pure python (no process group): the plans, the row exchange keeping each sample with its prompt's greedy
-reward, the packed layout and its attention mask, and that summing per-micro-batch losses with GLOBAL
+Pure python (no process group, but for the one all-to-all that moves rows between 3 gloo ranks): the plans,
+the row exchange keeping each sample with its prompt's greedy reward, the packed layout and its attention mask, and that summing per-micro-batch losses with GLOBAL
 counts gives the whole batch's loss whatever the grouping (with per-micro-batch counts it does not).
 The updates themselves are compared in tests/train/test_update.py.
 """
@@ -10,13 +10,16 @@ import random
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from remax_megatron.algo.aggregation import AGG_MODES, aggregate
+from tests._dist import run_distributed
 from remax_megatron.rollout.batching import (
     assemble,
     balance_rows,
     block_causal_mask,
     equalize,
+    exchange_rows,
     fixed_micro_batches,
     model_inputs,
     model_labels,
@@ -115,6 +118,26 @@ def test_rows_keep_their_reward_and_greedy_baseline_when_they_move_between_ranks
         for rank in range(3):
             sources = [plan.sources[rank][r] for m in plan.updates[rank][u] for r in m.rows]
             assert all(2 * u <= i < 2 * (u + 1) for _, i in sources)
+
+
+def _exchange_body(rank, world, lengths):
+    batches = [_batch(ls, tag=r) for r, ls in enumerate(lengths)]
+    for b in batches:  # a per-token tensor with a trailing dim (routes: fill -1) and a per-row float
+        b["routed_experts"] = torch.stack([b["input_ids"], -b["input_ids"]], dim=-1)
+    plan = plan_step(lengths, mini_batches=2, budget=40, multiple=2, pack=True)
+    widest = max(b["input_ids"].shape[1] for b in batches)
+    got = exchange_rows(batches[rank], plan.sources, rank, widest, dist.group.WORLD)
+    want = take_rows(batches, plan.sources[rank])  # what gathering every rank's batch gave
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+    assert {src for src, _ in plan.sources[rank]} == {0, 1, 2}  # rows did move in from every rank
+
+
+def test_the_all_to_all_moves_each_row_to_the_rank_it_was_dealt_to():
+    # three ranks of different widths and row counts; rank 2 rolled out the long answers
+    lengths = [[3, 9, 4, 7, 5, 2], [12, 2, 2, 5], [16, 16, 11, 3, 14, 15, 9, 1]]
+    run_distributed(_exchange_body, world_size=3, args=(lengths,))
 
 
 def test_ranks_short_of_micro_batches_split_theirs_then_run_ghosts():
