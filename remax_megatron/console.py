@@ -117,6 +117,9 @@ def quiet_library_warnings(rank: int | None = None) -> None:
         warnings.filterwarnings("ignore", category=category, module=r"megatron\.core\.dist_checkpointing")
         warnings.filterwarnings("ignore", category=category, module=r"torch\.distributed\.checkpoint")
         warnings.filterwarnings("ignore", category=category, module=r"vllm\.")
+    # torch 2.13 deprecates the collective megatron's expert-parallel code gathers with (MoE on every rank)
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
     if rank != 0:
         warnings.filterwarnings("ignore", module="megatron")
     elif torch.cuda.is_available() and not any(importlib.util.find_spec(m) for m in ("apex", "transformer_engine")):

@@ -32,7 +32,8 @@ each router the experts the engine chose for the micro-batch's tokens (megatron'
 REPLAY_FORWARD): the forward routes every token there, with the probabilities the live router gives
 those experts (renormalised as its routing does), so the router keeps its gradient. Positions the engine
 gave no route (padding, the final token) get experts 0..k-1: their outputs are neither trained nor read.
-`end_replay(model)` returns the routers to their own routing.
+`end_replay(model)` returns the routers to their own routing. `own_routes(model, batch)` records the
+experts the model itself routes a batch's tokens to (the engine's side of the comparison).
 """
 
 from __future__ import annotations
@@ -228,3 +229,33 @@ def end_replay(model) -> None:
         if router.router_replay is not None:
             router.router_replay.clear_indices()
             router.router_replay.clear_router_replay_action()
+
+
+@torch.no_grad()
+def own_routes(model, batch: dict) -> torch.Tensor:
+    """The experts `model` itself routes every token of `batch` (`input_ids` [B, S], `lengths` [B]) to,
+    [B, S, layers, top_k] long on every rank, -1 where an engine feeds no token (each row's last token and
+    padding), as an engine's routes are laid out (megatron's RouterReplay, RECORD; the model must be built
+    with routing replay). Pipeline stages exchange their layers' routes."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from remax_megatron.models.forward import forward_only
+
+    b, s = batch["input_ids"].shape
+    for router in routers(model):
+        router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+    forward_only(model, [{"input_ids": batch["input_ids"]}], lambda m, hidden, mb: None)
+    device = next(model.parameters()).device                                       # the groups' device (NCCL)
+    routes = torch.zeros((b, s, model.config.num_layers, model.config.moe_router_topk), dtype=torch.long,
+                         device=device)
+    for router in routers(model):  # this stage's layers, stored + 1 so that the other stages' stay 0
+        recorded = router.router_replay.get_recorded_indices()                     # [s * b, top_k]
+        routes[:, :, router.layer_number - 1] = recorded.view(s, b, -1).transpose(0, 1) + 1
+    end_replay(model)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(routes, group=ps.get_pipeline_model_parallel_group())
+    routes = routes.cpu() - 1
+    fed = torch.arange(s)[None, :] < (batch["lengths"] - 1)[:, None]
+    routes[~fed] = -1
+    return routes

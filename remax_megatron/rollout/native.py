@@ -16,6 +16,10 @@ the convention in rollout/engine.py. Sample j of prompt p draws from its own
 generator seeded `seeds[p] + j` (the seed convention of rollout/engine.py), so a
 prompt's samples do not depend on which other prompts share the batch.
 
+Routes (MoE with rollout.routing_replay): hooks on transformers' top-k routers record the experts every
+token fed through the model went to (prompt tokens in the prefill, then each new token as it is fed; the
+final token never is), per completion int [tokens, layers, top_k], as vLLM's `routed_experts`.
+
 sleep()/wake_up(): the KV cache lives only inside a generate call, so between
 calls the engine holds just its weights; on CUDA sleep() moves them to the CPU
 and empties the allocator cache, wake_up() moves them back. On CPU both are
@@ -23,6 +27,8 @@ no-ops (there is no separate device memory to free).
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -74,6 +80,41 @@ def sample_next(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.T
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+# HF checkpoint names of one MoE expert's matrices (Qwen3-MoE: mlp.experts.{e}.gate/up/down_proj; Mixtral:
+# block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2 (down)) and of Mixtral's router
+_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_MIXTRAL_ROUTER = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight$")
+
+
+class RouteRecorder:
+    """Forward hooks on a transformers MoE model's top-k routers (Qwen3-MoE's and Mixtral's
+    `*TopKRouter`, which return (logits, scores, indices [tokens, top_k])): `take(b, s)` gives the
+    experts of the last forward's b x s tokens, [b, s, layers, top_k] long, in layer order."""
+
+    def __init__(self, model):
+        self._last: dict[int, torch.Tensor] = {}
+        routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        if not routers:
+            raise ValueError(f"rollout.routing_replay=true but {type(model).__name__} has no top-k router whose "
+                             "routes the native engine can record: set rollout.routing_replay=false")
+        for layer, router in enumerate(routers):
+            router.register_forward_hook(self._hook(layer))
+        self.layers = len(routers)
+
+    def _hook(self, layer: int):
+        def record(module, args, output):
+            self._last[layer] = output[2]                                          # [b * s, top_k]
+        return record
+
+    def take(self, b: int, s: int) -> torch.Tensor:
+        if len(self._last) != self.layers:
+            raise RuntimeError(f"recorded routes of {len(self._last)} of {self.layers} MoE layers")
+        out = torch.stack([self._last[layer] for layer in range(self.layers)], dim=1)   # [b * s, layers, k]
+        self._last.clear()
+        return out.view(b, s, self.layers, -1).long().cpu()
+
+
 def _eos_ids(hf_dir: str, config) -> set[int]:
     ids = []
     try:
@@ -96,7 +137,8 @@ class NativeEngine(RolloutEngine):
     name = "native"
 
     def __init__(self, cfg=None, *, hf_dir: str, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 max_model_len: int | None = None, device: str | torch.device | None = None):
+                 max_model_len: int | None = None, device: str | torch.device | None = None,
+                 routes: bool | None = None):
         super().__init__(seed)
 
         if device is None:
@@ -113,6 +155,8 @@ class NativeEngine(RolloutEngine):
         self._tokenizer = None
         self._params = dict(self.model.named_parameters())
         self.synced = False
+        self.routes = bool(getattr(cfg, "routing_replay", False)) if routes is None else routes
+        self._recorder = RouteRecorder(self.model) if self.routes else None
 
     @staticmethod
     def check_config(cfg, arch, world_size: int) -> None:
@@ -123,9 +167,6 @@ class NativeEngine(RolloutEngine):
         if guided:
             raise ValueError(f"rollout.{guided} needs rollout.engine=vllm (vLLM's structured outputs): the native "
                              f"engine decodes without constraints; unset rollout.{guided} or use vLLM")
-        if getattr(cfg, "routing_replay", False):
-            raise ValueError("rollout.routing_replay=true needs the routes the engine took, which the native engine "
-                             "does not record: use rollout.engine=vllm on CUDA, or set rollout.routing_replay=false")
 
     @property
     def tokenizer(self):
@@ -138,24 +179,54 @@ class NativeEngine(RolloutEngine):
     def update_weights(self, buckets) -> None:
         if self.asleep:
             self.wake_up()
-        loaded = set()
+        loaded: dict[str, set[str]] = {}                                           # parameter -> tensors copied
         for bucket in buckets:
             for name, tensor in bucket:
-                param = self._params.get(name)
-                if param is None:
-                    raise ValueError(f"weight {name!r} has no parameter in the native engine's "
-                                     f"{type(self.model).__name__}: is the actor the same architecture as "
-                                     f"{self.hf_dir}?")
-                if tuple(param.shape) != tuple(tensor.shape):
+                key, target = self._target(name)
+                if tuple(target.shape) != tuple(tensor.shape):
                     raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} but the engine has "
-                                     f"{tuple(param.shape)}: does {self.hf_dir}/config.json match the actor?")
-                param.copy_(tensor)
-                loaded.add(name)
-        missing = sorted(set(self._params) - loaded)
+                                     f"{tuple(target.shape)}: does {self.hf_dir}/config.json match the actor?")
+                target.copy_(tensor)
+                loaded.setdefault(key, set()).add(name)
+        missing = sorted(k for k in self._params if len(loaded.get(k, ())) < self._pieces(k))
         if missing:
             raise ValueError(f"weight sync left {len(missing)} engine parameters unset (e.g. {missing[:3]}): "
                              "the exported stream does not cover the model")
         self.synced = True
+
+    def _target(self, name: str) -> tuple[str, torch.Tensor]:
+        """An HF checkpoint tensor's place in the model: its parameter, or for an MoE expert (one
+        tensor per expert in the checkpoint) its slice of transformers' fused experts, gate_up_proj
+        [E, 2 * ffn, hidden] = [gate; up] and down_proj [E, hidden, ffn]."""
+        param = self._params.get(name)
+        if param is not None:
+            return name, param
+        expert = _EXPERT.match(name)
+        router = _MIXTRAL_ROUTER.match(name)
+        if router:  # Mixtral's checkpoint calls the MoE block block_sparse_moe; transformers 5's model mlp
+            key = f"{router.group(1)}.mlp.gate.weight"
+            if key in self._params:
+                return key, self._params[key]
+        elif expert:
+            layer, e, part = expert.group(1), int(expert.group(2)), expert.group(3)
+            fused = "down_proj" if part in ("down_proj", "w2") else "gate_up_proj"
+            key = f"{layer}.mlp.experts.{fused}"
+            param = self._params.get(key)
+            if param is not None and e < param.shape[0]:
+                if fused == "down_proj":
+                    return key, param[e]
+                ffn = param.shape[1] // 2
+                return key, param[e, :ffn] if part in ("gate_proj", "w1") else param[e, ffn:]
+        raise ValueError(f"weight {name!r} has no parameter in the native engine's {type(self.model).__name__}: "
+                         f"is the actor the same architecture as {self.hf_dir}?")
+
+    def _pieces(self, key: str) -> int:
+        """How many checkpoint tensors fill parameter `key` (fused experts: one or two per expert)."""
+        if key.endswith(".experts.gate_up_proj"):
+            return 2 * self._params[key].shape[0]
+        if key.endswith(".experts.down_proj"):
+            return self._params[key].shape[0]
+        return 1
 
     # ---- memory --------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -204,6 +275,11 @@ class NativeEngine(RolloutEngine):
         ids, mask, pos = left_pad(prompts, self.pad_token_id, dev)                 # [P, L] each
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                          logits_to_keep=1)
+        routes: list[list[torch.Tensor]] = []                                      # per output row
+        if self.routes:
+            prefill = self._recorder.take(*ids.shape)                              # [P, L, layers, k]
+            for p, prompt in enumerate(prompts):
+                routes += [[prefill[p, ids.shape[1] - len(prompt):]] for _ in range(per)]
         cache = out.past_key_values
         cache.batch_repeat_interleave(per)
         logits = out.logits[:, -1].float().repeat_interleave(per, 0)               # [B, V]
@@ -244,7 +320,12 @@ class NativeEngine(RolloutEngine):
                              past_key_values=cache, use_cache=True)
             logits = out.logits[:, -1].float()
             next_pos = next_pos + 1
-        return [Completion(token_ids=tokens[r], logprobs=logprobs[r], finish_reason=finish[r] or "length")
+            if self.routes:
+                fed = self._recorder.take(tok.shape[0], 1)                         # [B, 1, layers, k]
+                for i, row in enumerate(active.tolist()):
+                    routes[row].append(fed[i])
+        return [Completion(token_ids=tokens[r], logprobs=logprobs[r], finish_reason=finish[r] or "length",
+                           routed_experts=torch.cat(routes[r]) if self.routes else None)
                 for r in range(total)]
 
     def _hits_stop(self, token_ids: list[int], stop: list[str]) -> bool:

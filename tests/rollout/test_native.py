@@ -220,3 +220,42 @@ def test_a_prompts_samples_depend_on_its_seed_only(engine):
     assert [c.token_ids for c in other[0].sampled] != [c.token_ids for c in alone[0].sampled]
     with pytest.raises(ValueError, match="2 seeds for 1 prompts"):
         engine.generate([b], n=1, sampling=sp, seeds=[1, 2])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_recorded_routes_are_the_experts_each_fed_token_went_to(family, tmp_path):
+    """routing replay's engine side: every token the engine fed through the model (prompt, then each
+    response token but the last), with the experts a full no-cache forward of the same tokens routes it
+    to; rows that finish early and rows that leave the batch keep their own routes."""
+    from remax_megatron.rollout import sync_weights
+    from remax_megatron.rollout.native import NativeEngine, RouteRecorder
+    from tests.rollout.helpers import hf_stream
+    from tools.make_tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(str(tmp_path / family), family, hidden=64, layers=2, heads=4, kv_heads=2, ffn=32,
+                                experts=4, top_k=2, seed=21)
+    engine = NativeEngine(hf_dir=model_dir, seed=0, dtype=torch.float32, device="cpu", routes=True)
+    sync_weights(engine, hf_stream(model_dir), bucket_mb=1)
+    prompts = _prompts(engine)
+    eos = sorted(engine.eos_token_ids)
+    out = engine.generate(prompts, n=3, sampling=SamplingParams(max_new_tokens=8, temperature=1.5,
+                                                                stop_token_ids=list(range(40, 60))))
+    full = RouteRecorder(engine.model)
+    lengths = set()
+    for prompt, rollout in zip(prompts, out):
+        for c in rollout.sampled + [rollout.greedy]:
+            fed = prompt + c.token_ids[:-1]
+            assert c.routed_experts.shape == (len(fed), 2, 2), c.routed_experts.shape   # [tokens, layers, top_k]
+            with torch.no_grad():
+                engine.model(torch.tensor([fed]))
+            want = full.take(1, len(fed))[0]
+            assert torch.equal(c.routed_experts.sort(-1).values, want.sort(-1).values)
+            lengths.add(len(c.token_ids))
+    assert len(lengths) > 1, f"every row ran {lengths} tokens: no row left the batch early (eos {eos})"
+
+
+def test_routes_of_a_dense_model_are_refused_in_one_line(tiny_llama):
+    from remax_megatron.rollout.native import NativeEngine
+
+    with pytest.raises(ValueError, match="no top-k router"):
+        NativeEngine(hf_dir=tiny_llama, device="cpu", routes=True)

@@ -296,8 +296,6 @@ BAD_INPUT = [
      "needs actor.sequence_parallel=true"),
     (["actor.model=builtin:tiny-arith-moe", "actor.ep=2", "rollout.routing_replay=true"], 2,
      "vLLM's CPU build cannot return the routed experts"),
-    (["actor.model=builtin:tiny-arith-moe", "actor.ep=2", "rollout.routing_replay=true", "rollout.engine=native"], 2,
-     "which the native engine does not record"),
     (["rollout.routing_replay=true"], 1, "has no experts to route"),
     # guided decoding: vLLM's structured outputs only; the constraint compiled by xgrammar at start-up
     (["rollout.guided_regex='[0-9]+'", "rollout.engine=native"], 1,
