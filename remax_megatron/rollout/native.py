@@ -90,7 +90,7 @@ _MIXTRAL_ROUTER = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.gate\.we
 class RouteRecorder:
     """Forward hooks on a transformers MoE model's top-k routers (Qwen3-MoE's and Mixtral's
     `*TopKRouter`, which return (logits, scores, indices [tokens, top_k])): `take(b, s)` gives the
-    experts of the last forward's b x s tokens, [b, s, layers, top_k] long, in layer order."""
+    experts of the last forward's b x s tokens, [b, s, layers, top_k] int16, in layer order."""
 
     def __init__(self, model):
         self._last: dict[int, torch.Tensor] = {}
@@ -98,6 +98,9 @@ class RouteRecorder:
         if not routers:
             raise ValueError(f"rollout.routing_replay=true but {type(model).__name__} has no top-k router whose "
                              "routes the native engine can record: set rollout.routing_replay=false")
+        experts = max(getattr(r, "num_experts", 0) for r in routers)
+        if experts > torch.iinfo(torch.int16).max:
+            raise ValueError(f"{experts} experts: the native engine keeps routes as int16")
         for layer, router in enumerate(routers):
             router.register_forward_hook(self._hook(layer))
         self.layers = len(routers)
@@ -112,7 +115,7 @@ class RouteRecorder:
             raise RuntimeError(f"recorded routes of {len(self._last)} of {self.layers} MoE layers")
         out = torch.stack([self._last[layer] for layer in range(self.layers)], dim=1)   # [b * s, layers, k]
         self._last.clear()
-        return out.view(b, s, self.layers, -1).long().cpu()
+        return out.view(b, s, self.layers, -1).to(torch.int16).cpu()             # expert ids < 32768: 1/4 of long
 
 
 def _eos_ids(hf_dir: str, config) -> set[int]:
