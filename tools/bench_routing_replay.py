@@ -2,16 +2,19 @@
 routes, and how many tokens the two route to different experts, at fp32 and bf16.
 
     python tools/bench_routing_replay.py [--model builtin:tiny-arith-moe] [--dtypes float32 bfloat16]
-        [--prompts 32] [--n 4] [--max-new-tokens 4] [--train-steps 10] [--json OUT]
+        [--prompts 32] [--n 4] [--max-new-tokens 4] [--engine native|vllm] [--train-steps 10] [--nproc 2]
+        [--json OUT]
 
-Part 1 (one process, the same sequences for every row of the table): the native engine (transformers, KV
-cache) generates n samples per prompt and records the experts of every token it feeds; the megatron actor
+Part 1 (one process, the same sequences for every row of the table): the engine (native: transformers with a
+KV cache; vllm: CUDA only, its CPU build cannot return routes) generates n samples per prompt and returns the
+experts of every token it feeds; the megatron actor
 (local spec, world 1) then scores the same sequences three ways: its own routing (`own_routes`), without
 replay, and with the engine's routes replayed. `route_mismatch_frac`: the fed tokens x layers whose expert
 set differs between engine and actor; `gap_*`: |actor - engine| log-probs over the response tokens.
 
-Part 2 (`--train-steps N` > 0): configs/tiny_cpu_moe.yaml with `--model` as the actor, the native engine and
-`actor.dtype=bfloat16`, N steps with and without `rollout.routing_replay`, the same seed; the per-step
+Part 2 (`--train-steps N` > 0): configs/tiny_cpu_moe.yaml with `--model` as the actor, the same engine,
+`actor.dtype=bfloat16` and `actor.ep` = `--nproc` processes, N steps with and without `rollout.routing_replay`,
+the same seed; the per-step
 `logprob/engine_vs_actor_{max,mean}_diff` (medians over the steps). Trajectories differ after the first
 update, so part 1 is the controlled comparison. One JSON object on stdout (and in --json).
 """
@@ -49,7 +52,8 @@ def _prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
     return [tokenizer(records[i]["prompt"], add_special_tokens=False)["input_ids"] for i in order]
 
 
-def controlled(model_dir: str, dtype: str, prompts: int, n: int, max_new_tokens: int, seed: int) -> dict:
+def controlled(model_dir: str, dtype: str, prompts: int, n: int, max_new_tokens: int, seed: int,
+               engine_name: str = "native") -> dict:
     """Part 1 at one dtype: engine routes vs the actor's own, and the log-prob gap with and without replay."""
     import torch
 
@@ -60,7 +64,10 @@ def controlled(model_dir: str, dtype: str, prompts: int, n: int, max_new_tokens:
     from remax_megatron.parallel import ParallelLayout
     from remax_megatron.rollout import SamplingParams, flatten_rollouts, logprob_mismatch, pack_sequences, \
         sync_weights
-    from remax_megatron.rollout.native import NativeEngine
+    from transformers import AutoTokenizer
+
+    from remax_megatron.config import RolloutConfig
+    from remax_megatron.rollout import build_engine
     from remax_megatron.weights import export_hf_weights, load_hf_weights
 
     ParallelLayout(tp=1, pp=1, world_size=1).initialize(seed=seed)
@@ -68,13 +75,16 @@ def controlled(model_dir: str, dtype: str, prompts: int, n: int, max_new_tokens:
     actor = build_policy(arch, tp=1, pp=1, params_dtype=getattr(torch, dtype), trainable=False,
                          experts=ExpertOptions(routing_replay=True))
     load_hf_weights(actor, model_dir)
-    engine = NativeEngine(hf_dir=model_dir, seed=seed, dtype=getattr(torch, dtype), device="cpu", routes=True)
+    engine = build_engine(RolloutConfig(engine=engine_name, routing_replay=True), hf_dir=model_dir, arch=arch,
+                          seed=seed, dtype=getattr(torch, dtype))
     sync_weights(engine, export_hf_weights(actor), bucket_mb=64)
-    asked = _prompts(engine.tokenizer, prompts, seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    asked = _prompts(tokenizer, prompts, seed)
     out = engine.generate(asked, n=n, sampling=SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens,
                                                               seed=seed))
     rows_p, rows_c = flatten_rollouts(asked, out)
-    batch = pack_sequences(rows_p, rows_c, pad_id=engine.pad_token_id)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    batch = pack_sequences(rows_p, rows_c, pad_id=pad)
     given = batch["routed_experts"]                                              # [B, S, layers, k]
     fed = given[..., 0] >= 0                                                     # [B, S, layers]
     actor_routes = own_routes(actor, batch)
@@ -84,12 +94,13 @@ def controlled(model_dir: str, dtype: str, prompts: int, n: int, max_new_tokens:
 
     def logprobs(replay: bool):
         if replay:
-            replay_routes(actor, given)
+            replay_routes(actor, given.to(next(actor.parameters()).device))
         lp = forward_only(actor, [mb], lambda m, hidden, b: m.token_logprobs(hidden, b["labels"])[0])[0]
         end_replay(actor)
-        return lp.float()
+        return lp.float().cpu()
 
-    result = {"dtype": dtype, "rows": int(batch["input_ids"].shape[0]),
+    engine.shutdown()
+    result = {"engine": engine_name, "dtype": dtype, "rows": int(batch["input_ids"].shape[0]),
               "fed_token_layers": int(fed.sum()), "route_mismatch_frac": float(differ.sum() / fed.sum()),
               "response_route_mismatch_frac": float((differ & response_fed).sum() / max(int(response_fed.sum()), 1))}
     for replay in (False, True):
@@ -105,11 +116,13 @@ def controlled(model_dir: str, dtype: str, prompts: int, n: int, max_new_tokens:
     return result
 
 
-def trained(model: str, max_new_tokens: int, steps: int, replay: bool, out: str) -> dict:
-    """Part 2: one trainer run of the MoE default (with `model` as the actor) on the native engine in bf16."""
-    cmd = [sys.executable, "-m", "remax_megatron.launch", "--nproc_per_node=2", "-m", "remax_megatron.train",
+def trained(model: str, max_new_tokens: int, steps: int, replay: bool, out: str, engine: str = "native",
+            nproc: int = 2) -> dict:
+    """Part 2: one trainer run of the MoE default (with `model` as the actor, experts over `nproc` ranks) in bf16."""
+    cmd = [sys.executable, "-m", "remax_megatron.launch", f"--nproc_per_node={nproc}", "-m", "remax_megatron.train",
            "--config", "configs/tiny_cpu_moe.yaml", f"actor.model={model}", f"rollout.max_new_tokens={max_new_tokens}",
-           "rollout.engine=native", f"rollout.routing_replay={str(replay).lower()}", "actor.dtype=bfloat16",
+           f"actor.ep={nproc}", f"rollout.engine={engine}", f"rollout.routing_replay={str(replay).lower()}",
+           "actor.dtype=bfloat16",
            f"trainer.steps={steps}", "trainer.eval_every=0", "checkpoint.save_every=0", f"trainer.output_dir={out}",
            "logging.progress_bar=false", "logging.tensorboard=false"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -131,7 +144,9 @@ def main(argv=None) -> None:
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", default="native", choices=["native", "vllm"])
     p.add_argument("--train-steps", type=int, default=0)
+    p.add_argument("--nproc", type=int, default=2, help="part 2's processes (= actor.ep)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -144,21 +159,30 @@ def main(argv=None) -> None:
     if model_dir.startswith("builtin:"):
         model_dir = ensure_builtin_model(model_dir.split(":", 1)[1])
     _init_world_1()
-    report = {"model": args.model, "prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
-              "controlled": [controlled(model_dir, d, args.prompts, args.n, args.max_new_tokens, args.seed)
-                             for d in args.dtypes]}
-    if args.train_steps:
-        with tempfile.TemporaryDirectory() as tmp:
-            runs = [trained(args.model, args.max_new_tokens, args.train_steps, r, os.path.join(tmp, f"replay-{r}"))
-                    for r in (False, True)]
-        report["trained_bf16"] = runs
-        report["trained_gap_mean_median_ratio_replay_over_no_replay"] = (runs[1]["gap_mean_median"]
-                                                                         / max(runs[0]["gap_mean_median"], 1e-30))
+    try:
+        report = _report(args, model_dir)
+    except ValueError as e:  # a refusal (e.g. vLLM's CPU build and routes): its one line
+        raise SystemExit(f"error: {e}")
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
+
+
+def _report(args, model_dir: str) -> dict:
+    report = {"model": args.model, "engine": args.engine, "prompts": args.prompts, "n": args.n,
+              "max_new_tokens": args.max_new_tokens,
+              "controlled": [controlled(model_dir, d, args.prompts, args.n, args.max_new_tokens, args.seed,
+                                        args.engine) for d in args.dtypes]}
+    if args.train_steps:
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = [trained(args.model, args.max_new_tokens, args.train_steps, r, os.path.join(tmp, f"replay-{r}"),
+                            args.engine, args.nproc) for r in (False, True)]
+        report["trained_bf16"] = runs
+        report["trained_gap_mean_median_ratio_replay_over_no_replay"] = (runs[1]["gap_mean_median"]
+                                                                         / max(runs[0]["gap_mean_median"], 1e-30))
+    return report
 
 
 if __name__ == "__main__":

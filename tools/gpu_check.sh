@@ -20,6 +20,9 @@
 #   train    10 steps of the tiny default on the GPU (TP=1, native engine, megatron optimizer)
 #   moe_train 10 steps of the MoE default on the GPU (EP=1 on one GPU, grouped experts where TE runs,
 #            megatron optimizer with its expert grad norm)
+#   replay   routing replay's gap with and without it (tools/bench_routing_replay.py) on a random 16-expert
+#            Qwen3-MoE, fp32 and bf16, then 5 bf16 training steps each way: vLLM's CUDA routed experts when
+#            vLLM imports (never run yet), else the native engine's
 #   varlen   the variable-length benchmark (issue 29): tools/bench_e2e.py on the 60M shape, every 128th
 #            token a stop token (geometric responses, mean ~128, max_new_tokens 512), packed rows under a
 #            4096-token budget, then 2 steps with today's padded micro-batches: computed/real tokens and
@@ -92,8 +95,14 @@ step moe_train 150 $PY -m torch.distributed.run --nproc_per_node=1 -m remax_mega
     trainer.output_dir="$MOE_DIR" checkpoint.save_every=0 logging.progress_bar=false
 cp "$MOE_DIR/metrics.jsonl" "$OUT/moe_train_metrics.jsonl" 2>/dev/null
 
-VARLEN_MODEL=/tmp/gpu_check_llama60m
 ENGINE=$($PY -c "import vllm" >/dev/null 2>&1 && echo vllm || echo native)
+REPLAY_MODEL=/tmp/gpu_check_qwen3moe
+step replay 180 bash -c "$PY tools/make_tiny_model.py --family qwen3_moe --hidden 256 --layers 4 --heads 4 \
+    --kv-heads 2 --ffn 128 --experts 16 --top-k 4 --seed 3 --out $REPLAY_MODEL --overwrite >/dev/null && \
+    $PY tools/bench_routing_replay.py --model $REPLAY_MODEL --max-new-tokens 32 --prompts 16 --engine $ENGINE \
+    --train-steps 5 --nproc 1 --json $OUT/bench_replay.json"
+
+VARLEN_MODEL=/tmp/gpu_check_llama60m
 step varlen 240 bash -c "$PY tools/make_tiny_model.py --family llama --hidden 512 --layers 8 --heads 8 \
     --kv-heads 4 --ffn 1408 --vocab 32003 --out $VARLEN_MODEL --overwrite >/dev/null && \
     $PY tools/bench_e2e.py --hf-dir $VARLEN_MODEL --stop-every 128 --padded-steps 2 --steps 3 --warmup 1 \
@@ -133,6 +142,11 @@ if varlen:
     summary["varlen"]["padded"] = {k: (varlen.get("padded") or {}).get(k)
                                    for k in ("computed_over_real", "update_s_per_real_token")}
 summary["cpu_tests"] = junit("cpu_tests.xml")
+replay = load("bench_replay.json")
+if replay:
+    summary["replay"] = {"engine": replay.get("engine"), "controlled": replay.get("controlled"),
+                         "trained": [{k: t.get(k) for k in ("replay", "gap_max_median", "gap_mean_median")}
+                                     for t in replay.get("trained_bf16", [])]}
 try:
     records = [json.loads(l) for l in open(os.path.join(out, "train_metrics.jsonl"))]
     train = [r for r in records if "loss" in r]
