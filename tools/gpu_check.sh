@@ -21,7 +21,7 @@
 #   moe_train 10 steps of the MoE default on the GPU (EP=1 on one GPU, grouped experts where TE runs,
 #            megatron optimizer with its expert grad norm)
 #   replay   routing replay's gap with and without it (tools/bench_routing_replay.py) on a random 16-expert
-#            Qwen3-MoE, fp32 and bf16, then 5 bf16 training steps each way: vLLM's CUDA routed experts when
+#            Qwen3-MoE, fp32 and bf16, then 3 bf16 training steps each way (~1-2 min): vLLM's CUDA routed experts when
 #            vLLM imports (never run yet), else the native engine's
 #   varlen   the variable-length benchmark (issue 29): tools/bench_e2e.py on the 60M shape, every 128th
 #            token a stop token (geometric responses, mean ~128, max_new_tokens 512), packed rows under a
@@ -97,10 +97,10 @@ cp "$MOE_DIR/metrics.jsonl" "$OUT/moe_train_metrics.jsonl" 2>/dev/null
 
 ENGINE=$($PY -c "import vllm" >/dev/null 2>&1 && echo vllm || echo native)
 REPLAY_MODEL=/tmp/gpu_check_qwen3moe
-step replay 180 bash -c "$PY tools/make_tiny_model.py --family qwen3_moe --hidden 256 --layers 4 --heads 4 \
+step replay 120 bash -c "$PY tools/make_tiny_model.py --family qwen3_moe --hidden 256 --layers 4 --heads 4 \
     --kv-heads 2 --ffn 128 --experts 16 --top-k 4 --seed 3 --out $REPLAY_MODEL --overwrite >/dev/null && \
     $PY tools/bench_routing_replay.py --model $REPLAY_MODEL --max-new-tokens 32 --prompts 16 --engine $ENGINE \
-    --train-steps 5 --nproc 1 --json $OUT/bench_replay.json"
+    --train-steps 3 --nproc 1 --json $OUT/bench_replay.json"
 
 VARLEN_MODEL=/tmp/gpu_check_llama60m
 step varlen 240 bash -c "$PY tools/make_tiny_model.py --family llama --hidden 512 --layers 8 --heads 8 \
