@@ -66,6 +66,7 @@ from remax_megatron.weights.export import save_hf_dir
 LOSS_STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac")
 # MoE: the update's load-balancing loss (mean over layers) and expert load (models/moe.py)
 MOE_STATS = ("moe/aux_loss", "moe/expert_load")
+REPLAY_STATS = ("moe/route_mismatch_frac",)  # rollout.routing_replay only
 
 
 @dataclass
@@ -292,7 +293,8 @@ class Trainer:
         cfg, parts = self.cfg, self.parts
         if plan is None:
             batch, plan = self._plan(batch)
-        summed = {k: 0.0 for k in LOSS_STATS + (MOE_STATS if self.balance else ())}
+        summed = {k: 0.0 for k in LOSS_STATS + (MOE_STATS if self.balance else ())
+                  + (REPLAY_STATS if self.balance and cfg.rollout.routing_replay else ())}
         grad_norms, behaviour, advantages, computed = [], [], [], 0
         for update in plan:
             rows = torch.tensor([r for m in update for r in m.rows], dtype=torch.long)
@@ -483,7 +485,7 @@ class Trainer:
             "reward/tie_frac": self._dp_mean(ties), "rollout/same_as_greedy_frac": self._dp_mean(same),
             "reward/min": -extremes["neg_min"], "reward/max": extremes["max"],
         }
-        record.update({k: stats[k] for k in MOE_STATS if k in stats})
+        record.update({k: stats[k] for k in MOE_STATS + REPLAY_STATS if k in stats})
         record.update(self._global_reward_metrics(reward_metrics))
         return record
 

@@ -132,8 +132,11 @@ def trained(model: str, max_new_tokens: int, steps: int, replay: bool, out: str,
         records = [json.loads(line) for line in f if '"loss"' in line]
     gaps_max = [r["logprob/engine_vs_actor_max_diff"] for r in records]
     gaps_mean = [r["logprob/engine_vs_actor_mean_diff"] for r in records]
-    return {"replay": replay, "steps": len(records), "gap_max_median": statistics.median(gaps_max),
-            "gap_mean_median": statistics.median(gaps_mean), "gap_max": gaps_max, "gap_mean": gaps_mean}
+    result = {"replay": replay, "steps": len(records), "gap_max_median": statistics.median(gaps_max),
+              "gap_mean_median": statistics.median(gaps_mean), "gap_max": gaps_max, "gap_mean": gaps_mean}
+    if replay:  # the replayed token-layers the live router would have sent elsewhere, per step
+        result["route_mismatch_frac"] = [r["moe/route_mismatch_frac"] for r in records]
+    return result
 
 
 def main(argv=None) -> None:

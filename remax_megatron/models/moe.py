@@ -25,7 +25,9 @@ parallelism the counts are summed over TP and each rank's P covers its shard of 
 hooks act only in a training forward with gradients (so a fully recomputed layer counts once).
 
 `moe/expert_load`: over the update's valid tokens, the most loaded expert's token count over the
-mean count, the maximum over layers (1.0 = perfectly balanced).
+mean count, the maximum over layers (1.0 = perfectly balanced). `moe/route_mismatch_frac` (routing replay
+only): of the token-layers routed where the engine did, the fraction whose live router would have chosen
+other experts (the train/inference routing mismatch the replay removed).
 
 Routing replay (rollout.routing_replay; Rollout Routing Replay, R3): `replay_routes(model, routes)` hands
 each router the experts the engine chose for the micro-batch's tokens (megatron's RouterReplay,
@@ -81,6 +83,7 @@ class LoadBalancing:
         self._segments: torch.Tensor | None = None  # packed rows: the sequence of each token [b, s], -1 padding
         self._aux = torch.zeros(len(self.routers), dtype=torch.float64)  # this rank's weighted share per layer
         self._counts = torch.zeros(len(self.routers), model.config.num_moe_experts, dtype=torch.float64)
+        self._replayed = torch.zeros(2, dtype=torch.float64)  # replayed token-layers: [live router differs, all]
         for index, router in enumerate(self.routers):
             router.register_forward_hook(self._hook(index))
 
@@ -93,6 +96,7 @@ class LoadBalancing:
         self._norm = 1.0 / max(global_sequences if self.kind == "seq_aux" else global_tokens, 1.0)
         self._aux.zero_()
         self._counts.zero_()
+        self._replayed.zero_()
 
     def set_sequences(self, segments: torch.Tensor | None) -> None:
         """The next forward's packed rows: which sequence each token belongs to ([b, s], -1 padding; None:
@@ -104,19 +108,26 @@ class LoadBalancing:
         """The update's load-balancing loss (mean over layers) and expert load, the same on every rank."""
         aux = self._aux.clone()
         counts = self._counts.clone()
+        replayed = self._replayed.clone()
         if self.tp_group is not None:   # each TP rank's share of the loss covers its sequence shard
             dist.all_reduce(aux, group=self.tp_group)
+            dist.all_reduce(replayed, group=self.tp_group)
         if dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(aux, group=self.dp_group)
             dist.all_reduce(counts, group=self.dp_group)
+            dist.all_reduce(replayed, group=self.dp_group)
         total = aux.sum().reshape(1)
         load = counts.max(-1).values / counts.mean(-1).clamp(min=1e-12) if len(self.routers) else torch.zeros(1)
         load = load.max().reshape(1) if counts.sum() > 0 else torch.zeros(1, dtype=torch.float64)
         if dist.get_world_size(self.pp_group) > 1:  # each stage holds its own layers
             dist.all_reduce(total, group=self.pp_group)
             dist.all_reduce(load, op=dist.ReduceOp.MAX, group=self.pp_group)
+            dist.all_reduce(replayed, group=self.pp_group)
         self._norm = None
-        return {"moe/aux_loss": total.item() / self.num_layers, "moe/expert_load": load.item()}
+        metrics = {"moe/aux_loss": total.item() / self.num_layers, "moe/expert_load": load.item()}
+        if replayed[1] > 0:  # routing replay: how often the live router would have chosen other experts
+            metrics["moe/route_mismatch_frac"] = (replayed[0] / replayed[1]).item()
+        return metrics
 
     def total_loss(self, metrics: dict[str, float]) -> float:
         """What the update added to the loss: coef * sum over layers."""
@@ -136,6 +147,9 @@ class LoadBalancing:
             if self.tp_group is not None:
                 dist.all_reduce(counts, group=self.tp_group)
             self._counts[index] += counts.cpu()
+            given = getattr(router, "replay_given", None)
+            if given is not None:
+                self._replayed += self._live_differs(router, hidden, routing_map, given & valid).cpu()
             if not self.active:
                 return None
             loss = self._loss(router, hidden, valid, routing_map, s_local=hidden.shape[0])
@@ -145,6 +159,17 @@ class LoadBalancing:
             scaled = loss * scale(torch.ones((), device=loss.device)) if scale is not None else loss
             return _AddLoss.apply(probs, scaled.to(probs.dtype)), routing_map
         return hook
+
+    @staticmethod
+    @torch.no_grad()
+    def _live_differs(router, hidden, routing_map, given) -> torch.Tensor:
+        """[tokens whose replayed experts the live router would not have chosen, replayed tokens] among
+        `given` [T]: the live choice is the top-k of the router's logits (softmax and pre-softmax routers
+        pick the same set)."""
+        logits = router.gating(hidden).reshape(routing_map.shape).float()                    # [T, E]
+        live = torch.zeros_like(routing_map).scatter(1, logits.topk(router.topk, dim=-1).indices, True)
+        differs = (live != routing_map).any(-1) & given
+        return torch.stack([differs.sum(), given.sum()]).double()
 
     def _loss(self, router, hidden, valid, routing_map, s_local: int) -> torch.Tensor:
         """coef * this rank's share of the layer's weighted load-balancing loss (differentiable in the
@@ -212,9 +237,11 @@ def replay_routes(model, routes: torch.Tensor) -> None:
 
     b, s, _, k = routes.shape
     filled = torch.where(routes < 0, torch.arange(k, device=routes.device), routes)
+    given = (routes >= 0).all(-1)                                               # [b, s, layers]
     if model.config.sequence_parallel:
         tp, rank = model.tp_group.size(), model.tp_group.rank()
         filled = filled[:, rank * s // tp:(rank + 1) * s // tp]
+        given = given[:, rank * s // tp:(rank + 1) * s // tp]
     for router in routers(model):
         if router.router_replay is None:
             raise RuntimeError("routing replay: the model was built without moe_enable_routing_replay")
@@ -222,6 +249,7 @@ def replay_routes(model, routes: torch.Tensor) -> None:
         router.router_replay.clear_indices()
         router.router_replay.set_target_indices(filled[:, :, layer].transpose(0, 1).reshape(-1, k).contiguous())
         router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        router.replay_given = given[:, :, layer].transpose(0, 1).reshape(-1)    # [s_local * b]: an engine route
 
 
 def end_replay(model) -> None:
@@ -229,6 +257,7 @@ def end_replay(model) -> None:
         if router.router_replay is not None:
             router.router_replay.clear_indices()
             router.router_replay.clear_router_replay_action()
+        router.replay_given = None
 
 
 @torch.no_grad()

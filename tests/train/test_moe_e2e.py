@@ -56,3 +56,4 @@ def test_routing_replay_with_the_native_engine_at_ep2(env, tmp_path):  # noqa: F
     train = [r for r in records if "loss" in r]
     assert len(train) == 3 and all(r["grad_norm"] > 0 for r in train)
     assert max(r["logprob/engine_vs_actor_max_diff"] for r in train) <= 1e-5, train
+    assert all(r["moe/route_mismatch_frac"] == 0.0 for r in train), train  # the live router agrees in fp32
