@@ -43,6 +43,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from remax_megatron.parallel.layout import all_reduce_cpu
+
 AUX_KINDS = ("aux", "seq_aux", "none")
 
 
@@ -106,23 +108,22 @@ class LoadBalancing:
 
     def end_update(self) -> dict[str, float]:
         """The update's load-balancing loss (mean over layers) and expert load, the same on every rank."""
-        aux = self._aux.clone()
-        counts = self._counts.clone()
-        replayed = self._replayed.clone()
+        # CPU statistics; all_reduce_cpu carries them through the GPU where the groups are NCCL
+        aux, counts, replayed = self._aux, self._counts, self._replayed
         if self.tp_group is not None:   # each TP rank's share of the loss covers its sequence shard
-            dist.all_reduce(aux, group=self.tp_group)
-            dist.all_reduce(replayed, group=self.tp_group)
+            aux = all_reduce_cpu(aux, group=self.tp_group)
+            replayed = all_reduce_cpu(replayed, group=self.tp_group)
         if dist.get_world_size(self.dp_group) > 1:
-            dist.all_reduce(aux, group=self.dp_group)
-            dist.all_reduce(counts, group=self.dp_group)
-            dist.all_reduce(replayed, group=self.dp_group)
+            aux = all_reduce_cpu(aux, group=self.dp_group)
+            counts = all_reduce_cpu(counts, group=self.dp_group)
+            replayed = all_reduce_cpu(replayed, group=self.dp_group)
         total = aux.sum().reshape(1)
         load = counts.max(-1).values / counts.mean(-1).clamp(min=1e-12) if len(self.routers) else torch.zeros(1)
         load = load.max().reshape(1) if counts.sum() > 0 else torch.zeros(1, dtype=torch.float64)
         if dist.get_world_size(self.pp_group) > 1:  # each stage holds its own layers
-            dist.all_reduce(total, group=self.pp_group)
-            dist.all_reduce(load, op=dist.ReduceOp.MAX, group=self.pp_group)
-            dist.all_reduce(replayed, group=self.pp_group)
+            total = all_reduce_cpu(total, group=self.pp_group)
+            load = all_reduce_cpu(load, op=dist.ReduceOp.MAX, group=self.pp_group)
+            replayed = all_reduce_cpu(replayed, group=self.pp_group)
         self._norm = None
         metrics = {"moe/aux_loss": total.item() / self.num_layers, "moe/expert_load": load.item()}
         if replayed[1] > 0:  # routing replay: how often the live router would have chosen other experts
@@ -278,9 +279,14 @@ def own_routes(model, batch: dict) -> torch.Tensor:
     device = next(model.parameters()).device                                       # the groups' device (NCCL)
     routes = torch.zeros((b, s, model.config.num_layers, model.config.moe_router_topk), dtype=torch.long,
                          device=device)
+    tp = model.tp_group.size() if model.config.sequence_parallel else 1
     for router in routers(model):  # this stage's layers, stored + 1 so that the other stages' stay 0
-        recorded = router.router_replay.get_recorded_indices()                     # [s * b, top_k]
-        routes[:, :, router.layer_number - 1] = recorded.view(s, b, -1).transpose(0, 1) + 1
+        recorded = router.router_replay.get_recorded_indices().view(s // tp, b, -1)   # [s / tp, b, top_k]
+        if tp > 1:  # sequence parallel: each TP rank routed its shard of the sequence
+            shards = [torch.empty_like(recorded) for _ in range(tp)]
+            dist.all_gather(shards, recorded.contiguous(), group=model.tp_group)
+            recorded = torch.cat(shards)
+        routes[:, :, router.layer_number - 1] = recorded.transpose(0, 1) + 1
     end_replay(model)
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(routes, group=ps.get_pipeline_model_parallel_group())

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from remax_megatron.kernels import IGNORE_INDEX
+from remax_megatron.parallel.layout import comm_device
 
 PATHS = ("mask", "thd")
 # Fill of each per-token key beyond a row's length (anything else: 0).
@@ -217,7 +218,7 @@ def exchange_rows(batch: dict, sources: list[list[tuple[int, int]]], rank: int, 
 def all_to_all_objects(objects: list, group) -> list:
     """`objects[k]` (picklable) to rank k of `group`; returns what each rank sent this one. Two
     `all_to_all_single` calls (sizes, then bytes), on the device the group's backend needs."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    device = comm_device(group)
     payloads = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objects]
     send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.long, device=device)
     recv_sizes = torch.empty_like(send_sizes)

@@ -26,14 +26,15 @@ def _actor_logprobs(actor, batch, temperature):
     return broadcast_from_last_stage(out[0] if out else None, batch["input_ids"].shape, torch.float32)
 
 
-def _actor_greedy(actor, prompts, eos_ids, pad_id):
-    """Greedy decoding by the actor: the whole prefix re-run each step, argmax of full_logits."""
+def _actor_greedy(actor, prompts, eos_ids, pad_id, multiple=1):
+    """Greedy decoding by the actor: the whole prefix re-run each step, argmax of full_logits (rows
+    right-padded to a multiple of `multiple`: sequence parallel's TP)."""
     from remax_megatron.models.forward import broadcast_from_last_stage, forward_only
 
     seqs, done = [list(p) for p in prompts], [False] * len(prompts)
     for _ in range(MAX_NEW):
         lengths = torch.tensor([len(s) for s in seqs])
-        ids = torch.full((len(seqs), int(lengths.max())), pad_id, dtype=torch.long)
+        ids = torch.full((len(seqs), -(-int(lengths.max()) // multiple) * multiple), pad_id, dtype=torch.long)
         for i, s in enumerate(seqs):
             ids[i, :len(s)] = torch.tensor(s)
 
@@ -67,7 +68,8 @@ def _body(rank, world, model_dir, tp, pp, ep=1):
     arch = read_hf_config(model_dir)
     moe = arch.is_moe
     experts = ExpertOptions(ep=ep, etp=etp, routing_replay=True) if moe else None
-    actor = build_policy(arch, tp=tp, pp=pp, trainable=False, experts=experts)
+    sp = moe and tp > 1  # megatron's MoE at TP > 1 with whole experts per rank needs sequence parallel
+    actor = build_policy(arch, tp=tp, pp=pp, trainable=False, experts=experts, sequence_parallel=sp)
     load_hf_weights(actor, model_dir)
     engine = build_engine(RolloutConfig(engine="native", routing_replay=moe), hf_dir=model_dir, arch=arch, seed=0,
                           dtype=torch.float32)
@@ -92,7 +94,7 @@ def _body(rank, world, model_dir, tp, pp, ep=1):
     dist.broadcast_object_list(shared, src=0)
     results = shared[0]
     rows_p, rows_c = flatten_rollouts(prompts, results)
-    batch = pack_sequences(rows_p, rows_c, pad_id=engine.pad_token_id)
+    batch = pack_sequences(rows_p, rows_c, pad_id=engine.pad_token_id, pad_to_multiple=tp if sp else 1)
     actor_lp = _actor_logprobs(actor, batch, TEMPERATURE)
     mismatch = logprob_mismatch(actor_lp, batch["engine_logprobs"], batch["response_mask"], threshold=1e-5)
     assert mismatch["max"] < 1e-5 and mismatch["tokens"] > 0, mismatch
@@ -100,13 +102,14 @@ def _body(rank, world, model_dir, tp, pp, ep=1):
         given = batch["routed_experts"]
         assert (given >= 0).sum() > 50
         assert torch.equal(given.sort(-1).values, own_routes(actor, batch).sort(-1).values)
-    greedy = pack_sequences(prompts, [ro.greedy for ro in results], pad_id=engine.pad_token_id)
+    greedy = pack_sequences(prompts, [ro.greedy for ro in results], pad_id=engine.pad_token_id,
+                            pad_to_multiple=tp if sp else 1)
     mismatch = logprob_mismatch(_actor_logprobs(actor, greedy, 1.0), greedy["engine_logprobs"],
                                 greedy["response_mask"])
     assert mismatch["max"] < 1e-5, f"greedy rows at T=1: {mismatch}"
 
     # Greedy == the actor's own argmax decoding.
-    expected = _actor_greedy(actor, prompts, engine.eos_token_ids, engine.pad_token_id)
+    expected = _actor_greedy(actor, prompts, engine.eos_token_ids, engine.pad_token_id, tp if sp else 1)
     got = [ro.greedy.token_ids for ro in results]
     assert got == expected, f"engine greedy {got} != actor argmax {expected}"
 
@@ -134,6 +137,7 @@ def launched(tiny_llama, qwen2, moe, tmp_path_factory):
     cases = {f"{family}-tp2-pp2": (_body, (model_dir, 2, 2)) for family, model_dir in
              [("llama", tiny_llama), ("qwen2", qwen2)]}
     cases.update({f"{family}-pp2-ep2": (_body, (model_dir, 1, 2, 2)) for family, model_dir in moe.items()})
+    cases["mixtral-tp2-ep2-sp"] = (_body, (moe["mixtral"], 2, 1, 2))  # the routes gathered over the SP shards
     return SharedLaunches({4: cases}, str(tmp_path_factory.mktemp("launches")))
 
 
@@ -144,6 +148,6 @@ def test_engine_matches_actor_tp2_pp2(family, launched):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_engine_matches_a_moe_actor_pp2_ep2_and_routes_where_it_does(family, launched):
-    launched.check(f"{family}-pp2-ep2")
+@pytest.mark.parametrize("case", ["qwen3_moe-pp2-ep2", "mixtral-pp2-ep2", "mixtral-tp2-ep2-sp"])
+def test_engine_matches_a_moe_actor_and_routes_where_it_does(case, launched):
+    launched.check(case)
