@@ -253,8 +253,8 @@ class Trainer:
                            for u in range(t.mini_batches)]
         shapes = [(batch["lengths"].tolist(), width)]  # every DP rank's row lengths and batch width
         if self.groups.dp_size > 1:
-            shapes = [None] * self.groups.dp_size
-            dist.all_gather_object(shapes, (batch["lengths"].tolist(), width), group=self.groups.dp)
+            mine, shapes = shapes[0], [None] * self.groups.dp_size
+            dist.all_gather_object(shapes, mine, group=self.groups.dp)
         plan = plan_step([lengths for lengths, _ in shapes], t.mini_batches, t.micro_batch_tokens,
                          sequence_multiple(self.actor_module), t.pack_sequences)
         if self.groups.dp_size == 1:

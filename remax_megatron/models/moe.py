@@ -149,11 +149,14 @@ class LoadBalancing:
                 dist.all_reduce(counts, group=self.tp_group)
             self._counts[index] += counts.cpu()
             given = getattr(router, "replay_given", None)
+            if given is None and not self.active:
+                return None
+            logits = router.gating(hidden).reshape(routing_map.shape)                       # [T, E], one GEMM
             if given is not None:
-                self._replayed += self._live_differs(router, hidden, routing_map, given & valid).cpu()
+                self._replayed += _live_differs(logits.detach(), router.topk, routing_map, given & valid).cpu()
             if not self.active:
                 return None
-            loss = self._loss(router, hidden, valid, routing_map, s_local=hidden.shape[0])
+            loss = self._loss(router, hidden, logits, valid, routing_map)
             self._aux[index] += loss.detach().double().cpu() / self.coef
             # fp16 scales the policy loss's gradient (megatron's grad_scale_func): the same here
             scale = router.config.grad_scale_func
@@ -161,22 +164,11 @@ class LoadBalancing:
             return _AddLoss.apply(probs, scaled.to(probs.dtype)), routing_map
         return hook
 
-    @staticmethod
-    @torch.no_grad()
-    def _live_differs(router, hidden, routing_map, given) -> torch.Tensor:
-        """[tokens whose replayed experts the live router would not have chosen, replayed tokens] among
-        `given` [T]: the live choice is the top-k of the router's logits (softmax and pre-softmax routers
-        pick the same set)."""
-        logits = router.gating(hidden).reshape(routing_map.shape).float()                    # [T, E]
-        live = torch.zeros_like(routing_map).scatter(1, logits.topk(router.topk, dim=-1).indices, True)
-        differs = (live != routing_map).any(-1) & given
-        return torch.stack([differs.sum(), given.sum()]).double()
-
-    def _loss(self, router, hidden, valid, routing_map, s_local: int) -> torch.Tensor:
+    def _loss(self, router, hidden, logits, valid, routing_map) -> torch.Tensor:
         """coef * this rank's share of the layer's weighted load-balancing loss (differentiable in the
-        router's weight through the recomputed scores)."""
+        router's weight through the recomputed logits [T, E])."""
         experts, k = routing_map.shape[1], router.topk
-        scores = torch.softmax(router.gating(hidden).reshape(-1, experts).float(), dim=-1)   # [T, E]
+        scores = torch.softmax(logits.float(), dim=-1)                                       # [T, E]
         scores = scores * valid[:, None]
         routed = (routing_map & valid[:, None]).float()
         if self.kind == "aux":
@@ -212,6 +204,15 @@ class LoadBalancing:
             s = segments.shape[1]
             segments = segments[:, rank * s // tp:(rank + 1) * s // tp]
         return segments.transpose(0, 1).reshape(-1), int(self._segments.max()) + 1
+
+
+def _live_differs(logits, topk: int, routing_map, given) -> torch.Tensor:
+    """[tokens whose replayed experts the live router would not have chosen, replayed tokens] among
+    `given` [T]: the live choice is the top-k of the router's logits [T, E] (softmax and pre-softmax routers
+    pick the same set)."""
+    live = torch.zeros_like(routing_map).scatter(1, logits.topk(topk, dim=-1).indices, True)
+    differs = (live != routing_map).any(-1) & given
+    return torch.stack([differs.sum(), given.sum()]).double()
 
 
 def padding_mask(model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, *,

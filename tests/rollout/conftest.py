@@ -1,4 +1,4 @@
-"""Fixtures for the rollout tests: a tiny Llama with a char tokenizer."""
+"""Fixtures for the rollout tests: a tiny Llama and tiny MoE models (Qwen3-MoE, Mixtral), char tokenizer."""
 
 import pytest
 
@@ -11,3 +11,13 @@ def tiny_llama(tmp_path_factory):
     2 layers."""
     return make_tiny_model(str(tmp_path_factory.mktemp("rollout") / "llama"), "llama", hidden=128, layers=2,
                            heads=4, kv_heads=2, ffn=96, tie=True, seed=5)
+
+
+@pytest.fixture(scope="session")
+def moe_models(tmp_path_factory):
+    """Qwen3-MoE and Mixtral: 4 experts, 2 per token, 2 layers, heads of 32 (vLLM's CPU backend runs them)."""
+    root = tmp_path_factory.mktemp("moe")
+    return {"qwen3_moe": make_tiny_model(str(root / "qwen3_moe"), "qwen3_moe", hidden=128, layers=2, heads=4,
+                                         kv_heads=2, ffn=64, experts=4, top_k=2, seed=14),
+            "mixtral": make_tiny_model(str(root / "mixtral"), "mixtral", hidden=128, layers=2, heads=4, kv_heads=2,
+                                       ffn=64, experts=4, top_k=2, seed=15)}

@@ -122,22 +122,13 @@ def qwen2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rollout-parity-moe")
-    return {"qwen3_moe": make_tiny_model(str(root / "qwen3_moe"), "qwen3_moe", hidden=64, layers=2, heads=4,
-                                         kv_heads=2, ffn=32, experts=4, top_k=2, seed=16),
-            "mixtral": make_tiny_model(str(root / "mixtral"), "mixtral", hidden=64, layers=2, heads=4, kv_heads=2,
-                                       ffn=32, experts=4, top_k=2, seed=17)}
-
-
-@pytest.fixture(scope="module")
-def launched(tiny_llama, qwen2, moe, tmp_path_factory):
+def launched(tiny_llama, qwen2, moe_models, tmp_path_factory):
     """Every family in one launch of 4 processes (process starts and imports dominate on CPU); the MoE
     actors at PP2 x EP2 (experts split over the 2 data-parallel ranks of each stage)."""
     cases = {f"{family}-tp2-pp2": (_body, (model_dir, 2, 2)) for family, model_dir in
              [("llama", tiny_llama), ("qwen2", qwen2)]}
-    cases.update({f"{family}-pp2-ep2": (_body, (model_dir, 1, 2, 2)) for family, model_dir in moe.items()})
-    cases["mixtral-tp2-ep2-sp"] = (_body, (moe["mixtral"], 2, 1, 2))  # the routes gathered over the SP shards
+    cases.update({f"{family}-pp2-ep2": (_body, (model_dir, 1, 2, 2)) for family, model_dir in moe_models.items()})
+    cases["mixtral-tp2-ep2-sp"] = (_body, (moe_models["mixtral"], 2, 1, 2))  # the routes gathered over the SP shards
     return SharedLaunches({4: cases}, str(tmp_path_factory.mktemp("launches")))
 
 

@@ -223,17 +223,15 @@ def test_a_prompts_samples_depend_on_its_seed_only(engine):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_recorded_routes_are_the_experts_each_fed_token_went_to(family, tmp_path):
+def test_recorded_routes_are_the_experts_each_fed_token_went_to(family, moe_models):
     """routing replay's engine side: every token the engine fed through the model (prompt, then each
     response token but the last), with the experts a full no-cache forward of the same tokens routes it
     to; rows that finish early and rows that leave the batch keep their own routes."""
     from remax_megatron.rollout import sync_weights
     from remax_megatron.rollout.native import NativeEngine, RouteRecorder
     from tests.rollout.helpers import hf_stream
-    from tools.make_tiny_model import make_tiny_model
 
-    model_dir = make_tiny_model(str(tmp_path / family), family, hidden=64, layers=2, heads=4, kv_heads=2, ffn=32,
-                                experts=4, top_k=2, seed=21)
+    model_dir = moe_models[family]
     engine = NativeEngine(hf_dir=model_dir, seed=0, dtype=torch.float32, device="cpu", routes=True)
     sync_weights(engine, hf_stream(model_dir), bucket_mb=1)
     prompts = _prompts(engine)

@@ -274,17 +274,6 @@ def test_vllm_matches_the_actor_of_each_family(family, rollout_tp, family_models
     run_distributed(_body, world_size=2, args=(family_models[family], 2, 1, rollout_tp))
 
 
-@pytest.fixture(scope="module")
-def moe_models(tmp_path_factory):
-    from tools.make_tiny_model import make_tiny_model
-
-    root = tmp_path_factory.mktemp("moe")
-    return {"qwen3_moe": make_tiny_model(str(root / "qwen3_moe"), "qwen3_moe", hidden=128, layers=2, heads=4,
-                                         kv_heads=2, ffn=64, experts=4, top_k=2, seed=14),
-            "mixtral": make_tiny_model(str(root / "mixtral"), "mixtral", hidden=128, layers=2, heads=4, kv_heads=2,
-                                       ffn=64, experts=4, top_k=2, seed=15)}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family,rollout_tp", [("qwen3_moe", 1), ("mixtral", 2)])
 def test_vllm_matches_a_moe_actor_at_ep2(family, rollout_tp, moe_models):

@@ -55,22 +55,10 @@ def _actor(world, model_dir, tp, pp, ep, overrides=()):
 
 def _record_body(rank, world, model_dir, out_path):
     """The actor's own routes over the batch, as an engine would return them: [B, S, layers, top_k]."""
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-    from remax_megatron.models.moe import routers
+    from remax_megatron.models.moe import own_routes
 
     _, actor = _actor(world, model_dir, 1, 1, 1)
-    batch = _moe_batch()
-    b, s = batch["input_ids"].shape
-    for router in routers(actor):
-        router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
-    with torch.no_grad():
-        actor(batch["input_ids"], torch.arange(s).expand(b, s), attention_mask=None)
-    layers = [r.router_replay.get_recorded_indices().view(s, b, -1).transpose(0, 1) for r in routers(actor)]
-    routes = torch.stack(layers, dim=2).clone()                               # [B, S, L, k]
-    given = torch.arange(s)[None, :] < (batch["lengths"] - 1)[:, None]       # the engine routes input tokens
-    routes[~given] = -1
-    torch.save(routes, out_path)
+    torch.save(own_routes(actor, _moe_batch()), out_path)
 
 
 def _replay_body(rank, world, model_dir, tp, pp, ep, routes_path, replay, out_path):
