@@ -33,6 +33,7 @@ MoeDispatcher = Literal["alltoall", "allgather"]
 MoeExperts = Literal["auto", "grouped", "sequential"]
 MoeAuxLoss = Literal["aux", "seq_aux", "none"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+RolloutCorrection = Literal["none", "token-tis", "seq-mis"]  # algo/rollout_correction.py
 DTYPE_NAMES = typing.get_args(Dtype)
 
 
@@ -218,6 +219,12 @@ class AlgoConfig:
     moe_aux_loss: MoeAuxLoss = knob("aux", "MoE load-balancing loss: aux = per micro-batch, token-weighted over the "
                                     "update; seq_aux = per sequence; none")
     moe_aux_loss_coef: float = knob(1e-3, "MoE load-balancing loss coefficient (summed over layers; 0: off)")
+    rollout_correction: RolloutCorrection = knob("none", "importance-sampling correction of the engine/trainer "
+                                                 "mismatch: token-tis = each token's loss weighted by min(pi_actor / "
+                                                 "pi_engine, rollout_is_cap); seq-mis = a sequence whose geometric-"
+                                                 "mean ratio leaves [1/cap, cap] is masked out (still counted in the "
+                                                 "loss's denominator); none")
+    rollout_is_cap: float = knob(2.0, "the ratio cap of algo.rollout_correction (>= 1)")
 
     def __post_init__(self):
         _positive("algo.kl_coef", self.kl_coef, zero_ok=True)
@@ -230,6 +237,9 @@ class AlgoConfig:
         _positive("algo.clip_ratio", self.clip_ratio)
         _positive("algo.advantage_clip", self.advantage_clip, zero_ok=True)
         _positive("algo.moe_aux_loss_coef", self.moe_aux_loss_coef, zero_ok=True)
+        if not 1.0 <= self.rollout_is_cap < float("inf"):
+            raise ValueError(f"algo.rollout_is_cap={self.rollout_is_cap!r} must be a finite number >= 1 (a ratio "
+                             "cap; 2.0 is the usual value)")
 
 
 @dataclass
@@ -332,6 +342,13 @@ class Config:
                              "set reference.enabled=true (or algo.kl_coef=0)")
         if not self.reward.functions and not self.reward.model:
             raise ValueError("no reward: set reward.functions (e.g. [exact_match]) and/or reward.model")
+        if self.algo.rollout_correction != "none" and self.rollout.engine == "vllm" \
+                and (self.rollout.top_k or self.rollout.top_p < 1):
+            raise ValueError(f"algo.rollout_correction={self.algo.rollout_correction} with rollout.top_k="
+                             f"{self.rollout.top_k} / rollout.top_p={self.rollout.top_p}: vLLM returns log-probs "
+                             "renormalised over the kept tokens, so the ratio would measure the truncation, not the "
+                             "mismatch; set rollout.top_k=0 and rollout.top_p=1, or use rollout.engine=native (it "
+                             "returns the untruncated log-probs)")
         budget = self.trainer.micro_batch_tokens
         if budget:
             multiple = self.actor.tp if self.actor.sequence_parallel else 1

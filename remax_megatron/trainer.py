@@ -38,6 +38,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from transformers import PreTrainedTokenizerBase
 
 from remax_megatron.algo.kl_controller import KLController
+from remax_megatron.algo.rollout_correction import STAT_KEYS as IS_STAT_KEYS, correction_metrics, correction_weights
 from remax_megatron.checkpoint import STEP_DIR, CheckpointError, latest_checkpoint, load_checkpoint, \
     preemption_save_refusal, save_checkpoint, step_dir_name
 from remax_megatron.config import Config
@@ -338,6 +339,7 @@ class Trainer:
         cfg, model = self.cfg, self.actor_module
         off_policy = cfg.trainer.mini_batches > 1
         kl_in_loss = cfg.algo.kl_mode == "loss"
+        correction = cfg.algo.rollout_correction
         def step_fn(data_iterator, ddp_model):
             mb = to_model_device(next(data_iterator), model)
             input_ids, inputs = model_inputs(mb)
@@ -359,7 +361,9 @@ class Trainer:
                                                                    mb["response_mask"], clip=clip)
                 # On-policy without KL the loss is linear in the log-probs: its gradient is known before the
                 # output layer runs, and the fused kernel takes it in its forward pass (no logits recomputed).
-                hint = logprob_gradient(adv, mb["response_mask"], **agg) if old is None and ref is None else None
+                # A rollout correction weighs each token by its own log-prob: not known before.
+                hint = logprob_gradient(adv, mb["response_mask"], **agg) \
+                    if old is None and ref is None and correction == "none" else None
                 logprobs, entropy = model.token_logprobs(output, model_labels(mb), temperature=cfg.rollout.temperature,
                                                          with_entropy=True,
                                                          grad_hint=to_rows(mb, hint) if hint is not None else None)
@@ -370,11 +374,14 @@ class Trainer:
                                              ref, kl_coef=self.parts.kl.coef, clip=clip)  # [b, S]
                 behaviour.append(rollout_policy)  # stays on the device: one copy to the host per update
                 advantages.append(adv)
+                # algo.rollout_correction: pi_actor_old / pi_engine per token, from the rollout policy's log-probs
+                is_weights = None if correction == "none" else correction_weights(
+                    rollout_policy, mb["engine_logprobs"], mb["response_mask"], correction, cfg.algo.rollout_is_cap)[0]
                 loss, stats = remax_loss(
                     logprobs, adv, mb["response_mask"], **agg,
                     old_logprobs=old if off_policy else None, clip_eps=cfg.algo.clip_ratio,
                     ref_logprobs=ref if kl_in_loss else None, kl_coef=self.parts.kl.coef,
-                    kl_estimator=cfg.algo.kl_estimator, entropy=entropy)
+                    kl_estimator=cfg.algo.kl_estimator, entropy=entropy, is_weights=is_weights)
                 # A non-finite loss gives non-finite grads: the optimizer skips that update.
                 local_tokens = mb["response_mask"].sum().to(torch.int)
                 return loss, local_tokens, {k: v.detach().float() for k, v in stats.items()}
@@ -487,7 +494,22 @@ class Trainer:
         }
         record.update({k: stats[k] for k in MOE_STATS + REPLAY_STATS if k in stats})
         record.update(self._global_reward_metrics(reward_metrics))
+        record.update(self._correction_record(batch, old_lp))
         return record
+
+    def _correction_record(self, batch: dict, behaviour: torch.Tensor | None) -> dict:
+        """is/* metrics of algo.rollout_correction over the step's batch (every DP rank's), from the rollout
+        policy's log-probs `behaviour` [B, S] (last stage; None elsewhere) and the engine's: the same weights
+        the loss used. {} when the correction is off."""
+        mode = self.cfg.algo.rollout_correction
+        if mode == "none":
+            return {}
+        local = None
+        if self.groups.is_last_stage:
+            _, local = correction_weights(behaviour, batch["engine_logprobs"], batch["response_mask"], mode,
+                                          self.cfg.algo.rollout_is_cap)
+        totals = reduce_totals(self._from_last_stage(local, IS_STAT_KEYS), self._dp_group, maximum=("ratio_max",))
+        return correction_metrics(totals, mode)
 
     def _global_reward_metrics(self, local: dict) -> dict:
         """The scorer's per-rank metrics over the whole batch: `*_mean` weighted by the rank's count of

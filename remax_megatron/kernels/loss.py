@@ -5,6 +5,8 @@ Per token (``A`` = advantages broadcast to ``[B, T]`` when given per sequence):
     pg   = -A * logp                                  (no old log-probs)
     pg   = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)),
            ratio = exp(logp - old_logp)               (PPO-style, with old)
+    pg   = pg * w                                     (rollout correction weights, when given:
+                                                       remax_megatron.algo.rollout_correction)
     kl   = k1 | k2 | k3 (logp, ref_logp)              (remax_megatron.algo.kl)
     loss = pg + kl_coef * kl - entropy_coef * entropy
 
@@ -42,11 +44,14 @@ def remax_loss(
     kl_estimator: str = "k3",
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """ReMax loss of one micro-batch and detached stats.
 
     logprobs [B, T] (differentiable), advantages [B] or [B, T], mask [B, T],
-    old_logprobs / ref_logprobs / entropy [B, T] optional. ``clip_eps`` is the
+    old_logprobs / ref_logprobs / entropy / is_weights [B, T] optional (is_weights: the
+    rollout correction's per-token weights of the policy-gradient term, no gradient through
+    them). ``clip_eps`` is the
     lower clip and also the upper one unless ``clip_eps_high`` is given.
     Returns ``(loss, stats)``. Every stat (``pg_loss``, ``kl``, ``entropy``,
     ``clip_frac``, ``ratio``, ``adv``) is aggregated like the loss, so it sums
@@ -54,7 +59,7 @@ def remax_loss(
     detached tensors (no host sync here).
     """
     _check(logprobs, advantages, mask, old_logprobs, ref_logprobs, entropy, loss_agg_mode,
-           kl_estimator, clip_eps, clip_eps_high)
+           kl_estimator, clip_eps, clip_eps_high, is_weights)
     b, t = logprobs.shape
     lp = logprobs.float() if logprobs.dtype != torch.float64 else logprobs
     adv = advantages.to(lp.dtype)
@@ -74,6 +79,8 @@ def remax_loss(
         clipped_pg = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + hi)
         pg = torch.maximum(unclipped, clipped_pg)
         clipped = (clipped_pg > unclipped).to(lp.dtype)
+    if is_weights is not None:
+        pg = pg * is_weights.detach().to(lp.dtype)
     per_token = pg
     stats["pg_loss"] = aggregate(pg.detach(), mask, **agg)
     if ref_logprobs is not None:
@@ -107,7 +114,7 @@ def logprob_gradient(advantages: torch.Tensor, mask: torch.Tensor, *, loss_agg_m
     return torch.autograd.grad(loss, x)[0]
 
 
-def _check(logprobs, advantages, mask, old, ref, entropy, mode, kl_estimator, eps, eps_high):
+def _check(logprobs, advantages, mask, old, ref, entropy, mode, kl_estimator, eps, eps_high, is_weights=None):
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs: shape {tuple(logprobs.shape)} must be [B, T]")
     b, t = logprobs.shape
@@ -116,7 +123,7 @@ def _check(logprobs, advantages, mask, old, ref, entropy, mode, kl_estimator, ep
     if advantages.shape not in ((b,), (b, t)):
         raise ValueError(f"advantages: shape {tuple(advantages.shape)} must be [{b}] "
                          f"(per sequence) or [{b}, {t}] (per token)")
-    for name, x in (("old_logprobs", old), ("ref_logprobs", ref), ("entropy", entropy)):
+    for name, x in (("old_logprobs", old), ("ref_logprobs", ref), ("entropy", entropy), ("is_weights", is_weights)):
         if x is not None and x.shape != (b, t):
             raise ValueError(f"{name}: shape {tuple(x.shape)} must be [{b}, {t}] like logprobs")
     if mode not in AGG_MODES:
