@@ -34,6 +34,7 @@ MoeExperts = Literal["auto", "grouped", "sequential"]
 MoeAuxLoss = Literal["aux", "seq_aux", "none"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 RolloutCorrection = Literal["none", "token-tis", "seq-mis"]  # algo/rollout_correction.py
+Placement = Literal["colocated", "separate"]  # parallel/split.py, rollout/remote.py
 DTYPE_NAMES = typing.get_args(Dtype)
 
 
@@ -172,6 +173,14 @@ class RolloutConfig:
                              "structured outputs, xgrammar); vLLM only")
     guided_json: str = knob("", "guided decoding: every sampled and greedy response is JSON matching this JSON "
                             "schema (JSON text; in YAML a quoted string); vLLM only")
+    placement: Placement = knob("colocated", "colocated: every rank trains and runs an engine, one after the "
+                                "other; separate: the last rollout.ranks ranks run the engine(s), the others train, "
+                                "weights go over by broadcast")
+    ranks: int = knob(0, "rollout.placement=separate: how many ranks of the world run the engine(s) (rollout.tp "
+                      "divides it)")
+    max_staleness: int = knob(1, "rollout.placement=separate: 1 = the rollout ranks generate step k+1 with the "
+                              "weights step k started from while the training ranks update on step k (one policy "
+                              "version behind; use algo.rollout_correction); 0 = they wait for the update")
 
     def __post_init__(self):
         _check_choices("rollout", self)
@@ -184,6 +193,18 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p={self.top_p!r} must be in (0, 1]")
         _positive("rollout.top_k", self.top_k, zero_ok=True)
         _positive("rollout.max_new_tokens", self.max_new_tokens)
+        if self.max_staleness not in (0, 1):
+            raise ValueError(f"rollout.max_staleness={self.max_staleness!r} must be 0 or 1 (policy versions the "
+                             "rollout may lag behind the update)")
+        if self.placement == "separate" and self.ranks < 1:
+            raise ValueError(f"rollout.placement=separate with rollout.ranks={self.ranks}: give the number of ranks "
+                             "that run the engine(s), e.g. rollout.ranks=1")
+        if self.placement == "colocated" and self.ranks:
+            raise ValueError(f"rollout.ranks={self.ranks} with rollout.placement=colocated: every rank runs an engine "
+                             "there; set rollout.placement=separate or rollout.ranks=0")
+        if self.placement == "separate" and self.routing_replay:
+            raise ValueError("rollout.routing_replay=true with rollout.placement=separate is not supported yet: use "
+                             "rollout.placement=colocated")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"rollout.stop_token_ids={self.stop_token_ids} holds a negative id: token ids are >= 0")
         _positive("rollout.sync_bucket_mb", self.sync_bucket_mb)
@@ -360,12 +381,24 @@ class Config:
                                  f"{f' rounded up to a multiple of tp={multiple}' if multiple > 1 else ''} = {longest}: "
                                  f"raise it to at least {longest}")
 
+    def train_world(self, world_size: int) -> int:
+        """The ranks that train: the world, less the rollout ranks with rollout.placement=separate."""
+        return world_size - self.rollout.ranks if self.rollout.placement == "separate" else world_size
+
+    def rollout_world(self, world_size: int) -> int:
+        """The ranks that run rollout engines: all of them, or rollout.ranks with rollout.placement=separate."""
+        return self.rollout.ranks if self.rollout.placement == "separate" else world_size
+
     def check_world(self, world_size: int) -> None:
         """Layout checks that need the launched world size (one line, every factor named)."""
         # imported here: reading a config needs no torch (train.py refuses a bad key before importing it)
         from remax_megatron.parallel import ParallelLayout
         from remax_megatron.parallel.nested import check_nested
+        from remax_megatron.parallel.split import check_split
 
+        if self.rollout.placement == "separate":
+            check_split(world_size, self.rollout.ranks, self.rollout.tp)
+            world_size = self.train_world(world_size)
         try:
             ParallelLayout(tp=self.actor.tp, pp=self.actor.pp, world_size=world_size, ep=self.actor.ep,
                            etp=self.actor.etp)

@@ -83,7 +83,7 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     experts = expert_options(cfg, arch)
     if cfg.trainer.pack_sequences:
         check_packing(DTYPES[cfg.actor.dtype])
-    check_rollout(cfg.rollout, arch, world_size)
+    check_rollout(cfg.rollout, arch, cfg.rollout_world(world_size))
     beyond = [t for t in cfg.rollout.stop_token_ids if t >= arch.vocab_size]
     if beyond:
         raise ValueError(f"rollout.stop_token_ids: {beyond[:5]} are not tokens of actor.model {actor_dir} "
@@ -239,9 +239,10 @@ def prepare_models(cfg, checked: CheckedInputs) -> None:
         resolve_model(cfg.reward.model, "reward.model")
 
 
-def build(cfg, checked: CheckedInputs):
+def build(cfg, checked: CheckedInputs, bridge=None):
     """Process groups, models, optimizer, engine, reward: the trainer's Components (built-in models
-    built first by prepare_models)."""
+    built first by prepare_models). rollout.placement=separate: the engine is the rollout ranks' (`bridge`:
+    parallel/split.py's, on training rank 0)."""
     import torch
 
     from remax_megatron.algo.kl_controller import KLController
@@ -251,7 +252,6 @@ def build(cfg, checked: CheckedInputs):
     from remax_megatron.optimizer import attach_to_schedule, build_optimizer, build_scheduler, wrap_ddp
     from remax_megatron.parallel import ParallelLayout, init_distributed
     from remax_megatron.reward.scoring import RewardScorer
-    from remax_megatron.rollout.factory import build_engine
     from remax_megatron.trainer import Components
     from remax_megatron.weights import load_hf_weights
 
@@ -285,8 +285,12 @@ def build(cfg, checked: CheckedInputs):
     optimizer = build_optimizer(ddp, cfg.optim, dtype, groups)
     attach_to_schedule(ddp, optimizer)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.steps * cfg.trainer.mini_batches)
-    engine = build_engine(cfg.rollout, hf_dir=actor_dir, arch=checked.arch, seed=cfg.trainer.seed,
-                          dtype=dtype, max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    if cfg.rollout.placement == "separate":
+        from remax_megatron.rollout.remote import RemoteEngine
+
+        engine = RemoteEngine(bridge, dtype=dtype, seed=cfg.trainer.seed)
+    else:
+        engine = build_rollout_engine(cfg, checked, actor_dir)
     tok = checked.tokenizer
     scorer = RewardScorer(checked.functions, reward_model, cfg.reward.model_weight,
                           micro_batch_size=cfg.trainer.micro_batch_size, rm_inputs=checked.rm_inputs)
@@ -296,3 +300,14 @@ def build(cfg, checked: CheckedInputs):
                       eval_prompts=checked.eval, kl=KLController(cfg.algo.kl_coef, cfg.algo.kl_target,
                                                                     cfg.algo.kl_horizon),
                       hf_dir=actor_dir)
+
+
+def build_rollout_engine(cfg, checked: CheckedInputs, actor_dir: str | None = None):
+    """The run's rollout engine on this rank (colocated: every rank; separate: the rollout ranks), its weights
+    still to be synced."""
+    from remax_megatron.models.gpt import params_dtype_of
+    from remax_megatron.rollout.factory import build_engine
+
+    return build_engine(cfg.rollout, hf_dir=actor_dir or resolve_model(cfg.actor.model, "actor.model"),
+                        arch=checked.arch, seed=cfg.trainer.seed, dtype=params_dtype_of(cfg.actor.dtype),
+                        max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)

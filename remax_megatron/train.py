@@ -111,6 +111,15 @@ def main(argv=None) -> None:
     except (ValueError, FileNotFoundError) as e:
         _refuse(e)
     prepare_models(cfg, checked)  # built-in models on first use (a minute once), before the process group
+    bridge = None
+    if cfg.rollout.placement == "separate":  # the world splits: the last rollout.ranks ranks serve the engine
+        from remax_megatron.parallel.split import split_world
+
+        split = split_world(cfg.rollout.ranks, cfg.trainer.dist_timeout_minutes)
+        if split.role == "rollout":
+            _serve_rollouts(cfg, checked, split)
+            return
+        bridge = split.bridge
     from remax_megatron.checkpoint import CheckpointError
     from remax_megatron.metrics import is_rank0
 
@@ -121,20 +130,43 @@ def main(argv=None) -> None:
     except CheckpointError as e:  # the checkpoint to resume cannot be read (every rank raises the same line)
         _fail(None, None, e, printer=is_rank0(), same_on_every_rank=True)
 
-    dp = world // (cfg.actor.tp * cfg.actor.pp)
+    dp = cfg.train_world(world) // (cfg.actor.tp * cfg.actor.pp)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"remax-megatron: rollout engine {cfg.rollout.engine} (rollout.tp={cfg.rollout.tp}), actor "
+        where = f" on {cfg.rollout.ranks} separate rank(s), {cfg.rollout.max_staleness} version(s) behind at most" \
+            if cfg.rollout.placement == "separate" else ""
+        print(f"remax-megatron: rollout engine {cfg.rollout.engine} (rollout.tp={cfg.rollout.tp}){where}, actor "
               f"{checked.arch.architecture} from {cfg.actor.model}, {cfg.actor.tp}x{cfg.actor.pp}x{dp} "
               f"(tp x pp x dp), {len(checked.train)} train / {len(checked.eval)} eval prompts "
               f"{checked.data_counts}", flush=True)
+        if cfg.rollout.placement == "separate" and cfg.rollout.max_staleness and cfg.algo.rollout_correction == "none":
+            print("warning: rollout.max_staleness=1 trains on samples of the previous policy version without "
+                  "correction: set algo.rollout_correction=token-tis (or seq-mis)", file=sys.stderr, flush=True)
     try:
-        _train(cfg, checked, claim)
+        _train(cfg, checked, claim, bridge)
     finally:  # a run that failed before its first record leaves no lock file and no directory it created
         if claim.lock is not None:
             claim.lock.release()
 
 
-def _train(cfg, checked, claim) -> None:
+def _serve_rollouts(cfg, checked, split) -> None:
+    """A rollout rank of rollout.placement=separate: build the engine, serve the training ranks until they
+    stop, tear down. A failure here is one line and exit 1; the launcher then ends the training ranks."""
+    import torch.distributed as dist
+
+    from remax_megatron.rollout.remote import serve
+    from remax_megatron.startup import build_rollout_engine
+
+    try:
+        engine = build_rollout_engine(cfg, checked)
+        serve(engine, split.bridge)
+    except (RuntimeError, ValueError, dist.DistBackendError) as e:
+        _fail(None, None, RuntimeError(f"rollout rank {split.global_rank}: {type(e).__name__}: "
+                                       f"{str(e).splitlines()[0] if str(e) else ''}"), printer=True,
+              same_on_every_rank=False)
+    _teardown(engine)
+
+
+def _train(cfg, checked, claim, bridge=None) -> None:
     """Build, train, tear down: the run after its inputs were checked and its directories claimed."""
     from remax_megatron.checkpoint import CheckpointError
     from remax_megatron.config import save_config
@@ -145,7 +177,7 @@ def _train(cfg, checked, claim) -> None:
     from remax_megatron.trainer import StageError, Trainer
 
     keep_freed_host_memory()  # CPU: no page faults on every step's big tensors (remax_megatron.memory)
-    parts = build(cfg, checked)
+    parts = build(cfg, checked, bridge)
     # config.yaml, metrics.jsonl and TensorBoard events appear with the first record: a run that fails
     # before it has trained or evaluated anything leaves an existing run's files as they were.
     logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.steps, tensorboard=cfg.logging.tensorboard,

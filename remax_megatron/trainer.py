@@ -96,8 +96,12 @@ class Trainer:
         self.step = 0
         self.skipped_updates = 0
         self._decoded_tokens = 0  # tokens this rank's engine decoded in the step's rollout
+        self._decoded_seen = 0    # the engine's decoded_tokens at the last collect
         self.preempt = preemption_flag()
         self._save_seconds = 0.0  # the last save's duration: a stop-signal save must fit torchrun's grace
+        self._pending = None  # separate placement, staleness 1: (prompts, ticket, version) generating meanwhile
+        self._sampler_before_pending = None  # the sampler's state before the pending batch was drawn
+        self._synced_step: int | None = None  # the policy version (updates applied) of the weights last synced
         self.health = TrainingHealth(self.cfg, self.actor_module.arch.vocab_size)
         # MoE: the load-balancing loss and expert-load statistics (hooks on the actor's routers)
         self.balance = LoadBalancing(self.actor_module, self.cfg.algo.moe_aux_loss, self.cfg.algo.moe_aux_loss_coef,
@@ -121,13 +125,8 @@ class Trainer:
         times: dict[str, float] = {}
         t_step = time.perf_counter()
 
-        with self._stage("sync", times):
-            # The sync wakes only the engine's weights; generate wakes its KV cache after the offload.
-            sync = self.weight_sync()
-
-        with self._stage("rollout", times), self.offload.offloaded():
-            prompts = self._local_share(parts.sampler.next(cfg.trainer.prompts_per_step))
-            rollouts = self._generate(prompts, cfg.rollout.n)
+        # sync + rollout: this step's prompts and their rollouts, and the policy version that generated them
+        prompts, rollouts, sync, version = self._rollout(times)
 
         with self._stage("reward", times):
             r_sampled, r_greedy, reward_metrics = self._rewards(prompts, rollouts)
@@ -163,9 +162,64 @@ class Trainer:
             "sync/bytes": sync["bytes"], "sync/buckets": sync["buckets"], "kl/coef": parts.kl.coef,
             "lr": parts.optimizer.param_groups[0]["lr"], "optim/skipped_updates": self.skipped_updates,
             # Where the data loader stands after this step (resume must continue exactly here).
-            "data/epoch": parts.sampler.epoch, "data/position": parts.sampler.position,
+            "data/epoch": self._sampler_state()["epoch"], "data/position": self._sampler_state()["position"],
+            # updates between the weights that generated this batch and the ones it trains (separate placement)
+            "rollout/staleness": self.step - version,
         })
         return record
+
+    def _rollout(self, times: dict) -> tuple[list, list, dict, int]:
+        """This step's prompts (this DP rank's), their rollouts, the weight sync's stats and the policy
+        version (updates applied to the engine's weights) that generated them.
+
+        Colocated, or separate with rollout.max_staleness=0: sync the current weights, then generate.
+        Separate with staleness 1: the batch submitted during the last step's update (generated with the
+        weights that update started from) is collected, the current weights are synced, and the next
+        step's batch is submitted, to be generated on the rollout ranks while this one trains."""
+        sync = {"bytes": 0, "buckets": 0}
+        if self._pending is None:
+            with self._stage("sync", times):
+                # The sync wakes only the engine's weights; generate wakes its KV cache after the offload.
+                sync = self._sync()
+            self._pending = self._submit_step(self.step)
+        with self._stage("rollout", times), self.offload.offloaded():
+            prompts, ticket, version = self._pending
+            self._pending, self._sampler_before_pending = None, None
+            rollouts = self._collect(ticket)
+        if self._ahead and self.step + 1 < self.cfg.trainer.steps:
+            with self._stage("sync", times):
+                sync = self._sync()
+            self._pending = self._submit_step(self.step + 1)
+        times.setdefault("time/sync_s", 0.0)  # the last step of a run ahead has nothing to sync
+        return prompts, rollouts, sync, version
+
+    @property
+    def _ahead(self) -> bool:
+        """Whether the next step's batch is generated during this step's update (rollout.max_staleness=1)."""
+        return self.cfg.rollout.placement == "separate" and self.cfg.rollout.max_staleness == 1
+
+    def _sync(self) -> dict:
+        """Weights -> engine. Separate placement: only when the engine's weights are older than the actor's."""
+        if self.cfg.rollout.placement == "separate" and self._synced_step == self.step:
+            return {"bytes": 0, "buckets": 0}
+        stats = self.weight_sync()
+        self._synced_step = self.step
+        return stats
+
+    def _submit_step(self, step: int) -> tuple[list, object, int]:
+        """Draw step `step`'s prompts and submit this DP rank's share to the engine: (prompts, ticket, version).
+        A batch drawn ahead keeps the sampler's state from before it: a checkpoint saved while it is in flight
+        resumes from there, so a stopped run draws those prompts again (the in-flight batch is dropped, never
+        trained twice or lost)."""
+        before = self.parts.sampler.state_dict()
+        prompts = self._local_share(self.parts.sampler.next(self.cfg.trainer.prompts_per_step))
+        if step > self.step:
+            self._sampler_before_pending = before
+        return prompts, self._submit(prompts, self.cfg.rollout.n, step), self._synced_step
+
+    def _sampler_state(self) -> dict:
+        """The data loader's position as a checkpoint must record it (before a batch drawn ahead)."""
+        return self._sampler_before_pending or self.parts.sampler.state_dict()
 
     @contextlib.contextmanager
     def _stage(self, name: str, times: dict, step: int | None = None):
@@ -192,22 +246,32 @@ class Trainer:
 
     def _generate(self, prompts: list, n: int) -> list:
         """n sampled + 1 greedy per prompt of this replica; the same list on every rank of its
-        model-parallel group.
+        model-parallel group."""
+        return self._collect(self._submit(prompts, n, self.step))
 
-        Each rank of the group decodes a distinct contiguous share of the replica's prompts (no
-        rollout is computed twice), then the group gathers the shares in order. Prompt i of the
-        step's global batch samples from `stream_seed(trainer.seed, step, i)` whichever rank or
-        engine decodes it.
+    def _submit(self, prompts: list, n: int, step: int):
+        """Start generating `prompts` (this replica's, of step `step`); `_collect` gives the rollouts.
+
+        Each rank of the model-parallel group decodes a distinct contiguous share of the replica's prompts
+        (no rollout is computed twice). Prompt i of the step's global batch samples from
+        `stream_seed(trainer.seed, step, i)` whichever rank or engine decodes it.
         """
         groups = self.groups
-        decoded_before = self.parts.engine.decoded_tokens
         lo, hi = _share(len(prompts), groups.mp_size, groups.mp_rank)
         first = groups.dp_rank * len(prompts)  # index of this replica's first prompt in the global batch
-        seeds = [stream_seed(self.cfg.trainer.seed, self.step, first + i) for i in range(lo, hi)]
-        rollouts = self.parts.engine.generate([q.token_ids for q in prompts[lo:hi]], n=n,
-                                          sampling=SamplingParams.from_config(self.cfg.rollout), seeds=seeds)
+        seeds = [stream_seed(self.cfg.trainer.seed, step, first + i) for i in range(lo, hi)]
+        return self.parts.engine.submit([q.token_ids for q in prompts[lo:hi]], n=n,
+                                        sampling=SamplingParams.from_config(self.cfg.rollout), seeds=seeds)
+
+    def _collect(self, ticket) -> list:
+        """The rollouts of `_submit`'s ticket, the model-parallel group's shares gathered in order."""
+        groups = self.groups
+        rollouts = self.parts.engine.collect(ticket)
         self.parts.engine.sleep()
-        self._decoded_tokens = self.parts.engine.decoded_tokens - decoded_before
+        # what the engine decoded since the last collect: a local engine decodes at submit, a remote one
+        # reports at collect
+        self._decoded_tokens = self.parts.engine.decoded_tokens - self._decoded_seen
+        self._decoded_seen = self.parts.engine.decoded_tokens
         if groups.mp_size > 1:
             shares: list = [None] * groups.mp_size
             dist.all_gather_object(shares, rollouts, group=groups.mp)
@@ -525,7 +589,7 @@ class Trainer:
         if len(selected) < self.groups.dp_size:  # the same decision on every rank: no DP rank waits for another
             return {}
         prompts = self._local_share(selected)
-        self.weight_sync()
+        self._sync()
         with self.offload.offloaded():
             rollouts = self._generate(prompts, 0)
         responses = [[(r.greedy.token_ids, self._decode(r.greedy.token_ids))] for r in rollouts]
@@ -564,7 +628,7 @@ class Trainer:
 
     # ---- checkpoints and preemption ----------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"sampler": self.parts.sampler.state_dict(), "scheduler": self.parts.scheduler.state_dict(),
+        return {"sampler": self._sampler_state(), "scheduler": self.parts.scheduler.state_dict(),
                 "kl": self.parts.kl.state_dict(), "skipped_updates": self.skipped_updates,
                 "model": self._model_fingerprint}
 

@@ -173,6 +173,16 @@ class RolloutEngine:
                   seeds: list[int]) -> list[PromptRollout]:
         raise NotImplementedError
 
+    def submit(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
+               seeds: list[int] | None = None):
+        """Start a request; `collect(ticket)` gives its rollouts. A local engine decodes here, so nothing
+        runs meanwhile; the remote engine (rollout/remote.py) returns at once and decodes on other ranks."""
+        return self.generate(prompt_token_ids, n, sampling, seeds)
+
+    def collect(self, ticket) -> list[PromptRollout]:
+        """The rollouts of a `submit` (waits for them)."""
+        return ticket
+
     def _check_weights(self) -> None:
         """Raise RuntimeError when the engine holds no synced weights (checked before waking up)."""
 
