@@ -178,6 +178,10 @@ class RolloutConfig:
                                 "weights go over by broadcast")
     ranks: int = knob(0, "rollout.placement=separate: how many ranks of the world run the engine(s) (rollout.tp "
                       "divides it)")
+    behaviour_logprobs: bool = knob(False, "rollout.placement=separate with max_staleness=1: also compute each "
+                                    "batch's log-probs under the actor version that generated it (one more copy of "
+                                    "the actor's weights and one more forward per step): the metric "
+                                    "logprob/engine_vs_behaviour_max_diff, the engine's own mismatch without the lag")
     max_staleness: int = knob(1, "rollout.placement=separate: 1 = the rollout ranks generate step k+1 with the "
                               "weights step k started from while the training ranks update on step k (one policy "
                               "version behind; use algo.rollout_correction); 0 = they wait for the update")
@@ -202,6 +206,10 @@ class RolloutConfig:
         if self.placement == "colocated" and self.ranks:
             raise ValueError(f"rollout.ranks={self.ranks} with rollout.placement=colocated: every rank runs an engine "
                              "there; set rollout.placement=separate or rollout.ranks=0")
+        if self.behaviour_logprobs and (self.placement != "separate" or self.max_staleness != 1):
+            raise ValueError("rollout.behaviour_logprobs=true needs rollout.placement=separate with "
+                             "rollout.max_staleness=1 (otherwise the batch's policy is the actor's: "
+                             "logprob/engine_vs_actor_max_diff says it already)")
         if self.placement == "separate" and self.routing_replay:
             raise ValueError("rollout.routing_replay=true with rollout.placement=separate is not supported yet: use "
                              "rollout.placement=colocated")

@@ -12,8 +12,8 @@
 Every training rank calls `submit` with its own prompts (as with a local engine); the prompts of all
 training ranks are gathered to training rank 0, which sends ONE request over the bridge. The K rollout
 ranks split the request's prompts in contiguous shares (each rank of a rollout.tp engine its own, as
-under colocation), decode them, and rollout rank 0 sends every completion back; training rank 0 hands
-each training rank its own. Weight syncs stream the actor's export (the same buckets as a local sync)
+under colocation), decode them, and rollout rank 0 sends every completion back to training rank 0 (point
+to point), which hands each training rank its own. Weight syncs stream the actor's export (the same buckets as a local sync)
 from training rank 0 to every rollout rank by broadcast, one flat tensor per bucket; each rollout rank
 loads them into its engine in ONE update_weights call, as the colocated sync does.
 
@@ -32,7 +32,8 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from remax_megatron.rollout.engine import PromptRollout, RolloutEngine, SamplingParams, check_generate_args
+from remax_megatron.rollout.engine import PromptRollout, RolloutEngine, SamplingParams, check_generate_args, \
+    world_size_and_rank
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
@@ -62,6 +63,19 @@ class Bridge:
     def tensor(self, tensor: torch.Tensor, root: int) -> None:
         """Broadcast `tensor` in place (the root's values to every bridge rank)."""
         self._broadcast(tensor, root)
+
+    def send_to(self, obj, dst: int) -> None:
+        """`obj` to bridge rank `dst` alone (point to point: the other rollout ranks are not involved)."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        self.group.send([torch.tensor([len(data)], dtype=torch.int64, device=self.device)], dst, 0).wait()
+        self.group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)], dst, 1).wait()
+
+    def recv_from(self, src: int):
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.group.recv([size], src, 0).wait()
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self.group.recv([data], src, 1).wait()
+        return pickle.load(io.BytesIO(data.cpu().numpy().tobytes()))
 
 
 @dataclass
@@ -142,7 +156,7 @@ class RemoteEngine(RolloutEngine):
         """Training rank 0: receive the result of the request in flight (before anything else is sent)."""
         if self._in_flight is None:
             return
-        kind, request_id, rollouts, decoded = self.bridge.recv(1)
+        kind, request_id, rollouts, decoded = self.bridge.recv_from(1)
         assert kind == "result" and request_id == self._in_flight.id, (kind, request_id, self._in_flight)
         self._received[request_id] = (rollouts, decoded)
         self._in_flight = None
@@ -221,8 +235,6 @@ def serve(engine: RolloutEngine, bridge_group) -> int:
 
     A request's prompts are split over the rollout ranks in contiguous shares; each rank generates its own
     (the ranks of a rollout.tp engine together, as under colocation), and rollout rank 0 returns them all."""
-    from remax_megatron.rollout.engine import world_size_and_rank
-
     bridge = Bridge(bridge_group, engine.device if engine.device.type == "cuda" else torch.device("cpu"))
     world, rank = world_size_and_rank()
     served = 0
@@ -251,6 +263,6 @@ def serve(engine: RolloutEngine, bridge_group) -> int:
         else:
             shares = [(rollouts, decoded)]
         if rank == 0:
-            bridge.send(("result", request_id, [r for share, _ in shares for r in share],
-                         sum(d for _, d in shares)), 1)
+            bridge.send_to(("result", request_id, [r for share, _ in shares for r in share],
+                            sum(d for _, d in shares)), 0)
         served += 1
