@@ -389,6 +389,15 @@ class Config:
                                  f"{f' rounded up to a multiple of tp={multiple}' if multiple > 1 else ''} = {longest}: "
                                  f"raise it to at least {longest}")
 
+    def start_warnings(self) -> list[str]:
+        """Lines a run with this config prints at start (rank 0): settings that run but are likely a mistake."""
+        out = []
+        if self.rollout.placement == "separate" and self.rollout.max_staleness and \
+                self.algo.rollout_correction == "none":
+            out.append("warning: rollout.max_staleness=1 trains on samples of the previous policy version without "
+                       "correction: set algo.rollout_correction=token-tis (or seq-mis)")
+        return out
+
     def train_world(self, world_size: int) -> int:
         """The ranks that train: the world, less the rollout ranks with rollout.placement=separate."""
         return world_size - self.rollout.ranks if self.rollout.placement == "separate" else world_size

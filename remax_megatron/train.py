@@ -138,9 +138,8 @@ def main(argv=None) -> None:
               f"{checked.arch.architecture} from {cfg.actor.model}, {cfg.actor.tp}x{cfg.actor.pp}x{dp} "
               f"(tp x pp x dp), {len(checked.train)} train / {len(checked.eval)} eval prompts "
               f"{checked.data_counts}", flush=True)
-        if cfg.rollout.placement == "separate" and cfg.rollout.max_staleness and cfg.algo.rollout_correction == "none":
-            print("warning: rollout.max_staleness=1 trains on samples of the previous policy version without "
-                  "correction: set algo.rollout_correction=token-tis (or seq-mis)", file=sys.stderr, flush=True)
+        for line in cfg.start_warnings():
+            print(line, file=sys.stderr, flush=True)
     try:
         _train(cfg, checked, claim, bridge)
     finally:  # a run that failed before its first record leaves no lock file and no directory it created

@@ -162,3 +162,27 @@ def test_fixed_choices_come_from_the_types():
         load_config(None, [R, "algo.loss_agg=sum"])
     with pytest.raises(ValueError, match=r"algo.kl_mode='both' is not one of reward, loss"):
         AlgoConfig(kl_mode="both")
+
+
+def test_separate_placement_refusals_are_one_line():
+    """rollout.placement=separate (issue 36): the split of the world is checked before any work."""
+    base = ["reward.functions=[exact_match]", "rollout.placement=separate"]
+    with pytest.raises(ValueError, match=r"rollout.ranks=0: give the number of ranks"):
+        load_config(None, base)
+    with pytest.raises(ValueError, match=r"rollout.ranks=1 with rollout.placement=colocated"):
+        load_config(None, ["reward.functions=[exact_match]", "rollout.ranks=1"])
+    with pytest.raises(ValueError, match=r"rollout.max_staleness=2 must be 0 or 1"):
+        load_config(None, [*base, "rollout.ranks=1", "rollout.max_staleness=2"])
+    with pytest.raises(ValueError, match=r"rollout.behaviour_logprobs=true needs rollout.placement=separate"):
+        load_config(None, ["reward.functions=[exact_match]", "rollout.behaviour_logprobs=true"])
+    cfg = load_config(None, [*base, "rollout.ranks=2", "actor.tp=1"])
+    with pytest.raises(ValueError, match=r"rollout.ranks\(2\) .* must be in \[1, world\(2\) - 1\]"):
+        cfg.check_world(2)
+    cfg = load_config(None, [*base, "rollout.ranks=1", "rollout.tp=2", "actor.tp=1"])
+    with pytest.raises(ValueError, match=r"rollout.tp\(2\) does not divide rollout.ranks\(1\)"):
+        cfg.check_world(3)
+    cfg = load_config(None, [*base, "rollout.ranks=1", "actor.tp=2", "trainer.prompts_per_step=8"])
+    cfg.check_world(3)  # 2 training ranks at tp2 + 1 rollout rank
+    with pytest.raises(ValueError, match=r"actor layout: tp\(2\) \* pp\(1\) = 2 does not divide world\(3\)"):
+        cfg.check_world(4)
+    assert (cfg.train_world(3), cfg.rollout_world(3)) == (2, 1)

@@ -116,3 +116,13 @@ def test_config_refusals_are_one_line():
     cfg = load_config(None, ["reward.functions=[exact_match]", "algo.rollout_correction=token-tis",
                              "rollout.top_k=5", "rollout.engine=native"])
     assert cfg.algo.rollout_correction == "token-tis"
+
+
+def test_one_step_ahead_without_correction_is_warned_once():
+    """Issue 36 item 4: separate placement one version behind without a correction: one warning line."""
+    base = ["reward.functions=[exact_match]", "rollout.placement=separate", "rollout.ranks=1"]
+    (line,) = load_config(None, base).start_warnings()
+    assert line.startswith("warning: rollout.max_staleness=1") and "algo.rollout_correction=token-tis" in line
+    assert load_config(None, [*base, "algo.rollout_correction=seq-mis"]).start_warnings() == []
+    assert load_config(None, [*base, "rollout.max_staleness=0"]).start_warnings() == []
+    assert load_config(None, ["reward.functions=[exact_match]"]).start_warnings() == []

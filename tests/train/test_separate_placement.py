@@ -8,7 +8,7 @@
 - a stopped and resumed run: nothing drawn ahead is lost or trained twice (the data position of every step
   equals the uninterrupted run's); with staleness 0 the resumed steps equal the uninterrupted run's
 - killing a rollout rank or a training rank mid-run ends the whole job (no hang, nothing left), and the next
-  run resumes from the last checkpoint
+  run resumes from the last checkpoint; SIGTERM saves the last step and stops the rollout ranks too (exit 0)
 """
 
 import json
@@ -18,7 +18,8 @@ import subprocess
 
 import pytest
 
-from tests.launch.test_stop_signals import LAUNCH, ROOT, _job, _session, _wait_for_steps, _workers
+from tests.launch.test_stop_signals import LAUNCH, ROOT, _assert_saved_last_step, _job, _session, _wait_for_steps, \
+    _workers
 from tests.train.test_train_e2e import _timeless, _train, _train_logged, env  # noqa: F401  (env: fixture)
 
 SEPARATE = ("rollout.placement=separate", "rollout.ranks=1")
@@ -100,16 +101,33 @@ def _rank_pid(launcher_pid: int, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} under launcher {launcher_pid}")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("victim", [2, 1], ids=["rollout-rank", "training-rank"])
-def test_a_killed_rank_ends_the_job_and_the_next_run_resumes(tmp_path, victim):
+def _job_command(out, *overrides):
     from remax_megatron.builtin.models import ensure_builtin_model
 
     ensure_builtin_model("tiny-arith", verbose=False)
+    return [*LAUNCH, "--nproc_per_node=3", "-m", "remax_megatron.train", "--config", "configs/tiny_cpu.yaml",
+            *NATIVE, *SEPARATE, "algo.rollout_correction=token-tis", "trainer.eval_every=0",
+            "logging.progress_bar=false", f"trainer.output_dir={out}", *overrides]
+
+
+@pytest.mark.slow
+def test_a_stop_signal_saves_and_stops_the_rollout_ranks(tmp_path):
     out = str(tmp_path / "run")
-    cmd = [*LAUNCH, "--nproc_per_node=3", "-m", "remax_megatron.train", "--config", "configs/tiny_cpu.yaml",
-           *NATIVE, *SEPARATE, "algo.rollout_correction=token-tis", "trainer.eval_every=0",
-           "checkpoint.save_every=2", "logging.progress_bar=false", f"trainer.output_dir={out}"]
+    with _job(_job_command(out, "checkpoint.save_every=0", "trainer.steps=400")) as proc:
+        _wait_for_steps(proc, out, steps=3)
+        os.kill(proc.pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "preempted (SIGTERM)" in stdout
+    _assert_saved_last_step(out)
+    assert _session(proc.pid) == [] and _workers(proc.pid) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [2, 1], ids=["rollout-rank", "training-rank"])
+def test_a_killed_rank_ends_the_job_and_the_next_run_resumes(tmp_path, victim):
+    out = str(tmp_path / "run")
+    cmd = _job_command(out, "checkpoint.save_every=2")
     with _job([*cmd, "trainer.steps=400"]) as proc:
         _wait_for_steps(proc, out, steps=3)
         os.kill(_rank_pid(proc.pid, victim), signal.SIGKILL)
