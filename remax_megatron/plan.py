@@ -142,15 +142,16 @@ def validate(cfg, arch, world: int, max_tp: int | None = None) -> dict:
 
     cfg.check_world(world)
     check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor", ep=cfg.actor.ep)
-    check_rollout(cfg.rollout, arch, world, this_machine=False)
+    check_rollout(cfg.rollout, arch, cfg.rollout_world(world), this_machine=False)
     if max_tp is not None and cfg.actor.tp > max_tp:
         # only for suggestions: TP across nodes is legal but far too slow to propose
         raise ValueError(f"actor.tp={cfg.actor.tp} exceeds {max_tp} GPUs per node")
-    dp = world // (cfg.actor.tp * cfg.actor.pp)   # batch divisibility is checked in cfg.check_world
+    train_world = cfg.train_world(world)         # rollout.placement=separate: the rest run the engines
+    dp = train_world // (cfg.actor.tp * cfg.actor.pp)   # batch divisibility is checked in cfg.check_world
     t = cfg.trainer
     local = t.prompts_per_step // dp * cfg.rollout.n
-    return dict(world=world, dp=dp, seqs_per_rank=local,
-                micro_batches=local // (t.mini_batches * t.micro_batch_size))
+    return dict(world=world, train_world=train_world, rollout_world=cfg.rollout_world(world), dp=dp,
+                seqs_per_rank=local, micro_batches=local // (t.mini_batches * t.micro_batch_size))
 
 
 def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
@@ -182,7 +183,8 @@ def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
         per_token = layers * d / s + selective
     v_local = vocab / tp
 
-    engines = sizes["world"] // cfg.rollout.tp
+    separate = cfg.rollout.placement == "separate"   # the engines live on their own ranks, not beside the actor
+    engines = sizes["rollout_world"] // cfg.rollout.tp
     per_engine = math.ceil(cfg.trainer.prompts_per_step / engines)
     kv_cache = (2 * arch.num_layers * (kv / cfg.rollout.tp) * hd * per_engine * (cfg.rollout.n + 1) * seq * nbytes)
 
@@ -192,6 +194,7 @@ def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
         rm_vocab = padded_vocab_size(rm_arch.vocab_size, cfg.reward.tp, a.make_vocab_size_divisible_by)
         rm_bytes = heaviest_stage_params(rm_arch, rm_vocab, cfg.reward.tp, cfg.reward.pp) * nbytes
     seqs = per_engine * (cfg.rollout.n + 1)
+    engine_weights = param_count(arch, arch.vocab_size) / cfg.rollout.tp * nbytes
     stages = []
     for stage, (dense, expert) in enumerate(stage_params(arch, vocab, tp, pp, ep, etp)):
         held = dense + expert
@@ -212,16 +215,24 @@ def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
              last),
             ("reference", "reference weights", held * nbytes if cfg.reference.enabled else 0, cfg.reference.enabled),
             ("reward_model", "reward model weights", rm_bytes, rm_arch is not None),
-            ("engine_weights", "rollout engine weights", param_count(arch, arch.vocab_size) / cfg.rollout.tp * nbytes,
-             True),
-            ("kv_cache", f"rollout KV cache ({seqs} seqs x {seq} tokens)", kv_cache, True),
+            ("engine_weights", "rollout engine weights", engine_weights, not separate),
+            ("kv_cache", f"rollout KV cache ({seqs} seqs x {seq} tokens)", kv_cache, not separate),
         ]
         rows = [dict(key=k, name=n, bytes=int(round(b)), counted=c) for k, n, b, c in rows]
         stages.append(dict(stage=stage, params=held, rows=rows,
                            total_bytes=sum(r["bytes"] for r in rows if r["counted"])))
     heaviest = max(stages, key=lambda st: st["total_bytes"])
+    # rollout.placement=separate: a rollout rank holds its engine's share and one received sync bucket
+    rollout_rows = [dict(key=k, name=n, bytes=int(round(b)), counted=True) for k, n, b in (
+        ("engine_weights", "rollout engine weights", engine_weights),
+        ("kv_cache", f"rollout KV cache ({seqs} seqs x {seq} tokens)", kv_cache),
+        ("sync_bucket", "weight-sync receive bucket", cfg.rollout.sync_bucket_mb * 2**20),
+    )] if separate else []
+    rollout_total = sum(r["bytes"] for r in rollout_rows)
     return dict(params=params, padded_vocab=vocab, seq_len=seq, engines=engines, prompts_per_engine=per_engine,
-                rows=heaviest["rows"], total_bytes=heaviest["total_bytes"], heaviest_stage=heaviest["stage"],
+                rows=heaviest["rows"], train_bytes=heaviest["total_bytes"], rollout_rows=rollout_rows,
+                rollout_bytes=rollout_total, total_bytes=max(heaviest["total_bytes"], rollout_total),
+                heaviest_stage=heaviest["stage"],
                 heaviest_stage_params=max(st["params"] for st in stages),
                 stage_totals=[st["total_bytes"] for st in stages],
                 expert_params=experts, active_params=active_param_count(arch, vocab))
@@ -337,6 +348,8 @@ def render(cfg, arch, model_dir: str, nodes: int, gpn: int, gpu_bytes: int, size
            f"experts split over ep({a.ep}) * etp({a.etp or a.tp})" if arch.is_moe else ""),
         f"layout: {nodes} node(s) x {gpn} GPUs = world {sizes['world']}; actor tp({a.tp}) * pp({a.pp}) * "
         f"dp({sizes['dp']}); rollout tp {cfg.rollout.tp} -> {est['engines']} engines"
+        + (f" on {sizes['rollout_world']} separate rollout ranks ({sizes['train_world']} train)"
+           if cfg.rollout.placement == "separate" else "")
         + (f"; reward model tp({cfg.reward.tp}) * pp({cfg.reward.pp}), {_rm_placement(cfg)}"
            if cfg.reward.model else ""),
         f"batch: {t.prompts_per_step} prompts/step -> {sizes['seqs_per_rank']} sequences per dp rank, "
@@ -347,7 +360,12 @@ def render(cfg, arch, model_dir: str, nodes: int, gpn: int, gpu_bytes: int, size
     ]
     for r in est["rows"]:
         lines.append(f"  {r['name']:<56}{_gib(r['bytes'])}  {'yes' if r['counted'] else '-'}")
-    lines.append(f"  {'total':<56}{_gib(est['total_bytes'])}  of {gpu_bytes / GIB:.2f} GiB")
+    lines.append(f"  {'total':<56}{_gib(est['train_bytes'])}  of {gpu_bytes / GIB:.2f} GiB")
+    if est["rollout_rows"]:
+        lines.append(f"{'per-GPU memory of a rollout rank (rollout.placement=separate)':<58}{'GiB':>8}")
+        for r in est["rollout_rows"]:
+            lines.append(f"  {r['name']:<56}{_gib(r['bytes'])}  yes")
+        lines.append(f"  {'total':<56}{_gib(est['rollout_bytes'])}  of {gpu_bytes / GIB:.2f} GiB")
     if a.pp > 1:
         lines.append("stages: " + ", ".join(f"{k}: {b / GIB:.2f}" for k, b in enumerate(est["stage_totals"]))
                      + " GiB (the first holds the embedding and the most micro-batches in flight, the last the "

@@ -41,6 +41,16 @@ the ratio).
         trainer.micro_batch_size=8 trainer.micro_batch_tokens=4096 trainer.pack_sequences=true \
         rollout.kv_cache_gib=0.5 actor.dtype=bfloat16
 
+Rollout on its own ranks (issue 36): --placement separate --rollout-ranks K splits the torchrun world into
+K rollout ranks and world - K training ranks (rollout.placement=separate; rollout.max_staleness from the
+overrides, default 1). The JSON adds `rollout_wait_s` (median time/rollout_s: what the training ranks wait
+for their batch; the rest of the rollout ran during the previous update) and `placement`. The greedy-row
+measurement needs a local engine and is left out. tools/bench_placement.py runs the comparison (colocated
+at world W - 1 and W, separate at W with staleness 0 and 1) and reports the ratios.
+
+    torchrun --nproc_per_node=3 tools/bench_e2e.py --hf-dir HF --placement separate --rollout-ranks 1 \
+        --json sep.json actor.tp=2 rollout.engine=native
+
 Output: one JSON object (DESIGN.md, "Benchmark JSON"), printed and written to --json
 (rank 0).
 """
@@ -74,7 +84,9 @@ def bench_config(args, overrides: list[str], output_dir: str):
     from remax_megatron.config import load_config
 
     steps = args.warmup + args.steps * args.rounds + args.padded_steps
-    fixed = [f"actor.model={args.hf_dir}", f"trainer.steps={steps}",
+    placement = [f"rollout.placement={args.placement}", f"rollout.ranks={args.rollout_ranks}"] \
+        if args.placement == "separate" else []
+    fixed = [*placement, f"actor.model={args.hf_dir}", f"trainer.steps={steps}",
              f"trainer.output_dir={output_dir}", "trainer.eval_every=0", "checkpoint.save_every=0",
              "logging.progress_bar=false", "logging.tensorboard=false"]
     if args.stop_every:
@@ -116,9 +128,21 @@ class OursRun:
         if cfg.rollout.n < 1:
             print("error: rollout.n must be >= 1 to train", file=sys.stderr)
             sys.exit(2)
+        bridge = None
+        if cfg.rollout.placement == "separate":  # as remax_megatron.train does: the rollout ranks serve
+            from remax_megatron.parallel.split import split_world
+
+            split = split_world(cfg.rollout.ranks)
+            if split.role == "rollout":
+                from remax_megatron.rollout.remote import serve
+                from remax_megatron.startup import build_rollout_engine
+
+                serve(build_rollout_engine(cfg, checked), split.bridge)
+                sys.exit(0)
+            bridge = split.bridge
         t0 = time.perf_counter()
         keep_freed_host_memory()  # as remax_megatron.train does
-        self.parts = build(cfg, checked)
+        self.parts = build(cfg, checked, bridge)
         self.build_s = time.perf_counter() - t0
         self.logger = MetricsLogger(self.output_dir, cfg.trainer.steps, tensorboard=False, progress_bar=False)
         self.trainer = Trainer(self.parts, self.logger)
@@ -183,6 +207,10 @@ class OursRun:
             "threads": torch.get_num_threads(),
         }
         result.update(token_work(measured))
+        result["placement"] = {"placement": cfg.rollout.placement, "rollout_ranks": cfg.rollout.ranks,
+                               "max_staleness": cfg.rollout.max_staleness if cfg.rollout.ranks else 0,
+                               "staleness": median([r["rollout/staleness"] for r in measured])}
+        result["rollout_wait_s"] = median([r["time/rollout_s"] for r in measured])
         result["workload"].update(micro_batch_tokens=cfg.trainer.micro_batch_tokens,
                                   pack_sequences=cfg.trainer.pack_sequences,
                                   stop_token_ids=len(cfg.rollout.stop_token_ids))
@@ -191,7 +219,8 @@ class OursRun:
                                     stages={k: median([r[k] for r in padded]) for k in time_keys})
             result["update_speedup_per_real_token"] = (result["padded"]["update_s_per_real_token"]
                                                        / result["update_s_per_real_token"])
-        result["greedy_row"] = measure_greedy_row(self.trainer, self.checked.train, args.greedy_repeats)
+        if cfg.rollout.placement == "colocated":  # the greedy row is timed on a local engine
+            result["greedy_row"] = measure_greedy_row(self.trainer, self.checked.train, args.greedy_repeats)
         return result
 
 
@@ -412,8 +441,13 @@ def main(argv=None) -> None:
     p.add_argument("--padded-steps", type=int, default=0,
                    help="also run this many steps with today's fixed-count padded micro-batches "
                         "(trainer.micro_batch_tokens=0), reported under `padded`")
+    p.add_argument("--placement", choices=["colocated", "separate"], default="colocated",
+                   help="separate: the last --rollout-ranks ranks run the engine (rollout.placement=separate)")
+    p.add_argument("--rollout-ranks", type=int, default=1, help="with --placement separate: the rollout ranks")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. actor.tp=1 rollout.n=2")
     args = p.parse_args(argv)
+    if args.placement == "separate" and args.peer:
+        p.error("--placement separate runs without --peer (the peer comparison is colocated at world 1)")
     if args.steps < 1 or args.warmup < 0 or args.greedy_repeats < 1:
         p.error("--steps and --greedy-repeats must be >= 1, --warmup >= 0")
     if args.rounds < 1:
@@ -440,6 +474,8 @@ def main(argv=None) -> None:
                           cpu_ratio=peer["cpu_s_per_sample"] / result["cpu_s_per_sample"], peer=peer)
     else:
         result = run_rounds(args, ours)
+    if ours.cfg.rollout.placement == "separate":
+        ours.parts.engine.shutdown()  # stops the rollout ranks' loop
     if rank == 0:
         # A shared machine's load moves every number here: say what it was.
         result["machine"] = {"cpus": os.cpu_count(), "loadavg_1_5_15_start": load_start,

@@ -328,3 +328,28 @@ def test_every_suggestion_for_llama3_70b_on_32_gpus_fits_by_its_heaviest_stage(l
     for suggestion in suggestions:
         code, est = _apply_suggestion(capsys, argv, suggestion)
         assert code == 0 and est["fits"] and max(est["stage_totals"]) <= 80 * 2**30, (suggestion, est["stage_totals"])
+
+
+def test_separate_placement_sizes_training_and_rollout_ranks_apart(config, capsys):
+    """Issue 36 item 7: 8 GPUs = 2 rollout ranks + 6 training ranks (tp2 -> dp3). The training ranks hold
+    no engine; a rollout rank holds its engine, the KV cache of its share of the prompts, one sync bucket."""
+    _, colocated = _plan_json(capsys, "--config", config, "--nodes", "1", "--gpus-per-node", "8",
+                              "trainer.prompts_per_step=48")
+    code, est = _plan_json(capsys, "--config", config, "--nodes", "1", "--gpus-per-node", "8",
+                           "rollout.placement=separate", "rollout.ranks=2", "trainer.prompts_per_step=48")
+    assert (est["train_world"], est["rollout_world"], est["dp"], est["engines"]) == (6, 2, 3, 2)
+    rows = {r["key"]: r for r in est["rows"]}
+    assert not rows["engine_weights"]["counted"] and not rows["kv_cache"]["counted"]
+    assert est["train_bytes"] == sum(r["bytes"] for r in est["rows"] if r["counted"])
+    side = {r["key"]: r["bytes"] for r in est["rollout_rows"]}
+    p = _llama3_8b_params()
+    assert side["engine_weights"] == p * 2
+    # 48 prompts over 2 engines -> 24 each, 24 * (4 + 1) sequences of 256 + 512 tokens
+    assert side["kv_cache"] == 2 * 32 * 8 * 128 * (24 * 5) * 768 * 2
+    assert side["sync_bucket"] == 256 * 2**20
+    assert est["rollout_bytes"] == sum(side.values())
+    assert est["total_bytes"] == max(est["train_bytes"], est["rollout_bytes"])
+    assert colocated["rollout_rows"] == [] and colocated["total_bytes"] == colocated["train_bytes"]
+    text = (plan.main(["--config", config, "--nodes", "1", "--gpus-per-node", "8", "rollout.placement=separate",
+                       "rollout.ranks=2", "trainer.prompts_per_step=48"]), capsys.readouterr().out)[1]
+    assert "on 2 separate rollout ranks (6 train)" in text and "per-GPU memory of a rollout rank" in text
