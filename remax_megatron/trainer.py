@@ -181,12 +181,14 @@ class Trainer:
         weights that update started from) is collected, the current weights are synced, and the next
         step's batch is submitted, to be generated on the rollout ranks while this one trains."""
         sync = {"bytes": 0, "buckets": 0}
-        if self._pending is None:
+        fresh = self._pending is None  # nothing generated ahead: this step's batch from the current weights
+        if fresh:
             with self._stage("sync", times):
                 # The sync wakes only the engine's weights; generate wakes its KV cache after the offload.
                 sync = self._sync()
-            self._pending = self._submit_step(self.step)
         with self._stage("rollout", times), self.offload.offloaded():
+            if fresh:  # a local engine decodes here
+                self._pending = self._submit_step(self.step)
             prompts, ticket, version = self._pending
             self._pending, self._sampler_before_pending = None, None
             rollouts = self._collect(ticket)
