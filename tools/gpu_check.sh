@@ -27,6 +27,9 @@
 #            token a stop token (geometric responses, mean ~128, max_new_tokens 512), packed rows under a
 #            4096-token budget, then 2 steps with today's padded micro-batches: computed/real tokens and
 #            the update's seconds per real token both ways (vLLM when it imports, else the native engine)
+#   separate rollout on its own rank (issue 36): 10 steps of the tiny default with 1 training + 1 rollout rank,
+#            one step ahead with token-tis (the NCCL bridge: ProcessGroupNCCL broadcast and send/recv); needs 2
+#            GPUs (NCCL refuses two ranks on one device): on one GPU it records rc 0 and "skipped: 1 GPU" in the log
 #   cpu_tests the fast lane (pytest -m "not slow", tests/gpu left out) with CUDA present: the CPU-tensor
 #            tests must keep gloo and CPU placement there (issue 16; the full README command takes ~20 min)
 # megatron-core is installed from wheels in tools/wheels/ or .whl/ when the Python there lacks it.
@@ -110,6 +113,19 @@ step varlen 240 bash -c "$PY tools/make_tiny_model.py --family llama --hidden 51
     rollout.max_new_tokens=512 trainer.micro_batch_size=8 trainer.micro_batch_tokens=4096 \
     trainer.pack_sequences=true rollout.kv_cache_gib=0.5 actor.dtype=bfloat16 rollout.engine=$ENGINE"
 
+SEP_DIR=/tmp/gpu_check_separate
+rm -rf "$SEP_DIR"
+GPUS=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "${GPUS:-0}" -ge 2 ]; then
+    step separate 150 $PY -m torch.distributed.run --nproc_per_node=2 -m remax_megatron.train \
+        --config configs/tiny_cpu.yaml actor.tp=1 rollout.engine=native rollout.placement=separate rollout.ranks=1 \
+        algo.rollout_correction=token-tis rollout.behaviour_logprobs=true trainer.steps=10 trainer.eval_every=10 \
+        trainer.output_dir="$SEP_DIR" checkpoint.save_every=0 logging.progress_bar=false
+    cp "$SEP_DIR/metrics.jsonl" "$OUT/separate_metrics.jsonl" 2>/dev/null
+else
+    step separate 5 echo "skipped: 1 GPU (separate placement needs 2: NCCL refuses two ranks on one device)"
+fi
+
 step cpu_tests 150 $PY -m pytest -q -p no:cacheprovider -m "not slow" tests --ignore=tests/gpu \
     --junitxml="$OUT/cpu_tests.xml"
 
@@ -168,6 +184,17 @@ try:
                                                                    "moe/expert_load", "time/step_s")}}
 except Exception as e:
     summary["moe_train"] = {"error": str(e)}
+try:
+    records = [json.loads(l) for l in open(os.path.join(out, "separate_metrics.jsonl"))]
+    train = [r for r in records if "loss" in r]
+    summary["separate"] = {"steps": len(train), "eval": [(r["step"], r["eval/reward_mean"]) for r in records
+                                                         if "eval/reward_mean" in r],
+                           "last": {k: train[-1].get(k) for k in ("rollout/staleness", "time/step_s",
+                                                                  "time/rollout_s", "time/sync_s",
+                                                                  "logprob/engine_vs_behaviour_max_diff",
+                                                                  "is/ratio_mean", "is/clipped_frac")}}
+except Exception as e:
+    summary["separate"] = {"error": str(e)}
 summary["ok"] = all(s["rc"] == 0 for s in summary["steps"])
 with open(os.path.join(out, "gpu_check.json"), "w") as f:
     json.dump(summary, f, indent=2)

@@ -87,8 +87,10 @@ def split_world(rollout_ranks: int, timeout_minutes: int = 30) -> WorldSplit:
     if role == "rollout" or rank == 0:
         bridge_rank = 0 if role == "train" else 1 + side_rank
         bridge_store = dist.PrefixStore("remax/bridge", store)
-        if backend == "nccl":
-            bridge = dist.ProcessGroupNCCL(bridge_store, bridge_rank, rollout_ranks + 1)
+        if backend == "nccl":  # not run yet (needs 2 GPUs): tools/gpu_check.sh step separate
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            bridge = dist.ProcessGroupNCCL(bridge_store, bridge_rank, rollout_ranks + 1, options)
         else:
             bridge = dist.ProcessGroupGloo(bridge_store, bridge_rank, rollout_ranks + 1, timeout)
     os.environ.update(RANK=str(side_rank), WORLD_SIZE=str(side_world))
