@@ -55,8 +55,9 @@ def test_separate_without_staleness_equals_colocated(env, tmp_path, engine):  # 
 
 
 @pytest.mark.slow
-def test_one_step_ahead_learns_with_the_engine_on_the_generating_version(env, tmp_path):  # noqa: F811
-    records = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "run"), *NATIVE, *SEPARATE,
+@pytest.mark.parametrize("engine", [NATIVE, ()], ids=["native", "vllm"])
+def test_one_step_ahead_learns_with_the_engine_on_the_generating_version(env, tmp_path, engine):  # noqa: F811
+    records = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "run"), *engine, *SEPARATE,
                      "algo.rollout_correction=token-tis", "rollout.behaviour_logprobs=true", nproc=3)
     evals = [r["eval/reward_mean"] for r in records if "eval/reward_mean" in r]
     assert evals[0] == 0.0 and evals[-1] >= 0.8, evals
