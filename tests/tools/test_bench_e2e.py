@@ -118,3 +118,28 @@ def test_the_peer_refuses_work_it_cannot_match_before_building(tmp_path, what):
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and last.startswith(f"error: {message}") and not out.exists()
     assert "build_s" not in r.stdout
+
+
+@pytest.mark.slow
+def test_bench_placement_runs_all_four_and_reports_the_ratios(tmp_path):
+    """tools/bench_placement.py (issue 36 item 6): colocated at W-1 and W, separate at W with staleness 0 and 1,
+    through tools/bench_e2e.py --placement separate; the ratios are those of the runs' own numbers."""
+    hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
+    out = tmp_path / "placement.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "tools/bench_placement.py", "--hf-dir", hf, "--world", "3", "--steps", "2",
+                        "--warmup", "1", "--json", str(out), "rollout.engine=native", "trainer.prompts_per_step=6",
+                        "rollout.n=2", "trainer.micro_batch_size=4", "rollout.max_new_tokens=4"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert [runs[n]["layout"]["world"] for n in ("colocated_small", "colocated", "separate_0", "separate_1")] == \
+        [2, 3, 3, 3]
+    assert runs["separate_1"]["placement"] == {"placement": "separate", "rollout_ranks": 1, "max_staleness": 1,
+                                               "staleness": 1.0}
+    assert runs["separate_0"]["placement"]["staleness"] == 0.0 and "greedy_row" not in runs["separate_0"]
+    wait = result["rollout_wait_s"]
+    assert result["hidden_frac"] == pytest.approx(1 - wait["separate_1"] / wait["separate_0"])
+    assert result["speedup_vs_colocated"] == pytest.approx(result["step_s"]["colocated"] /
+                                                           result["step_s"]["separate_1"])
