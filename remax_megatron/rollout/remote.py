@@ -80,12 +80,10 @@ class Bridge:
 
 @dataclass
 class Ticket:
-    """A submitted request: its id, how many prompts each training rank gave, and the policy version
-    (updates applied to the weights the engine held) that generates it."""
+    """A submitted request: its id and how many prompts each training rank gave (training rank 0 only)."""
 
     id: int
     counts: list[int]
-    version: int
 
 
 class RemoteEngine(RolloutEngine):
@@ -100,8 +98,6 @@ class RemoteEngine(RolloutEngine):
             else torch.device("cpu")
         self.is_root = dist.get_rank() == 0
         self.bridge = Bridge(bridge_group, self.device) if self.is_root else None
-        self.version = 0                       # set by the trainer before a sync: the updates in these weights
-        self._synced_version = None
         self._next_id = 0
         self._in_flight: Ticket | None = None  # training rank 0: sent, its result not received yet
         self._received: dict[int, tuple] = {}  # training rank 0: results received ahead of their collect
@@ -118,7 +114,7 @@ class RemoteEngine(RolloutEngine):
         mine = ([list(map(int, p)) for p in prompt_token_ids], [int(s) for s in seeds])
         every = [None] * dist.get_world_size() if self.is_root else None
         dist.gather_object(mine, every, dst=0)
-        ticket = Ticket(self._next_id, [len(p) for p, _ in every] if self.is_root else [], self.version)
+        ticket = Ticket(self._next_id, [len(p) for p, _ in every] if self.is_root else [])
         self._next_id += 1
         if self.is_root:
             self._settle()
@@ -167,7 +163,6 @@ class RemoteEngine(RolloutEngine):
         if not self.is_root:
             for _ in buckets:  # every training rank takes part in the export's gathers and broadcasts
                 pass
-            self._synced_version = self.version
             return
         self._settle()
         self.bridge.send(("sync",), 0)
@@ -184,12 +179,6 @@ class RemoteEngine(RolloutEngine):
             self.bridge.send(("bucket", header, total, str(self.dtype)), 0)
             self.bridge.tensor(flat, 0)
         self.bridge.send(("end",), 0)
-        self._synced_version = self.version
-
-    @property
-    def synced_version(self) -> int | None:
-        """The policy version of the weights last sent (None: never synced)."""
-        return self._synced_version
 
     def sleep(self) -> None:
         pass

@@ -83,16 +83,13 @@ def _body(rank, world, rollout_ranks, port, results):
         mine = PROMPTS[rank]
         seeds = [100 * rank + i for i in range(len(mine))]
         sampling = SamplingParams(max_new_tokens=4)
-        engine.version = 0
         engine.update_weights(iter(_weights(0)))
         first = engine.submit(mine, 2, sampling, seeds)          # in flight while the "update" runs
-        engine.version = 1
         engine.update_weights(iter(_weights(1)))                 # settles `first` before sending
         second = engine.submit(mine, 1, sampling, seeds)
         got_first, got_second = engine.collect(first), engine.collect(second)
         engine.shutdown()
         results.put((rank, "train", pickle.dumps({"first": got_first, "second": got_second, "side": side,
-                                                  "versions": (first.version, second.version),
                                                   "decoded": engine.decoded_tokens})))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
@@ -124,7 +121,7 @@ def test_requests_and_weights_cross_the_bridge_in_order(rollout_ranks):
     decoded = 0
     for rank in (0, 1):
         role, r = got[rank]
-        assert role == "train" and r["side"] == (rank, 2) and r["versions"] == (0, 1)
+        assert role == "train" and r["side"] == (rank, 2)
         for which, n, mark in (("first", 2, marks[0]), ("second", 1, marks[1])):
             rollouts = r[which]
             assert len(rollouts) == len(PROMPTS[rank])
