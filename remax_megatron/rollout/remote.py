@@ -1,13 +1,13 @@
 """rollout.placement=separate: the engine runs on its own ranks; the training ranks reach it over a bridge.
 
     # training ranks (startup.build): a RolloutEngine like any other
-    engine = RemoteEngine(split, dtype=torch.float32)
+    engine = RemoteEngine(split.bridge, dtype=torch.float32)
     ticket = engine.submit(prompts, n, sampling, seeds)   # returns at once: the rollout ranks decode
     ...                                                  # the update runs meanwhile
     rollouts = engine.collect(ticket)
 
     # rollout ranks (train.py): the engine, serving until the training ranks stop
-    serve(build_engine(...), split)
+    serve(build_engine(...), split.bridge)
 
 Every training rank calls `submit` with its own prompts (as with a local engine); the prompts of all
 training ranks are gathered to training rank 0, which sends ONE request over the bridge. The K rollout
