@@ -5,7 +5,8 @@
   packed rows, and the is/* metrics say nothing was corrected.
 - With one sequence's engine log-probs moved by 0.5, token-tis caps exactly that sequence's tokens
   (is/clipped_frac = its tokens over the batch's) and seq-mis masks exactly it (is/masked_frac = 1/8);
-  the loss moves by the amount the weights predict, in each layout.
+  the loss moves by the amount the weights predict, in each layout, and at world 1 in every loss mode.
+  (token-tis caps from above: the engine's log-probs are moved DOWN by 0.5 there, a ratio of e^0.5.)
 """
 
 import os
@@ -25,6 +26,14 @@ SHIFTED_ROW = 3   # of _var_batch(): 4 response tokens of the batch's 29
 CAP = 1.5
 
 
+LOSS_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def _modes(tp, pp, dp):
+    """Every loss aggregation mode at world 1 (the padded rows); token-mean in the other layouts."""
+    return LOSS_MODES if tp * pp * dp == 1 else LOSS_MODES[:1]
+
+
 def _body(rank, world, model_dir, tp, pp, out_path):
     """Per variant, correction and engine (exact, or row SHIFTED_ROW moved by 0.5): one update's stats and
     is/* metrics, and the rollout policy's log-probs of the batch (to predict the moved loss)."""
@@ -32,14 +41,16 @@ def _body(rank, world, model_dir, tp, pp, out_path):
     from remax_megatron.weights import export_hf_weights
 
     results = {}
-    for variant, overrides in VARIANTS.items():
+    runs = [(v, o, m) for v, o in VARIANTS.items() for m in _modes(tp, pp, world // (tp * pp))
+            if m == "token-mean" or v == "fixed"]
+    for variant, overrides, mode in runs:
         for correction in CORRECTIONS:
             for shift in ((0.0,) if correction == "none" else (0.0, -0.5, 0.5)):
                 if correction == "token-tis" and shift > 0:
                     continue  # a ratio below 1 is not capped: token-tis truncates from above only
                 trainer, actor, _, _ = _trainer(
                     world, model_dir, tp, pp,
-                    [*overrides, "optim.lr=1e-2", "optim.grad_clip=0", "optim.eps=1e-3",
+                    [*overrides, "optim.lr=1e-2", "optim.grad_clip=0", "optim.eps=1e-3", f"algo.loss_agg={mode}",
                      f"algo.rollout_correction={correction}", f"algo.rollout_is_cap={CAP}"])
                 g, batch = trainer.groups, _var_batch()
                 batch["row"] = torch.arange(8)  # which global row each local row is, wherever the plan moves it
@@ -54,7 +65,7 @@ def _body(rank, world, model_dir, tp, pp, out_path):
                 update = trainer._train_on(local, None, None, plan)
                 metrics = trainer._correction_record(local, update.logprobs)
                 mine = {int(r): exact[i] for i, r in enumerate(local["row"])} if g.is_last_stage else {}
-                results[variant, correction, shift] = {
+                results[variant, mode, correction, shift] = {
                     "stats": update.stats, "metrics": metrics, "logprobs": mine,
                     "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
     gathered = [None] * world
@@ -87,44 +98,54 @@ def launched(model_dir, tmp_path_factory):  # noqa: F811
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
 def test_correction_that_corrects_nothing_leaves_the_update_unchanged(launched, tp, pp, dp):
     runs, base = launched(tp, pp, dp), launched(1, 1, 1)
-    for variant in VARIANTS:
-        ref = base["fixed", "none", 0.0]
-        for correction in CORRECTIONS:
-            got = runs[variant, correction, 0.0]
-            where = (tp, pp, dp, variant, correction)
-            for key in ("loss", "grad_norm"):
-                assert abs(got["stats"][key] - ref["stats"][key]) < 1e-6, (where, key, got["stats"], ref["stats"])
-            worst = max((got["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
-            assert worst < 1e-6, (where, worst)
-            if correction == "none":
-                assert got["metrics"] == {}
-            else:
-                frac = "is/clipped_frac" if correction == "token-tis" else "is/masked_frac"
-                assert got["metrics"][frac] == 0.0, (where, got["metrics"])
-                assert abs(got["metrics"]["is/ratio_mean"] - 1) < 1e-6 and abs(got["metrics"]["is/ratio_max"] - 1) < 1e-5
+    for (variant, mode, correction, shift), got in runs.items():
+        if shift:
+            continue
+        ref = base["fixed", mode, "none", 0.0]
+        where = (tp, pp, dp, variant, mode, correction)
+        for key in ("loss", "grad_norm"):
+            assert abs(got["stats"][key] - ref["stats"][key]) < 1e-6, (where, key, got["stats"], ref["stats"])
+        worst = max((got["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
+        assert worst < 1e-6, (where, worst)
+        if correction == "none":
+            assert got["metrics"] == {}
+        else:
+            frac = "is/clipped_frac" if correction == "token-tis" else "is/masked_frac"
+            assert got["metrics"][frac] == 0.0, (where, got["metrics"])
+            assert abs(got["metrics"]["is/ratio_mean"] - 1) < 1e-6 and abs(got["metrics"]["is/ratio_max"] - 1) < 1e-5
+
+
+def _row_term(mode: str, row_pg_sum: float, row_tokens: int, total_tokens: int, rows: int) -> float:
+    """The shifted row's policy-gradient term in the loss under `mode` (algo/aggregation.py, global counts)."""
+    if mode == "token-mean":
+        return row_pg_sum / total_tokens
+    if mode == "seq-mean-token-sum":
+        return row_pg_sum / rows
+    return row_pg_sum / row_tokens / rows
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
 def test_one_shifted_sequence_is_capped_or_masked(launched, tp, pp, dp):
     """The loss moves by exactly the shifted row's weighted policy-gradient term: token-tis weighs its
-    tokens CAP instead of 1, seq-mis removes them; the global token count (29) stays the denominator."""
+    tokens CAP instead of 1, seq-mis removes them; the global counts (29 tokens, 8 sequences) stay the
+    denominators, in every loss mode."""
     runs = launched(tp, pp, dp)
     batch = _var_batch()
     mask = batch["response_mask"][SHIFTED_ROW]
     tokens, total = int(mask.sum()), int(batch["response_mask"].sum())
-    for variant in VARIANTS:
-        none = runs[variant, "none", 0.0]
+    for variant, mode in {(v, m) for v, m, _, _ in runs}:
+        none = runs[variant, mode, "none", 0.0]
         lp = none["logprobs"][SHIFTED_ROW][mask].double()
-        # advantage = reward (zero baseline); pg = -A * w * logp summed over the row / 29 tokens
-        row_pg = float(-batch["rewards"][SHIFTED_ROW] * lp.sum() / total)
-        where = (tp, pp, dp, variant)
-        tis = runs[variant, "token-tis", -0.5]
+        # advantage = reward (zero baseline): the row's summed pg = -A * sum(logp)
+        row_pg = _row_term(mode, float(-batch["rewards"][SHIFTED_ROW] * lp.sum()), tokens, total, 8)
+        where = (tp, pp, dp, variant, mode)
+        tis = runs[variant, mode, "token-tis", -0.5]
         assert tis["metrics"]["is/clipped_frac"] == tokens / total, (where, tis["metrics"])
         assert abs(tis["metrics"]["is/ratio_max"] - 1.6487213) < 1e-5, (where, tis["metrics"])
         assert abs(tis["stats"]["loss"] - (none["stats"]["loss"] + (CAP - 1) * row_pg)) < 1e-6, where
         for shift in (-0.5, 0.5):
-            mis = runs[variant, "seq-mis", shift]
+            mis = runs[variant, mode, "seq-mis", shift]
             assert mis["metrics"]["is/masked_frac"] == 1 / 8, (where, shift, mis["metrics"])
             assert abs(mis["stats"]["loss"] - (none["stats"]["loss"] - row_pg)) < 1e-6, (where, shift)
             assert abs(mis["stats"]["loss"] - none["stats"]["loss"]) > 1e-4, (where, "the row must matter")
