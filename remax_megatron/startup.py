@@ -20,7 +20,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from remax_megatron.builtin.models import resolve_model
 from remax_megatron.data.prompts import Prompt, load_prompts
-from remax_megatron.models.arch import DTYPES, ExpertOptions, ModelArch, check_packing, transformer_engine_usable
+from remax_megatron.models.arch import DTYPES, ExpertOptions, LoraOptions, ModelArch, check_packing, \
+    transformer_engine_usable
 from remax_megatron.models.hf_config import check_layout, check_run_length, read_hf_config
 from remax_megatron.reward.functions import PLACEHOLDER, RewardBatch, RewardFunctions
 from remax_megatron.reward.rm_inputs import RewardModelInputs, load_rm_tokenizer
@@ -93,8 +94,10 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     check_run_length(arch, longest, f"actor.model {actor_dir}", how)
     if arch.task != "causal_lm":
         raise ValueError(f"actor.model {actor_dir} is a {arch.architecture}: the actor must be a *ForCausalLM")
+    check_lora(cfg, arch)
+    # A LoRA actor is its own reference (adapters off): no reference model is read or built.
     ref_dir = resolve_model(cfg.reference.model or cfg.actor.model, "reference.model", build=False) \
-        if cfg.reference.enabled else None
+        if cfg.reference.enabled and not cfg.actor.lora_rank else None
     if ref_dir and read_hf_config(ref_dir) != arch:
         raise ValueError(f"reference.model {ref_dir} has a different architecture than actor.model {actor_dir}")
     rm_dir = rm_arch = None
@@ -194,6 +197,23 @@ def claim_run(cfg, checked: CheckedInputs) -> Claim:
     return Claim(lock=lock, resume=path)
 
 
+def check_lora(cfg, arch: ModelArch) -> None:
+    """LoRA checks that need the model: MoE experts cannot take adapters (one line)."""
+    experts = [t for t in cfg.actor.lora_targets if t in ("linear_fc1", "linear_fc2")]
+    if cfg.actor.lora_rank and arch.is_moe and experts:
+        raise ValueError(f"actor.lora_targets holds {experts}, which are MoE experts in {arch.architecture}: LoRA on "
+                         "experts is not supported; use actor.lora_targets=[linear_qkv,linear_proj]")
+
+
+def lora_options(cfg) -> LoraOptions | None:
+    """The actor's adapters (None: actor.lora_rank=0, full fine-tuning)."""
+    a = cfg.actor
+    if not a.lora_rank:
+        return None
+    return LoraOptions(rank=a.lora_rank, alpha=a.lora_alpha, targets=tuple(a.lora_targets), dropout=a.lora_dropout,
+                       seed=cfg.trainer.seed)
+
+
 def expert_options(cfg, arch: ModelArch) -> ExpertOptions:
     """How the actor's (and reference's) experts run; one-line errors for what cannot run here."""
     a = cfg.actor
@@ -268,8 +288,13 @@ def build(cfg, checked: CheckedInputs):
     recompute = None if cfg.actor.recompute == "none" else cfg.actor.recompute
     common = dict(tp=cfg.actor.tp, pp=cfg.actor.pp, params_dtype=dtype, sequence_parallel=cfg.actor.sequence_parallel,
                   make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by, init_weights=False)
-    actor = build_policy(checked.arch, recompute_granularity=recompute, experts=checked.experts, **common)
+    lora = lora_options(cfg)
+    actor = build_policy(checked.arch, recompute_granularity=recompute, experts=checked.experts, lora=lora, **common)
     load_hf_weights(actor, actor_dir)
+    if lora is not None and torch.distributed.get_rank() == 0:
+        print(f"LoRA actor: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}; base frozen"
+              + ("; no reference model is built, the KL reference is the actor with its adapters off"
+                 if cfg.algo.kl_coef > 0 else ""), flush=True)
     reference = None
     if ref_dir:  # the reference routes on its own (no replay)
         reference = build_policy(checked.arch, trainable=False, **common,
