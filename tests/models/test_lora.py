@@ -336,3 +336,45 @@ def test_moe_experts_are_refused():
         check_lora(cfg, moe)
     cfg.actor.lora_targets = ["linear_qkv", "linear_proj"]
     check_lora(cfg, moe)
+
+
+def _vllm_body(rank, world, model_dir, out_path):
+    """TP2 LoRA actor -> vLLM CPU engines (rollout.tp=1, one per rank) through WeightSync: prompt log-probs
+    vs the actor's, fp32."""
+    from remax_megatron.config import RolloutConfig
+    from remax_megatron.models.lora import adapters_disabled
+    from remax_megatron.rollout import WeightSync, build_engine
+    from tests.rollout.test_vllm_engine import engine_score
+
+    trainer, actor, _ = _trainer(world, model_dir, world, 1)
+    _random_adapters(actor, trainer.groups.tp_rank)
+    engine = build_engine(RolloutConfig(engine="vllm", tp=1, kv_cache_gib=0.05), hf_dir=model_dir,
+                          arch=actor.arch, seed=0, dtype=torch.float32, max_model_len=64)
+    WeightSync(engine, actor, bucket_mb=0.05, groups=trainer.groups)()
+    batch = _batch()
+    batch["labels"][:, -1] = -100  # the engine scores tokens 1.. of each row
+    plan = trainer._plan(batch)[1]
+    actor_lp = trainer._logprobs(actor, batch, plan)
+    with adapters_disabled(actor):
+        base_lp = trainer._logprobs(actor, batch, plan)
+    engine_lp = engine_score(engine, batch["input_ids"], batch["labels"])
+    mask = batch["labels"] != -100
+    if rank == 0:
+        torch.save({"gap": (actor_lp - engine_lp)[mask].abs().max().item(),
+                    "adapter_effect": (actor_lp - base_lp)[mask].abs().max().item()}, out_path)
+
+
+@pytest.mark.slow
+def test_vllm_engine_after_sync_from_tp2_lora_actor(tmp_path):
+    pytest.importorskip("vllm")
+    from tests._dist import run_distributed
+
+    # head size 32: vLLM's CPU attention runs it (16 it refuses)
+    model_dir = make_tiny_model(str(tmp_path / "llama"), "llama", hidden=128, layers=2, heads=4, kv_heads=2,
+                                ffn=96, tie=True, seed=5)
+    out_path = str(tmp_path / "vllm.pt")
+    run_distributed(_vllm_body, world_size=2, args=(model_dir, out_path))
+    out = torch.load(out_path)
+    print(f"lora vllm: {out}")
+    assert out["adapter_effect"] > 1e-2, "the adapters must change the log-probs for this test to mean anything"
+    assert out["gap"] < 1e-5, out
