@@ -167,6 +167,7 @@ class PolicyModel(GPTModel):
     """
 
     arch: ModelArch
+    lora: LoraOptions | None  # the actor's adapters (models/lora.py); None: none
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """Forward this stage: the first stage takes input_ids [b, s] (right-padded, or packed rows with
@@ -258,7 +259,7 @@ def build_policy(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype
         model = PolicyModel(config=config, share_embeddings_and_output_weights=arch.tie_word_embeddings,
                             **_gpt_kwargs(arch, config, tp, make_vocab_size_divisible_by,
                                           local_spec=lora is not None))
-    model.arch = arch
+    model.arch, model.lora = arch, lora
     _mark_tensor_parallel(model)
     if model.post_process:
         # Same parameters, no logits GEMM (see HiddenStatesOutputLayer).
