@@ -14,7 +14,9 @@ Tensor parallelism (megatron's autograd mappings do the communication):
   through copy_to_tensor_model_parallel_region, whose backward all-reduces dL/dh over TP: each rank
   then holds the full gradient of A (the same on every rank, a TP duplicate for the grad norm).
 - row parallel (linear_proj, linear_fc2): x is split on its last dim. A [r, in / tp] is split on
-  dim 1 like the weight, B [out, r] is replicated. A x is summed over TP
+  dim 1 like the weight, B [out, r] is replicated.
+Checkpoints: B of linear_fc1 (a gated MLP) is saved gate / up apart, as megatron saves fc1's weight, so a
+checkpoint of one TP size loads at another. A x is summed over TP
   (reduce_from_tensor_model_parallel_region) before B, so B's gradient is whole on every rank.
 Merged per TP shard: B_local A (column) and B A_local (row) are exactly that rank's shard of B A.
 Sequence parallel is refused (the adapters' gathers / reduce-scatters are not written yet).
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import nn
 
@@ -64,10 +67,19 @@ class LoraColumnParallelLinear(ColumnParallelLinear, _LoraLinear):
         h = tensor_parallel.copy_to_tensor_model_parallel_region(h, group=self.tp_group)  # bwd: dA summed over TP
         return output + self.lora_scale * F.linear(h, self.lora_B), bias
 
+    lora_glu: bool = False  # linear_fc1 of a gated MLP: rows are [gate; up] per TP rank, B's rows too
+
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        return make_sharded_tensors_for_checkpoint(
+        out = make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0, "bias": 0, "lora_B": 0},
             sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+        if self.lora_glu:
+            # As megatron's MLP does for fc1's weight: gate and up rows saved as two tensors, so that
+            # another TP size reads [gate_r; up_r] shards right (a plain axis-0 split would interleave them).
+            key = f"{prefix}lora_B"
+            out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets,
+                                                    (metadata or {}).get("singleton_local_shards", False))
+        return out
 
 
 class LoraRowParallelLinear(RowParallelLinear, _LoraLinear):
@@ -115,6 +127,8 @@ def _adapt(module, options: LoraOptions, layer_number: int, path: str) -> None:
         a = full[:, tp_rank * in_local:(tp_rank + 1) * in_local]                         # [r, in / tp]
         b = torch.zeros(out_local, options.rank, **kw)                                   # [out, r]
     module.__class__ = cls
+    if cls is LoraColumnParallelLinear and path.endswith("linear_fc1") and module.config.gated_linear_unit:
+        module.lora_glu = True
     module.lora_A = nn.Parameter(a.to(**kw).contiguous())
     module.lora_B = nn.Parameter(b)
     module.lora_scale, module.lora_enabled = options.scale, True

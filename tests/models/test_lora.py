@@ -229,6 +229,38 @@ def _resume_body(rank, world, model_dir, top, out_path):
         torch.save({"ok": True}, out_path)
 
 
+def _convert_body(rank, world, model_dir, top, out_path):
+    """TP2 LoRA actor saved as a model checkpoint; tools/convert_megatron_to_hf at TP2 and TP1 writes the
+    merged weights the actor exports."""
+    import torch.distributed as dist
+
+    from remax_megatron.weights import HFCheckpointReader, export_hf_weights
+    from remax_megatron.weights.megatron_ckpt import save_model
+    from tools import convert_megatron_to_hf
+
+    trainer, actor, _ = _trainer(world, model_dir, world, 1)
+    _random_adapters(actor, trainer.groups.tp_rank)
+    merged = {n: t.clone() for n, t in export_hf_weights(actor)}
+    ckpt = os.path.join(top, "lora-ckpt")
+    if rank == 0:
+        os.makedirs(ckpt)
+    dist.barrier()
+    save_model(actor, ckpt, model_dir)
+    worst = {}
+    for tp in (2, 1):
+        out = os.path.join(top, f"lora-hf-tp{tp}")
+        convert_megatron_to_hf.convert(ckpt, out, tp=tp)
+        if rank == 0:
+            got = dict(HFCheckpointReader(out).tensors())
+            assert sorted(got) == sorted(merged)
+            worst[tp] = max((got[n] - merged[n]).abs().max().item() for n in merged)
+    if rank == 0:
+        base = dict(HFCheckpointReader(model_dir).tensors())
+        moved = max((merged[n] - base[n]).abs().max().item() for n in merged)
+        torch.save({"worst": worst, "moved": moved}, out_path)
+    dist.barrier()
+
+
 # ---- launches -------------------------------------------------------------------------------------
 
 UPDATE_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]  # tp, pp, dp
@@ -250,6 +282,7 @@ def launched(model_dir, tmp_path_factory):
     cases[2]["reference"] = (_reference_body, (model_dir, out("reference")))
     cases[2]["engine"] = (_engine_body, (model_dir, out("engine")))
     cases[2]["resume"] = (_resume_body, (model_dir, top, out("resume")))
+    cases[2]["convert"] = (_convert_body, (model_dir, top, out("convert")))
     launches = SharedLaunches(cases, top)
 
     def result(name):
@@ -296,6 +329,13 @@ def test_native_engine_after_sync_from_tp2_lora_actor(launched):
 
 def test_checkpoint_resume_is_exact_at_tp2(launched):
     assert launched("resume")["ok"]
+
+
+def test_converter_exports_the_merged_weights_of_a_lora_checkpoint(launched):
+    out = launched("convert")
+    print(f"lora convert: {out}")
+    assert out["moved"] > 1e-2, "the adapters must change the weights for this test to mean anything"
+    assert out["worst"][2] == 0.0 and out["worst"][1] < 1e-6, out
 
 
 @pytest.mark.parametrize("overrides,message", [
