@@ -134,12 +134,10 @@ class ActorConfig:
                              f"{f'holds unknown {unknown}' if unknown else 'is empty'}: choose from {list(allowed)}")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"actor.lora_dropout={self.lora_dropout!r} must be in [0, 1)")
-        if self.sequence_parallel:
-            raise ValueError(f"actor.lora_rank={self.lora_rank} with actor.sequence_parallel=true is not supported: "
-                             "set actor.sequence_parallel=false (or actor.lora_rank=0)")
-        if self.lora_dropout and self.tp > 1:
-            raise ValueError(f"actor.lora_dropout={self.lora_dropout} with actor.tp={self.tp} is not supported (the "
-                             "TP ranks would draw different masks for the replicated input): set actor.lora_dropout=0")
+        if self.lora_dropout and self.tp > 1 and not self.sequence_parallel:
+            raise ValueError(f"actor.lora_dropout={self.lora_dropout} with actor.tp={self.tp} is not supported without sequence parallel (the "
+                             "TP ranks would draw different masks for the replicated input): set actor.lora_dropout=0 "
+                             "or actor.sequence_parallel=true")
 
 
 @dataclass

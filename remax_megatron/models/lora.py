@@ -14,12 +14,16 @@ Tensor parallelism (megatron's autograd mappings do the communication):
   through copy_to_tensor_model_parallel_region, whose backward all-reduces dL/dh over TP: each rank
   then holds the full gradient of A (the same on every rank, a TP duplicate for the grad norm).
 - row parallel (linear_proj, linear_fc2): x is split on its last dim. A [r, in / tp] is split on
-  dim 1 like the weight, B [out, r] is replicated.
-Checkpoints: B of linear_fc1 (a gated MLP) is saved gate / up apart, as megatron saves fc1's weight, so a
-checkpoint of one TP size loads at another. A x is summed over TP
+  dim 1 like the weight, B [out, r] is replicated. A x is summed over TP
   (reduce_from_tensor_model_parallel_region) before B, so B's gradient is whole on every rank.
+- sequence parallel: column parallel gets x split over the sequence, so A x [s / tp, b, r] is gathered
+  over the sequence (gather_from_sequence_parallel_region; its backward reduce-scatters dL/dh); row
+  parallel reduce-scatters A x over the sequence before B. A (column) and B (row) then see only their
+  rank's tokens: they are marked `sequence_parallel`, and megatron's finalize_model_grads sums their
+  gradients over TP, as it does for the norms.
 Merged per TP shard: B_local A (column) and B A_local (row) are exactly that rank's shard of B A.
-Sequence parallel is refused (the adapters' gathers / reduce-scatters are not written yet).
+Checkpoints: B of linear_fc1 (a gated MLP) is saved gate / up apart, as megatron saves fc1's weight, so a
+checkpoint of one TP size loads at another.
 A's init is drawn for the full matrix from a seed of (options.seed, global layer, module) and
 sliced, so every layout starts from the same adapters (world 1 == TP2 == PP2).
 """
@@ -59,15 +63,18 @@ class _LoraLinear:
 class LoraColumnParallelLinear(ColumnParallelLinear, _LoraLinear):
     """ColumnParallelLinear + LoRA: A [r, in] replicated, B [out / tp, r] split like the weight."""
 
+    lora_glu: bool = False  # linear_fc1 of a gated MLP: rows are [gate; up] per TP rank, B's rows too
+
     def forward(self, input_, weight=None, runtime_gather_output=None):
         output, bias = super().forward(input_, weight, runtime_gather_output)
         if not self.lora_enabled:
             return output, bias
-        h = F.linear(self.lora_dropout(input_), self.lora_A)   # [s, b, r], equal on every TP rank
-        h = tensor_parallel.copy_to_tensor_model_parallel_region(h, group=self.tp_group)  # bwd: dA summed over TP
+        h = F.linear(self.lora_dropout(input_), self.lora_A)   # [s, b, r] equal on every TP rank; SP: [s / tp, b, r]
+        if self.sequence_parallel:
+            h = tensor_parallel.gather_from_sequence_parallel_region(h, group=self.tp_group)  # [s, b, r]
+        else:
+            h = tensor_parallel.copy_to_tensor_model_parallel_region(h, group=self.tp_group)  # bwd: dA summed over TP
         return output + self.lora_scale * F.linear(h, self.lora_B), bias
-
-    lora_glu: bool = False  # linear_fc1 of a gated MLP: rows are [gate; up] per TP rank, B's rows too
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         out = make_sharded_tensors_for_checkpoint(
@@ -90,7 +97,10 @@ class LoraRowParallelLinear(RowParallelLinear, _LoraLinear):
         if not self.lora_enabled:
             return output, bias
         h = F.linear(self.lora_dropout(input_), self.lora_A)   # [s, b, r], this rank's input columns only
-        h = tensor_parallel.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
+        if self.sequence_parallel:
+            h = tensor_parallel.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)  # [s / tp, b, r]
+        else:
+            h = tensor_parallel.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
         return output + self.lora_scale * F.linear(h, self.lora_B), bias
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -140,6 +150,8 @@ def _adapt(module, options: LoraOptions, layer_number: int, path: str) -> None:
     tensor_parallel.set_tensor_model_parallel_attributes(module.lora_B, not split_a, 0 if not split_a else -1, 1)
     for p in (module.lora_A, module.lora_B):
         p.allreduce = True
+    # Sequence parallel: the replicated adapter sees this rank's tokens only; finalize_model_grads sums it over TP.
+    (module.lora_B if split_a else module.lora_A).sequence_parallel = module.sequence_parallel
 
 
 def apply_lora(model, options: LoraOptions) -> list[str]:
@@ -151,9 +163,6 @@ def apply_lora(model, options: LoraOptions) -> list[str]:
     unknown = sorted(set(options.targets) - set(LORA_TARGETS))
     if unknown:
         raise ValueError(f"actor.lora_targets: unknown {unknown}; choose from {list(LORA_TARGETS)}")
-    if model.config.sequence_parallel:
-        raise ValueError("actor.lora_rank > 0 with actor.sequence_parallel=true is not supported yet: set "
-                         "actor.sequence_parallel=false")
     model.requires_grad_(False)
     adapted = []
     for i, layer in enumerate(model.decoder.layers):

@@ -57,7 +57,8 @@ def _trainer(world, model_dir, tp, pp, overrides=(), lora=True):
     cfg = load_config(None, ["reward.functions=[exact_match]", "optim.lr=1e-2", "optim.grad_clip=0",
                              "optim.eps=1e-3", "trainer.micro_batch_size=2",
                              *([f"actor.lora_rank={RANK}", f"actor.lora_alpha={ALPHA}"] if lora else []), *overrides])
-    actor = build_policy(read_hf_config(model_dir), tp=tp, pp=pp, init_weights=False, lora=lora_options(cfg))
+    actor = build_policy(read_hf_config(model_dir), tp=tp, pp=pp, init_weights=False, lora=lora_options(cfg),
+                         sequence_parallel=cfg.actor.sequence_parallel)
     load_hf_weights(actor, model_dir)
     ddp = wrap_ddp(actor, False)
     opt = build_optimizer(ddp, cfg.optim)
@@ -115,12 +116,13 @@ def _snapshot(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _update_body(rank, world, model_dir, tp, pp, out_path):
+def _update_body(rank, world, model_dir, tp, pp, out_path, sp=False):
     """Two updates (the first moves only B: A's gradient is 0 while B = 0; the second moves A too)."""
     from remax_megatron.models.lora import is_adapter
     from remax_megatron.weights import export_hf_weights
 
-    trainer, actor, opt = _trainer(world, model_dir, tp, pp)
+    trainer, actor, opt = _trainer(world, model_dir, tp, pp, [f"actor.sequence_parallel={sp}"])
+    assert actor.config.sequence_parallel == sp
     before = _snapshot(actor)
     assert all(not p.requires_grad for n, p in actor.named_parameters() if not is_adapter(n))
     stats = []
@@ -263,7 +265,7 @@ def _convert_body(rank, world, model_dir, top, out_path):
 
 # ---- launches -------------------------------------------------------------------------------------
 
-UPDATE_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]  # tp, pp, dp
+UPDATE_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]  # tp, pp, dp; and tp2 with sequence parallel
 
 
 @pytest.fixture(scope="module")
@@ -279,6 +281,7 @@ def launched(model_dir, tmp_path_factory):
     for tp, pp, dp in UPDATE_LAYOUTS:
         name = f"update-{tp}{pp}{dp}"
         cases[tp * pp * dp][name] = (_update_body, (model_dir, tp, pp, out(name)))
+    cases[2]["update-211-sp"] = (_update_body, (model_dir, 2, 1, out("update-211-sp"), True))
     cases[2]["reference"] = (_reference_body, (model_dir, out("reference")))
     cases[2]["engine"] = (_engine_body, (model_dir, out("engine")))
     cases[2]["resume"] = (_resume_body, (model_dir, top, out("resume")))
@@ -300,16 +303,16 @@ def test_lora_at_init_is_the_base_model_bitwise_and_merge_is_fp64_exact(launched
 
 def test_update_across_layouts_equals_world_one_and_moves_only_adapters(launched):
     base = launched("update-111")
-    for tp, pp, dp in UPDATE_LAYOUTS[1:]:
-        other = launched(f"update-{tp}{pp}{dp}")
+    for name in [f"update-{tp}{pp}{dp}" for tp, pp, dp in UPDATE_LAYOUTS[1:]] + ["update-211-sp"]:
+        other = launched(name)
         for k in range(2):
             for key in ("loss", "grad_norm"):
-                assert abs(other["stats"][k][key] - base["stats"][k][key]) < 1e-5, (tp, pp, dp, k, key)
+                assert abs(other["stats"][k][key] - base["stats"][k][key]) < 1e-5, (name, k, key)
         worst = max((other["weights"][n] - base["weights"][n]).abs().max().item() for n in base["weights"])
-        print(f"lora update tp{tp} pp{pp} dp{dp}: merged weights vs world 1 {worst:.2e}, loss "
+        print(f"lora {name}: merged weights vs world 1 {worst:.2e}, loss "
               f"{[abs(other['stats'][k]['loss'] - base['stats'][k]['loss']) for k in range(2)]}, grad norm "
               f"{[abs(other['stats'][k]['grad_norm'] - base['stats'][k]['grad_norm']) for k in range(2)]}")
-        assert worst < 1e-5, (tp, pp, dp, worst)
+        assert worst < 1e-5, (name, worst)
     assert base["stats"][1]["grad_norm"] > 0
 
 
@@ -343,8 +346,7 @@ def test_converter_exports_the_merged_weights_of_a_lora_checkpoint(launched):
     (["actor.lora_rank=-1"], "actor.lora_rank=-1 must be >= 0"),
     (["actor.lora_alpha=0"], "actor.lora_alpha=0.0 must be > 0"),
     (["actor.lora_dropout=1.5"], r"actor.lora_dropout=1.5 must be in \[0, 1\)"),
-    (["actor.sequence_parallel=true", "actor.tp=2"], "sequence_parallel=true is not supported"),
-    (["actor.lora_dropout=0.1", "actor.tp=2"], "set actor.lora_dropout=0"),
+    (["actor.lora_dropout=0.1", "actor.tp=2"], "set actor.lora_dropout=0 or actor.sequence_parallel=true"),
     (["actor.lora_targets=[]"], "is empty"),
     (["reference.model=/x"], "unset reference.model"),
 ])
