@@ -328,3 +328,22 @@ def test_every_suggestion_for_llama3_70b_on_32_gpus_fits_by_its_heaviest_stage(l
     for suggestion in suggestions:
         code, est = _apply_suggestion(capsys, argv, suggestion)
         assert code == 0 and est["fits"] and max(est["stage_totals"]) <= 80 * 2**30, (suggestion, est["stage_totals"])
+
+
+def test_lora_counts_only_the_adapters_as_trained(config, capsys):
+    """actor.lora_rank=16 on Llama-3-8B at tp2: gradients and optimizer states are the adapters', computed here
+    from the published shapes; the weights row adds them to the base; no reference model with KL on."""
+    argv = ("--config", config, "--nodes", "1", "--gpus-per-node", "8", "--gpu-mem-gib", "80")
+    _, full = _plan_json(capsys, *argv)
+    _, est = _plan_json(capsys, *argv, "actor.lora_rank=16", "algo.kl_coef=0.1", "reference.enabled=true")
+    d, f, layers, heads, kv, hd, r, tp = 4096, 14336, 32, 32, 8, 128, 16, 2
+    layer = (r * (d + (heads + 2 * kv) * hd // tp) + r * (heads * hd // tp + d)
+             + r * (d + 2 * f // tp) + r * (f // tp + d))
+    adapters = layers * layer
+    rows, base = {r["key"]: r for r in est["rows"]}, {r["key"]: r for r in full["rows"]}
+    assert rows["gradients"]["bytes"] == adapters * 4
+    assert rows["optimizer"]["bytes"] == adapters * 12
+    assert rows["optimizer_distributed"]["bytes"] == adapters * 12 // 4
+    assert rows["weights"]["bytes"] == base["weights"]["bytes"] + adapters * 2
+    assert rows["reference"]["bytes"] == 0 and not rows["reference"]["counted"]
+    assert est["total_bytes"] < full["total_bytes"]
