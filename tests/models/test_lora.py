@@ -153,27 +153,29 @@ def _update_body(rank, world, model_dir, tp, pp, out_path, sp=False):
         torch.save({"stats": stats, "weights": weights}, out_path)
 
 
-def _reference_body(rank, world, model_dir, out_path):
-    """TP2: after an update (adapters non-zero), the actor with adapters off == a built reference model."""
+def _reference_body(rank, world, model_dir, tp, pp, out_path):
+    """After updates (adapters non-zero), the actor with adapters off == a built reference model."""
     from remax_megatron.models import build_policy, read_hf_config
     from remax_megatron.weights import load_hf_weights
 
-    trainer, actor, _ = _trainer(world, model_dir, world, 1, ["algo.kl_coef=0.1"])
+    trainer, actor, _ = _trainer(world, model_dir, tp, pp, ["algo.kl_coef=0.1"])
     batch = _batch()
     for _ in range(2):
         trainer._train_on(batch, None, None)
         batch["rewards"] = batch["rewards"].flip(0)
-    reference = build_policy(read_hf_config(model_dir), tp=world, pp=1, init_weights=False, trainable=False)
+    reference = build_policy(read_hf_config(model_dir), tp=tp, pp=pp, init_weights=False, trainable=False)
     load_hf_weights(reference, model_dir)
     plan = trainer._plan(batch)[1]
     from_adapters_off = trainer._reference_logprobs(batch, plan)
     from_model = trainer._logprobs(reference, batch, plan)
     actor_lp = trainer._logprobs(actor, batch, plan)
     mask = batch["labels"] != -100
-    gap = (from_adapters_off - from_model)[mask].abs().max().item()
-    moved = (actor_lp - from_model)[mask].abs().max().item()
+    gap = moved = None
+    if trainer.groups.is_last_stage:
+        gap = (from_adapters_off - from_model)[mask].abs().max().item()
+        moved = (actor_lp - from_model)[mask].abs().max().item()
     assert all(m.lora_enabled for m in actor.modules() if hasattr(m, "lora_enabled"))  # switched back on
-    if rank == 0:
+    if trainer.groups.is_last_stage and trainer.groups.tp_rank == 0:  # log-probs live on the last stage
         torch.save({"gap": gap, "moved": moved}, out_path)
 
 
@@ -228,7 +230,23 @@ def _resume_body(rank, world, model_dir, top, out_path):
     for n in want_params:
         assert torch.equal(got_params[n], want_params[n]), n
     if rank == 0:
-        torch.save({"ok": True}, out_path)
+        torch.save({"ok": True, "path": path, "want": want}, out_path)
+    torch.distributed.barrier()  # resume-tp1 reads it next
+
+
+def _resume_tp1_body(rank, world, model_dir, saved_path, out_path):
+    """The TP2 save of _resume_body loaded at TP1 x DP2: the same second update (adapters, Adam state and
+    fc1's gate / up split resharded)."""
+    saved = torch.load(saved_path)
+    from remax_megatron.checkpoint import load_checkpoint
+
+    batch = _batch()
+    second = batch | {"rewards": batch["rewards"].flip(0)}
+    trainer, actor, opt = _trainer(world, model_dir, 1, 1, ["trainer.seed=5"])
+    load_checkpoint(saved["path"], actor, opt)
+    got = trainer._train_on(_local_rows(trainer, second), None, None).stats
+    if rank == 0:
+        torch.save({"got": got, "want": saved["want"]}, out_path)
 
 
 def _convert_body(rank, world, model_dir, top, out_path):
@@ -282,9 +300,11 @@ def launched(model_dir, tmp_path_factory):
         name = f"update-{tp}{pp}{dp}"
         cases[tp * pp * dp][name] = (_update_body, (model_dir, tp, pp, out(name)))
     cases[2]["update-211-sp"] = (_update_body, (model_dir, 2, 1, out("update-211-sp"), True))
-    cases[2]["reference"] = (_reference_body, (model_dir, out("reference")))
+    for tp, pp in ((2, 1), (1, 2)):
+        cases[2][f"reference-{tp}{pp}"] = (_reference_body, (model_dir, tp, pp, out(f"reference-{tp}{pp}")))
     cases[2]["engine"] = (_engine_body, (model_dir, out("engine")))
     cases[2]["resume"] = (_resume_body, (model_dir, top, out("resume")))
+    cases[2]["resume-tp1"] = (_resume_tp1_body, (model_dir, out("resume"), out("resume-tp1")))  # after "resume"
     cases[2]["convert"] = (_convert_body, (model_dir, top, out("convert")))
     launches = SharedLaunches(cases, top)
 
@@ -317,10 +337,11 @@ def test_update_across_layouts_equals_world_one_and_moves_only_adapters(launched
 
 
 def test_reference_from_disabled_adapters_equals_a_reference_model(launched):
-    out = launched("reference")
-    print(f"lora reference: {out}")
-    assert out["moved"] > 1e-3, "the adapters must change the actor for this test to mean anything"
-    assert out["gap"] < 1e-6, out
+    for layout in ("21", "12"):  # tp2, pp2
+        out = launched(f"reference-{layout}")
+        print(f"lora reference-{layout}: {out}")
+        assert out["moved"] > 1e-3, "the adapters must change the actor for this test to mean anything"
+        assert out["gap"] < 1e-6, out
 
 
 def test_native_engine_after_sync_from_tp2_lora_actor(launched):
@@ -332,6 +353,13 @@ def test_native_engine_after_sync_from_tp2_lora_actor(launched):
 
 def test_checkpoint_resume_is_exact_at_tp2(launched):
     assert launched("resume")["ok"]
+
+
+def test_tp2_checkpoint_resumes_at_tp1(launched):
+    out = launched("resume-tp1")
+    print(f"lora resume-tp1: {out}")
+    for key in ("loss", "grad_norm"):
+        assert abs(out["got"][key] - out["want"][key]) < 1e-5, (key, out)
 
 
 def test_converter_exports_the_merged_weights_of_a_lora_checkpoint(launched):
