@@ -12,6 +12,7 @@
 """
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -185,7 +186,7 @@ def _random_adapters(actor, tp_rank):
         for n, p in actor.named_parameters():
             if n.endswith(("lora_A", "lora_B")):
                 split = getattr(p, "tensor_model_parallel", False)
-                g = torch.Generator().manual_seed(hash(n) % 2**31 + (tp_rank if split else 0))
+                g = torch.Generator().manual_seed(zlib.crc32(n.encode()) + (tp_rank if split else 0))
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
 
 
@@ -281,6 +282,59 @@ def _convert_body(rank, world, model_dir, top, out_path):
     dist.barrier()
 
 
+def _bf16_body(rank, world, model_dir, out_path):
+    """bf16 actor: the export casts the fp32 merge once (W + (alpha/r) B A rounded to bf16 one time), as an fp64
+    reference rounded to bf16 is; merging in bf16 would round W's update away."""
+    from remax_megatron.models import build_policy, read_hf_config
+    from remax_megatron.models.lora import LoraOptions, lora_modules
+    from remax_megatron.parallel import ParallelLayout
+    from remax_megatron.weights import export_hf_weights, load_hf_weights
+
+    ParallelLayout(tp=1, pp=1, world_size=world).initialize(seed=0)
+    actor = build_policy(read_hf_config(model_dir), tp=1, pp=1, init_weights=False, params_dtype=torch.bfloat16,
+                         lora=LoraOptions(rank=RANK, alpha=ALPHA))
+    load_hf_weights(actor, model_dir)
+    _random_adapters(actor, 0)
+    with torch.no_grad():
+        for p in actor.parameters():
+            if p.requires_grad:
+                p.mul_(0.02)  # a small update, as after a few steps: bf16 rounding of W would eat it
+    exported = dict(export_hf_weights(actor, dtype=torch.bfloat16))
+    module = lora_modules(actor)["decoder.layers.0.self_attention.linear_proj.weight"]
+    ref = (module.weight.double() + ALPHA / RANK * module.lora_B.double() @ module.lora_A.double())
+    bf16_merge = module.weight + ALPHA / RANK * (module.lora_B @ module.lora_A)  # all in bf16
+    got = exported["model.layers.0.self_attn.o_proj.weight"]
+    torch.save({"exact": (got.double() - ref.to(torch.bfloat16).double()).abs().max().item(),
+                "update": (got.double() - module.weight.double()).abs().max().item(),
+                # elements that differ from the fp64 merge rounded once (fp32 merge: none)
+                "bf16_merge_off": (bf16_merge != ref.to(torch.bfloat16)).sum().item(), "numel": got.numel()},
+               out_path)
+
+
+def _moe_body(rank, world, moe_dir, out_path):
+    """A MoE actor takes adapters on attention (logits at init == base, bitwise); experts are refused."""
+    from remax_megatron.models import build_policy, read_hf_config
+    from remax_megatron.models.arch import ExpertOptions
+    from remax_megatron.models.lora import LoraOptions
+    from remax_megatron.parallel import ParallelLayout
+    from remax_megatron.weights import load_hf_weights
+
+    ParallelLayout(tp=1, pp=1, world_size=world).initialize(seed=0)
+    arch = read_hf_config(moe_dir)
+    with pytest.raises(ValueError, match="is a MoE expert"):
+        build_policy(arch, tp=1, pp=1, init_weights=False, experts=ExpertOptions(),
+                     lora=LoraOptions(rank=RANK, alpha=ALPHA))
+    lora = build_policy(arch, tp=1, pp=1, init_weights=False, experts=ExpertOptions(),
+                        lora=LoraOptions(rank=RANK, alpha=ALPHA, targets=("linear_qkv", "linear_proj")))
+    base = build_policy(arch, tp=1, pp=1, init_weights=False, experts=ExpertOptions())
+    for m in (lora, base):
+        load_hf_weights(m, moe_dir)
+    ids = torch.randint(4, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        equal = torch.equal(lora.full_logits(lora.run(ids)), base.full_logits(base.run(ids)))
+    torch.save({"equal": equal, "adapted": sum(n.endswith("lora_A") for n, _ in lora.named_parameters())}, out_path)
+
+
 # ---- launches -------------------------------------------------------------------------------------
 
 UPDATE_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]  # tp, pp, dp; and tp2 with sequence parallel
@@ -296,6 +350,10 @@ def launched(model_dir, tmp_path_factory):
 
     for world in (1, 2):
         cases[world][f"init-{world}"] = (_init_body, (model_dir, out(f"init-{world}")))
+    cases[1]["bf16"] = (_bf16_body, (model_dir, out("bf16")))
+    moe_dir = make_tiny_model(os.path.join(top, "moe"), "qwen3_moe", hidden=64, layers=2, heads=4, kv_heads=2,
+                              ffn=32, vocab=300, experts=4, top_k=2, seed=10)
+    cases[1]["moe"] = (_moe_body, (moe_dir, out("moe")))
     for tp, pp, dp in UPDATE_LAYOUTS:
         name = f"update-{tp}{pp}{dp}"
         cases[tp * pp * dp][name] = (_update_body, (model_dir, tp, pp, out(name)))
@@ -319,6 +377,19 @@ def launched(model_dir, tmp_path_factory):
 def test_lora_at_init_is_the_base_model_bitwise_and_merge_is_fp64_exact(launched):
     for world in (1, 2):
         assert launched(f"init-{world}")["merge_err"] < 1e-5
+
+
+def test_bf16_export_rounds_the_fp32_merge_once(launched):
+    out = launched("bf16")
+    print(f"lora bf16: {out}")
+    assert out["update"] > 0, "the adapters must change the exported weight for this test to mean anything"
+    assert out["exact"] == 0.0, out  # == the fp64 merge rounded to bf16 once
+    assert out["bf16_merge_off"] > 0, out  # the check would see a bf16 merge
+
+
+def test_moe_actor_takes_attention_adapters_and_refuses_expert_ones(launched):
+    out = launched("moe")
+    assert out["equal"] and out["adapted"] == 2 * 2, out  # qkv + proj in 2 layers
 
 
 def test_update_across_layouts_equals_world_one_and_moves_only_adapters(launched):
