@@ -135,9 +135,9 @@ class ActorConfig:
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"actor.lora_dropout={self.lora_dropout!r} must be in [0, 1)")
         if self.lora_dropout and self.tp > 1 and not self.sequence_parallel:
-            raise ValueError(f"actor.lora_dropout={self.lora_dropout} with actor.tp={self.tp} is not supported without sequence parallel (the "
-                             "TP ranks would draw different masks for the replicated input): set actor.lora_dropout=0 "
-                             "or actor.sequence_parallel=true")
+            raise ValueError(f"actor.lora_dropout={self.lora_dropout} with actor.tp={self.tp} is not supported without "
+                             "sequence parallel (the TP ranks would draw different masks for the replicated input): "
+                             "set actor.lora_dropout=0 or actor.sequence_parallel=true")
 
 
 @dataclass

@@ -6,7 +6,8 @@ path the rollout weight sync uses (TP shards gathered, PP stages broadcast).
     torchrun --nproc_per_node=2 tools/convert_megatron_to_hf.py --ckpt MOE_CKPT --out HF --ep 2
 
 CKPT is a model checkpoint (tools/convert_hf_to_megatron.py) or a training
-checkpoint (its actor; a LoRA actor's adapters are merged, W + (alpha/r) B A in fp32, then cast). The world size must hold the layout: tp * pp, times what expert parallelism
+checkpoint (its actor; a LoRA actor's adapters are merged: W + (alpha/r) B A in fp32, then cast).
+The world size must hold the layout: tp * pp, times what expert parallelism
 needs beyond tp (--ep 2 at --tp 1: 2 processes; --tp 2 --ep 2: 2 with whole experts, --etp 1, or 4
 with --etp 2), or a multiple of that (the extra data-parallel replicas export the same tensors). An existing --out (a file or a
 non-empty directory) is refused; --overwrite replaces only an HF directory this tool wrote (its

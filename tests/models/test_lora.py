@@ -374,11 +374,13 @@ def launched(model_dir, tmp_path_factory):
     return result
 
 
+@pytest.mark.slow
 def test_lora_at_init_is_the_base_model_bitwise_and_merge_is_fp64_exact(launched):
     for world in (1, 2):
         assert launched(f"init-{world}")["merge_err"] < 1e-5
 
 
+@pytest.mark.slow
 def test_bf16_export_rounds_the_fp32_merge_once(launched):
     out = launched("bf16")
     print(f"lora bf16: {out}")
@@ -387,11 +389,13 @@ def test_bf16_export_rounds_the_fp32_merge_once(launched):
     assert out["bf16_merge_off"] > 0, out  # the check would see a bf16 merge
 
 
+@pytest.mark.slow
 def test_moe_actor_takes_attention_adapters_and_refuses_expert_ones(launched):
     out = launched("moe")
     assert out["equal"] and out["adapted"] == 2 * 2, out  # qkv + proj in 2 layers
 
 
+@pytest.mark.slow
 def test_update_across_layouts_equals_world_one_and_moves_only_adapters(launched):
     base = launched("update-111")
     for name in [f"update-{tp}{pp}{dp}" for tp, pp, dp in UPDATE_LAYOUTS[1:]] + ["update-211-sp"]:
@@ -407,6 +411,7 @@ def test_update_across_layouts_equals_world_one_and_moves_only_adapters(launched
     assert base["stats"][1]["grad_norm"] > 0
 
 
+@pytest.mark.slow
 def test_reference_from_disabled_adapters_equals_a_reference_model(launched):
     for layout in ("21", "12"):  # tp2, pp2
         out = launched(f"reference-{layout}")
@@ -415,6 +420,7 @@ def test_reference_from_disabled_adapters_equals_a_reference_model(launched):
         assert out["gap"] < 1e-6, out
 
 
+@pytest.mark.slow
 def test_native_engine_after_sync_from_tp2_lora_actor(launched):
     out = launched("engine")
     print(f"lora engine: {out}")
@@ -422,10 +428,12 @@ def test_native_engine_after_sync_from_tp2_lora_actor(launched):
     assert out["gap"] < 1e-5, out
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_is_exact_at_tp2(launched):
     assert launched("resume")["ok"]
 
 
+@pytest.mark.slow
 def test_tp2_checkpoint_resumes_at_tp1(launched):
     out = launched("resume-tp1")
     print(f"lora resume-tp1: {out}")
@@ -433,6 +441,7 @@ def test_tp2_checkpoint_resumes_at_tp1(launched):
         assert abs(out["got"][key] - out["want"][key]) < 1e-5, (key, out)
 
 
+@pytest.mark.slow
 def test_converter_exports_the_merged_weights_of_a_lora_checkpoint(launched):
     out = launched("convert")
     print(f"lora convert: {out}")
