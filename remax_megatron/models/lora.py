@@ -176,7 +176,17 @@ def apply_lora(model, options: LoraOptions) -> list[str]:
             adapted.append(f"decoder.layers.{i}.{path}")
     if not adapted:
         raise ValueError(f"actor.lora_targets={list(options.targets)} matched no linear layer of the actor")
+    if model.config.recompute_granularity == "full" and model.pre_process:
+        # Full recompute wraps each layer in megatron's reentrant CheckpointFunction, which runs no backward
+        # (so gives the adapters inside no gradient) when none of its inputs requires grad: the frozen
+        # embedding's output would not. transformers' enable_input_require_grads does the same for PEFT.
+        model.embedding.register_forward_hook(_input_requires_grad)
     return adapted
+
+
+def _input_requires_grad(module, args, output):
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
 
 
 def lora_modules(model) -> dict[str, _LoraLinear]:

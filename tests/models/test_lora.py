@@ -59,7 +59,8 @@ def _trainer(world, model_dir, tp, pp, overrides=(), lora=True):
                              "optim.eps=1e-3", "trainer.micro_batch_size=2",
                              *([f"actor.lora_rank={RANK}", f"actor.lora_alpha={ALPHA}"] if lora else []), *overrides])
     actor = build_policy(read_hf_config(model_dir), tp=tp, pp=pp, init_weights=False, lora=lora_options(cfg),
-                         sequence_parallel=cfg.actor.sequence_parallel)
+                         sequence_parallel=cfg.actor.sequence_parallel,
+                         recompute_granularity=None if cfg.actor.recompute == "none" else cfg.actor.recompute)
     load_hf_weights(actor, model_dir)
     ddp = wrap_ddp(actor, False)
     opt = build_optimizer(ddp, cfg.optim)
@@ -117,13 +118,15 @@ def _snapshot(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _update_body(rank, world, model_dir, tp, pp, out_path, sp=False):
+def _update_body(rank, world, model_dir, tp, pp, out_path, sp=False, recompute="none"):
     """Two updates (the first moves only B: A's gradient is 0 while B = 0; the second moves A too)."""
     from remax_megatron.models.lora import is_adapter
     from remax_megatron.weights import export_hf_weights
 
-    trainer, actor, opt = _trainer(world, model_dir, tp, pp, [f"actor.sequence_parallel={sp}"])
+    trainer, actor, opt = _trainer(world, model_dir, tp, pp, [f"actor.sequence_parallel={sp}",
+                                                              f"actor.recompute={recompute}"])
     assert actor.config.sequence_parallel == sp
+    assert actor.config.recompute_granularity == (None if recompute == "none" else recompute)
     before = _snapshot(actor)
     assert all(not p.requires_grad for n, p in actor.named_parameters() if not is_adapter(n))
     stats = []
@@ -358,6 +361,7 @@ def launched(model_dir, tmp_path_factory):
         name = f"update-{tp}{pp}{dp}"
         cases[tp * pp * dp][name] = (_update_body, (model_dir, tp, pp, out(name)))
     cases[2]["update-211-sp"] = (_update_body, (model_dir, 2, 1, out("update-211-sp"), True))
+    cases[2]["update-121-full"] = (_update_body, (model_dir, 1, 2, out("update-121-full"), False, "full"))
     for tp, pp in ((2, 1), (1, 2)):
         cases[2][f"reference-{tp}{pp}"] = (_reference_body, (model_dir, tp, pp, out(f"reference-{tp}{pp}")))
     cases[2]["engine"] = (_engine_body, (model_dir, out("engine")))
@@ -398,7 +402,7 @@ def test_moe_actor_takes_attention_adapters_and_refuses_expert_ones(launched):
 @pytest.mark.slow
 def test_update_across_layouts_equals_world_one_and_moves_only_adapters(launched):
     base = launched("update-111")
-    for name in [f"update-{tp}{pp}{dp}" for tp, pp, dp in UPDATE_LAYOUTS[1:]] + ["update-211-sp"]:
+    for name in [f"update-{tp}{pp}{dp}" for tp, pp, dp in UPDATE_LAYOUTS[1:]] + ["update-211-sp", "update-121-full"]:
         other = launched(name)
         for k in range(2):
             for key in ("loss", "grad_norm"):
