@@ -464,7 +464,7 @@ def _type_name(hint) -> str:
     if typing.get_origin(hint) is Literal:
         return " | ".join(typing.get_args(hint))
     if typing.get_origin(hint) is list:
-        return f"list of {typing.get_args(hint)[0].__name__}"
+        return f"list of {_type_name(typing.get_args(hint)[0])}"
     return hint.__name__
 
 
