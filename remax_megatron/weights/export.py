@@ -37,7 +37,6 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from remax_megatron.models.lora import lora_modules
 from remax_megatron.parallel.layout import ProcessGroups, comm_device
 from remax_megatron.weights.load import expert_layout, local_param_name, mapping_for
 from remax_megatron.weights.mapping import ParamSpec, WeightMapping
@@ -89,6 +88,8 @@ class HFExporter:
         self.model, self.mapping = model, (mapping := mapping_for(model))
         self.params = {k: v for k, v in model.state_dict(keep_vars=True).items()
                        if not k.endswith("_extra_state")}
+        from remax_megatron.models.lora import lora_modules  # megatron-core: not at import (start-up checks)
+
         self._lora = lora_modules(model)  # adapted weights go out merged: HF tensors only, no adapters
         first = next(iter(self.params.values()))
         self.plan = _plan_buckets(mapping, int(bucket_mb * 2**20 / (dtype or first.dtype).itemsize))
