@@ -163,7 +163,7 @@ class Trainer:
             "sync/bytes": sync["bytes"], "sync/buckets": sync["buckets"], "kl/coef": parts.kl.coef,
             "lr": parts.optimizer.param_groups[0]["lr"], "optim/skipped_updates": self.skipped_updates,
             # This rank's optimizer state (Adam moments, fp32 main weights): adapter-sized with LoRA.
-            "optim/state_mib": sum(t.numel() * t.element_size() for t in parts.optimizer.state_tensors()) / 2**20,
+            "optim/state_mib": _distinct_bytes(parts.optimizer.state_tensors()) / 2**20,
             # Where the data loader stands after this step (resume must continue exactly here).
             "data/epoch": parts.sampler.epoch, "data/position": parts.sampler.position,
         })
@@ -702,6 +702,13 @@ class Update:
 
 class StageError(RuntimeError):
     """A stage of the step failed (a peer died, a collective timed out): names the step and stage."""
+
+
+def _distinct_bytes(tensors) -> int:
+    """Bytes of the distinct storages of `tensors` (a tensor listed twice counts once: CpuAdamW's state
+    also names its fp32 main weights after a checkpoint save)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def _clipped(value, limit: int = 200) -> str:
