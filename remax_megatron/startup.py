@@ -81,6 +81,7 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     actor_dir = resolve_model(cfg.actor.model, "actor.model", build=False)
     arch = read_hf_config(actor_dir)
     check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor", ep=cfg.actor.ep)
+    check_lora(cfg, arch)
     experts = expert_options(cfg, arch)
     if cfg.trainer.pack_sequences:
         check_packing(DTYPES[cfg.actor.dtype])
@@ -94,7 +95,6 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     check_run_length(arch, longest, f"actor.model {actor_dir}", how)
     if arch.task != "causal_lm":
         raise ValueError(f"actor.model {actor_dir} is a {arch.architecture}: the actor must be a *ForCausalLM")
-    check_lora(cfg, arch)
     # A LoRA actor is its own reference (adapters off): no reference model is read or built.
     ref_dir = resolve_model(cfg.reference.model or cfg.actor.model, "reference.model", build=False) \
         if cfg.reference.enabled and not cfg.actor.lora_rank else None
@@ -198,11 +198,23 @@ def claim_run(cfg, checked: CheckedInputs) -> Claim:
 
 
 def check_lora(cfg, arch: ModelArch) -> None:
-    """LoRA checks that need the model: MoE experts cannot take adapters (one line)."""
+    """LoRA checks that need the model or the machine (one line each): MoE experts cannot take adapters;
+    a LoRA actor runs megatron's local layer spec, so nothing of Transformer Engine's (packed THD rows,
+    grouped experts) is there for it."""
+    if not cfg.actor.lora_rank:
+        return
     experts = [t for t in cfg.actor.lora_targets if t in ("linear_fc1", "linear_fc2")]
-    if cfg.actor.lora_rank and arch.is_moe and experts:
+    if arch.is_moe and experts:
         raise ValueError(f"actor.lora_targets holds {experts}, which are MoE experts in {arch.architecture}: LoRA on "
                          "experts is not supported; use actor.lora_targets=[linear_qkv,linear_proj]")
+    if cfg.trainer.pack_sequences and transformer_engine_usable():
+        raise ValueError(f"trainer.pack_sequences=true with actor.lora_rank={cfg.actor.lora_rank}: the LoRA actor runs "
+                         "megatron's local layer spec, which takes no packed (THD) rows; set "
+                         "trainer.pack_sequences=false")
+    if arch.is_moe and cfg.actor.moe_experts == "grouped":
+        raise ValueError(f"actor.moe_experts=grouped with actor.lora_rank={cfg.actor.lora_rank}: the LoRA actor runs "
+                         "megatron's local layer spec, without Transformer Engine's grouped experts; use "
+                         "actor.moe_experts=sequential or auto")
 
 
 def lora_options(cfg) -> LoraOptions | None:
@@ -240,7 +252,9 @@ def expert_options(cfg, arch: ModelArch) -> ExpertOptions:
     if cfg.rollout.routing_replay and cfg.trainer.mini_batches > 1:
         raise ValueError(f"rollout.routing_replay=true with trainer.mini_batches={cfg.trainer.mini_batches}: the old "
                          "log-prob pass does not replay routes yet; use trainer.mini_batches=1")
-    grouped = a.moe_experts == "grouped" or (a.moe_experts == "auto" and transformer_engine_usable())
+    # A LoRA actor runs megatron's local spec (models/gpt.build_policy): its experts are SequentialMLP.
+    grouped = a.moe_experts == "grouped" or (a.moe_experts == "auto" and transformer_engine_usable()
+                                             and not a.lora_rank)
     if grouped and not transformer_engine_usable():
         raise ValueError("actor.moe_experts=grouped needs CUDA and Transformer Engine (TEGroupedMLP): use "
                          "actor.moe_experts=sequential (megatron's SequentialMLP) or auto")

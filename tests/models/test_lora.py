@@ -478,6 +478,31 @@ def test_lora_off_keeps_kl_needing_a_reference_and_lora_on_does_not():
     load_config(None, ["reward.functions=[exact_match]", "algo.kl_coef=0.1", "actor.lora_rank=4"])
 
 
+def test_what_transformer_engine_would_run_is_refused_or_avoided(monkeypatch):
+    """On a GPU with Transformer Engine a LoRA actor still runs megatron's local spec: packed THD rows are
+    refused, and MoE experts default to megatron's SequentialMLP (auto) or are refused (grouped)."""
+    from types import SimpleNamespace
+
+    from remax_megatron import startup
+    from remax_megatron.config import load_config
+
+    monkeypatch.setattr(startup, "transformer_engine_usable", lambda: True)
+    base = ["reward.functions=[exact_match]", "actor.lora_rank=4"]
+    dense = SimpleNamespace(is_moe=False, architecture="LlamaForCausalLM")
+    moe = SimpleNamespace(is_moe=True, architecture="MixtralForCausalLM")
+    cfg = load_config(None, [*base, "trainer.pack_sequences=true", "trainer.micro_batch_tokens=4096"])
+    with pytest.raises(ValueError, match="set trainer.pack_sequences=false"):
+        startup.check_lora(cfg, dense)
+    cfg = load_config(None, [*base, "actor.lora_targets=[linear_qkv]", "actor.moe_experts=grouped"])
+    with pytest.raises(ValueError, match="use actor.moe_experts=sequential or auto"):
+        startup.check_lora(cfg, moe)
+    cfg = load_config(None, [*base, "actor.lora_targets=[linear_qkv]"])
+    startup.check_lora(cfg, moe)
+    assert startup.expert_options(cfg, moe).grouped_gemm is False
+    cfg.actor.lora_rank = 0
+    assert startup.expert_options(cfg, moe).grouped_gemm is True  # unchanged without LoRA
+
+
 def test_moe_experts_are_refused():
     from types import SimpleNamespace
 
