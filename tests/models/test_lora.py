@@ -340,13 +340,13 @@ def _moe_body(rank, world, moe_dir, out_path):
 
 # ---- launches -------------------------------------------------------------------------------------
 
-UPDATE_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]  # tp, pp, dp; and tp2 with sequence parallel
+UPDATE_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2)]  # tp, pp, dp (+ tp2 with SP)
 
 
 @pytest.fixture(scope="module")
 def launched(model_dir, tmp_path_factory):
     top = str(tmp_path_factory.mktemp("lora"))
-    cases = {1: {}, 2: {}}
+    cases = {1: {}, 2: {}, 4: {}}
 
     def out(name):
         return os.path.join(top, name + ".pt")
