@@ -1,14 +1,16 @@
 """LoRA on the actor (models/lora.py), on CPU with gloo.
 
-- config: one-line errors for bad LoRA keys; MoE experts refused
-- at init (B = 0) the LoRA actor's logits equal the base model's bitwise (world 1 and TP2)
-- the merge W + (alpha/r) B A, computed in fp32 per TP shard, equals an fp64 reference
-- two updates (the second moves A too) at TP2, PP2 and DP2 equal world 1 (loss, grad norm, merged
-  weights within 1e-5); only adapter tensors change, base weights stay bitwise; A stays equal on the TP
-  ranks that replicate it
-- the reference from the disabled adapters equals a separately built reference model (1e-6)
-- the native engine after a sync from a TP2 LoRA actor gives the actor's log-probs (1e-5, fp32)
-- a checkpoint of adapters + optimizer at TP2 resumes exactly
+- config: one-line errors for bad LoRA keys; MoE experts refused; what Transformer Engine would run
+- at init (B = 0) the LoRA actor's logits equal the base model's bitwise (world 1 and TP2; a MoE actor)
+- the merge W + (alpha/r) B A, computed in fp32 per TP shard, equals an fp64 reference; a bf16 export
+  rounds it once
+- two updates (the second moves A too) at TP2, TP2 + sequence parallel, PP2, PP2 + full recompute, DP2,
+  TP2 x PP2 and TP2 x DP2 equal world 1 (loss, grad norm, merged weights within 1e-5); only adapter
+  tensors change, base weights stay bitwise; A stays equal on the TP ranks that replicate it
+- the reference from the disabled adapters equals a separately built reference model (1e-6), TP2 and PP2
+- the native and vLLM CPU engines after a sync from a TP2 LoRA actor give the actor's log-probs (1e-5, fp32)
+- a checkpoint of adapters + optimizer at TP2 resumes exactly at TP2 and to 1e-5 at TP1 x DP2; the
+  converter writes its merged weights at TP2 and TP1
 """
 
 import os
