@@ -35,6 +35,8 @@ MoeAuxLoss = Literal["aux", "seq_aux", "none"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 RolloutCorrection = Literal["none", "token-tis", "seq-mis"]  # algo/rollout_correction.py
 Placement = Literal["colocated", "separate"]  # parallel/split.py, rollout/remote.py
+# megatron's names of the linears LoRA may adapt: attention q/k/v (fused) and output, MLP fc1 (gate; up) and fc2
+LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 DTYPE_NAMES = typing.get_args(Dtype)
 
 
@@ -107,6 +109,12 @@ class ActorConfig:
     moe_dispatcher: MoeDispatcher = knob("alltoall", "MoE: megatron's token dispatcher")
     moe_experts: MoeExperts = knob("auto", "MoE: grouped = Transformer Engine's grouped GEMM (CUDA), sequential = "
                                    "megatron's SequentialMLP; auto = grouped where TE runs, else sequential")
+    lora_rank: int = knob(0, "LoRA rank of the actor's adapters (0: off, full fine-tuning); > 0: only the adapters "
+                          "train, and with KL the reference is the actor with its adapters off (no second model)")
+    lora_alpha: float = knob(16.0, "LoRA scale numerator: the adapter adds (lora_alpha / lora_rank) * B A x")
+    lora_targets: list[LoraTarget] = knob(list(typing.get_args(LoraTarget)), "linears that get adapters (megatron "
+                                          "names, in every decoder layer; MoE experts are refused)")
+    lora_dropout: float = knob(0.0, "dropout on the adapters' input (training forward only)")
 
     def __post_init__(self):
         _positive("actor.tp", self.tp)
@@ -115,11 +123,29 @@ class ActorConfig:
         _positive("actor.etp", self.etp, zero_ok=True)
         _check_choices("actor", self)
         _positive("actor.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+        _positive("actor.lora_rank", self.lora_rank, zero_ok=True)
+        if self.lora_rank:
+            self._check_lora()
+
+    def _check_lora(self) -> None:
+        _positive("actor.lora_alpha", self.lora_alpha)
+        allowed = typing.get_args(LoraTarget)
+        unknown = [t for t in self.lora_targets if t not in allowed]
+        if unknown or not self.lora_targets:
+            raise ValueError(f"actor.lora_targets={self.lora_targets} "
+                             f"{f'holds unknown {unknown}' if unknown else 'is empty'}: choose from {list(allowed)}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"actor.lora_dropout={self.lora_dropout!r} must be in [0, 1)")
+        if self.lora_dropout and self.tp > 1 and not self.sequence_parallel:
+            raise ValueError(f"actor.lora_dropout={self.lora_dropout} with actor.tp={self.tp} is not supported without "
+                             "sequence parallel (the TP ranks would draw different masks for the replicated input): "
+                             "set actor.lora_dropout=0 or actor.sequence_parallel=true")
 
 
 @dataclass
 class ReferenceConfig:
-    enabled: bool = knob(False, "build a frozen reference model (needed for algo.kl_coef > 0)")
+    enabled: bool = knob(False, "build a frozen reference model (needed for algo.kl_coef > 0; with actor.lora_rank > 0 "
+                         "none is built: the reference is the actor with its adapters off)")
     model: str = knob("", "default: actor.model (the reference is the initial policy)")
 
 
@@ -366,7 +392,10 @@ class Config:
     def __post_init__(self):
         if not self.checkpoint.dir:
             self.checkpoint.dir = os.path.join(self.trainer.output_dir, "checkpoints")
-        if self.algo.kl_coef > 0 and not self.reference.enabled:
+        if self.actor.lora_rank and self.reference.model and self.reference.model != self.actor.model:
+            raise ValueError(f"reference.model={self.reference.model!r} with actor.lora_rank={self.actor.lora_rank}: "
+                             "a LoRA actor's reference is its own base (adapters off); unset reference.model")
+        if self.algo.kl_coef > 0 and not self.reference.enabled and not self.actor.lora_rank:
             raise ValueError(f"algo.kl_coef={self.algo.kl_coef} needs a reference model: "
                              "set reference.enabled=true (or algo.kl_coef=0)")
         if not self.reward.functions and not self.reward.model:
@@ -502,7 +531,7 @@ def _type_name(hint) -> str:
     if typing.get_origin(hint) is Literal:
         return " | ".join(typing.get_args(hint))
     if typing.get_origin(hint) is list:
-        return f"list of {typing.get_args(hint)[0].__name__}"
+        return f"list of {_type_name(typing.get_args(hint)[0])}"
     return hint.__name__
 
 

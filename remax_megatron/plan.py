@@ -53,7 +53,11 @@ estimate, not a measurement):
       in_flight = min(pp - s, micro-batches per mini-batch)   (1F1B: stage s holds pp - s)
     logits naive = 4 * tokens * V/tp * 3                fp32 logits, softmax, grad (last stage)
     logits fused = 4 * min(tokens * V/tp, 2^24)         one fp32 vocab tile of the fused kernel (last stage)
-    reference    = P_s * bytes(dtype)                   when reference.enabled
+    reference    = P_s * bytes(dtype)                   when reference.enabled (and no LoRA)
+    LoRA (actor.lora_rank = r > 0): gradients and optimizer states count the adapters only, per layer
+      on one rank: r * (D + (H + 2*KV)*hd/tp) + r * (H*hd/tp + D) for linear_qkv, linear_proj and
+      r * (D + 2*F/tp) + r * (F/tp + D) for linear_fc1, linear_fc2 (whichever are targets), times L/pp;
+      the adapters' weights are added to the actor's; no reference model
     reward model = its heaviest stage's P_s at reward.tp x reward.pp * bytes(dtype)   when reward.model
                    (its own layout: reward.tp*reward.pp divides actor.tp*actor.pp, each actor
                    model-parallel group holding replicas of it, or is a multiple of it spanning that
@@ -154,6 +158,18 @@ def validate(cfg, arch, world: int, max_tp: int | None = None) -> dict:
                 seqs_per_rank=local, micro_batches=local // (t.mini_batches * t.micro_batch_size))
 
 
+def lora_adapter_params(arch, actor) -> int:
+    """LoRA adapter parameters one TP rank holds over all layers (0 without LoRA): a column-parallel target
+    keeps A [r, in] whole and B [out/tp, r] split, a row-parallel one A [r, in/tp] split and B [out, r] whole."""
+    r, tp = actor.lora_rank, actor.tp
+    if not r:
+        return 0
+    d, hd, h, kv, f = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.ffn_hidden_size
+    per_target = {"linear_qkv": r * (d + (h + 2 * kv) * hd / tp), "linear_proj": r * (h * hd / tp + d),
+                  "linear_fc1": r * (d + 2 * f / tp), "linear_fc2": r * (f / tp + d)}
+    return int(arch.num_layers * sum(per_target[t] for t in actor.lora_targets))
+
+
 def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
     """Per-GPU bytes of every row in the module docstring, on each pipeline stage; the rows and the total
     are the heaviest stage's (`counted` rows sum to the total): what decides whether the job fits."""
@@ -188,6 +204,8 @@ def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
     per_engine = math.ceil(cfg.trainer.prompts_per_step / engines)
     kv_cache = (2 * arch.num_layers * (kv / cfg.rollout.tp) * hd * per_engine * (cfg.rollout.n + 1) * seq * nbytes)
 
+    adapters = lora_adapter_params(arch, a) // pp  # per rank of a stage (layers split evenly)
+    reference = cfg.reference.enabled and not a.lora_rank  # a LoRA actor is its own reference
     rm_bytes = 0
     if rm_arch is not None:
         check_layout(rm_arch, cfg.reward.tp, cfg.reward.pp, "reward")
@@ -198,22 +216,25 @@ def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
     stages = []
     for stage, (dense, expert) in enumerate(stage_params(arch, vocab, tp, pp, ep, etp)):
         held = dense + expert
+        # LoRA: the adapters are the only trainable parameters (gradients, optimizer); the base stays as it is.
+        trained, dense_trained, expert_trained = (adapters, adapters, 0) if adapters else (held, dense, expert)
         # 1F1B: stage k holds the activations of min(pp - k, micro-batches) micro-batches; the last holds the logits
         in_flight = min(pp - stage, sizes["micro_batches"])
         last = stage == pp - 1
         # (key, label, bytes, counted in the total)
         rows = [
-            ("weights", "actor weights", held * nbytes, True),
-            ("gradients", "actor gradients (fp32)", held * 4, True),
-            ("optimizer", "optimizer states", held * state, not cfg.optim.distributed_optimizer),
+            ("weights", "actor weights" + (" (+ LoRA adapters)" if adapters else ""), (held + adapters) * nbytes,
+             True),
+            ("gradients", "actor gradients (fp32)" + (", adapters only" if adapters else ""), trained * 4, True),
+            ("optimizer", "optimizer states", trained * state, not cfg.optim.distributed_optimizer),
             ("optimizer_distributed", "optimizer states, distributed (/dp)",
-             (dense / sizes["dp"] + expert / expert_dp) * state, cfg.optim.distributed_optimizer),
+             (dense_trained / sizes["dp"] + expert_trained / expert_dp) * state, cfg.optim.distributed_optimizer),
             ("activations", f"activations (recompute={a.recompute}, x{in_flight} in flight)",
              nbytes * tokens * per_token * in_flight, True),
             ("logits_naive", "logits, naive (fp32 x3)", 4 * tokens * v_local * 3 if last else 0, False),
             ("logits_fused", "logits, fused (one vocab tile)", 4 * min(tokens * v_local, TILE_ELEMS) if last else 0,
              last),
-            ("reference", "reference weights", held * nbytes if cfg.reference.enabled else 0, cfg.reference.enabled),
+            ("reference", "reference weights", held * nbytes if reference else 0, reference),
             ("reward_model", "reward model weights", rm_bytes, rm_arch is not None),
             ("engine_weights", "rollout engine weights", engine_weights, not separate),
             ("kv_cache", f"rollout KV cache ({seqs} seqs x {seq} tokens)", kv_cache, not separate),

@@ -88,7 +88,26 @@ def check_resume(cfg, path: str, state: dict, model_dir: str, tokenizer, train_p
                 f"{saved['model']}, start fresh with checkpoint.resume=none (or another trainer.output_dir), or set "
                 "checkpoint.allow_model_change=true to train on the checkpoint's weights with this model's config "
                 "and tokenizer")
+    check_lora_resume(cfg, path)
     try:
         PromptSampler(train_prompts, cfg.trainer.seed, cfg.data.shuffle).load_state_dict(state["sampler"])
     except ValueError as e:
         raise ValueError(f"checkpoint {path} cannot resume with data.train={cfg.data.train}: {e}") from None
+
+
+def check_lora_resume(cfg, path: str) -> None:
+    """The checkpoint's LoRA adapters (rank, alpha, targets: its remax_checkpoint.json) are this config's
+    actor.lora_*; a full fine-tuning checkpoint resumes without them. ValueError (one line) otherwise."""
+    meta = os.path.join(path, "remax_checkpoint.json")  # weights/megatron_ckpt.META
+    saved = None
+    if os.path.isfile(meta):
+        with open(meta) as f:
+            saved = json.load(f).get("lora")
+    a = cfg.actor
+    now = {"rank": a.lora_rank, "alpha": a.lora_alpha, "targets": list(a.lora_targets)} if a.lora_rank else None
+    if saved != now:
+        def text(lora):
+            return (f"lora_rank={lora['rank']}, lora_alpha={lora['alpha']:g}, lora_targets={lora['targets']}"
+                    if lora else "lora_rank=0 (no adapters)")
+        raise ValueError(f"checkpoint {path} was trained with actor.{text(saved)}, this config has actor.{text(now)}: "
+                         "resume with the checkpoint's LoRA settings, or start fresh with checkpoint.resume=none")

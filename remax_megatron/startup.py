@@ -20,7 +20,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from remax_megatron.builtin.models import resolve_model
 from remax_megatron.data.prompts import Prompt, load_prompts
-from remax_megatron.models.arch import DTYPES, ExpertOptions, ModelArch, check_packing, transformer_engine_usable
+from remax_megatron.models.arch import DTYPES, ExpertOptions, LoraOptions, ModelArch, check_packing, \
+    transformer_engine_usable
 from remax_megatron.models.hf_config import check_layout, check_run_length, read_hf_config
 from remax_megatron.reward.functions import PLACEHOLDER, RewardBatch, RewardFunctions
 from remax_megatron.reward.rm_inputs import RewardModelInputs, load_rm_tokenizer
@@ -80,6 +81,7 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     actor_dir = resolve_model(cfg.actor.model, "actor.model", build=False)
     arch = read_hf_config(actor_dir)
     check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor", ep=cfg.actor.ep)
+    check_lora(cfg, arch)
     experts = expert_options(cfg, arch)
     if cfg.trainer.pack_sequences:
         check_packing(DTYPES[cfg.actor.dtype])
@@ -93,8 +95,9 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     check_run_length(arch, longest, f"actor.model {actor_dir}", how)
     if arch.task != "causal_lm":
         raise ValueError(f"actor.model {actor_dir} is a {arch.architecture}: the actor must be a *ForCausalLM")
+    # A LoRA actor is its own reference (adapters off): no reference model is read or built.
     ref_dir = resolve_model(cfg.reference.model or cfg.actor.model, "reference.model", build=False) \
-        if cfg.reference.enabled else None
+        if cfg.reference.enabled and not cfg.actor.lora_rank else None
     if ref_dir and read_hf_config(ref_dir) != arch:
         raise ValueError(f"reference.model {ref_dir} has a different architecture than actor.model {actor_dir}")
     rm_dir = rm_arch = None
@@ -194,6 +197,35 @@ def claim_run(cfg, checked: CheckedInputs) -> Claim:
     return Claim(lock=lock, resume=path)
 
 
+def check_lora(cfg, arch: ModelArch) -> None:
+    """LoRA checks that need the model or the machine (one line each): MoE experts cannot take adapters;
+    a LoRA actor runs megatron's local layer spec, so nothing of Transformer Engine's (packed THD rows,
+    grouped experts) is there for it."""
+    if not cfg.actor.lora_rank:
+        return
+    experts = [t for t in cfg.actor.lora_targets if t in ("linear_fc1", "linear_fc2")]
+    if arch.is_moe and experts:
+        raise ValueError(f"actor.lora_targets holds {experts}, which are MoE experts in {arch.architecture}: LoRA on "
+                         "experts is not supported; use actor.lora_targets=[linear_qkv,linear_proj]")
+    if cfg.trainer.pack_sequences and transformer_engine_usable():
+        raise ValueError(f"trainer.pack_sequences=true with actor.lora_rank={cfg.actor.lora_rank}: the LoRA actor runs "
+                         "megatron's local layer spec, which takes no packed (THD) rows; set "
+                         "trainer.pack_sequences=false")
+    if arch.is_moe and cfg.actor.moe_experts == "grouped":
+        raise ValueError(f"actor.moe_experts=grouped with actor.lora_rank={cfg.actor.lora_rank}: the LoRA actor runs "
+                         "megatron's local layer spec, without Transformer Engine's grouped experts; use "
+                         "actor.moe_experts=sequential or auto")
+
+
+def lora_options(cfg) -> LoraOptions | None:
+    """The actor's adapters (None: actor.lora_rank=0, full fine-tuning)."""
+    a = cfg.actor
+    if not a.lora_rank:
+        return None
+    return LoraOptions(rank=a.lora_rank, alpha=a.lora_alpha, targets=tuple(a.lora_targets), dropout=a.lora_dropout,
+                       seed=cfg.trainer.seed)
+
+
 def expert_options(cfg, arch: ModelArch) -> ExpertOptions:
     """How the actor's (and reference's) experts run; one-line errors for what cannot run here."""
     a = cfg.actor
@@ -220,7 +252,9 @@ def expert_options(cfg, arch: ModelArch) -> ExpertOptions:
     if cfg.rollout.routing_replay and cfg.trainer.mini_batches > 1:
         raise ValueError(f"rollout.routing_replay=true with trainer.mini_batches={cfg.trainer.mini_batches}: the old "
                          "log-prob pass does not replay routes yet; use trainer.mini_batches=1")
-    grouped = a.moe_experts == "grouped" or (a.moe_experts == "auto" and transformer_engine_usable())
+    # A LoRA actor runs megatron's local spec (models/gpt.build_policy): its experts are SequentialMLP.
+    grouped = a.moe_experts == "grouped" or (a.moe_experts == "auto" and transformer_engine_usable()
+                                             and not a.lora_rank)
     if grouped and not transformer_engine_usable():
         raise ValueError("actor.moe_experts=grouped needs CUDA and Transformer Engine (TEGroupedMLP): use "
                          "actor.moe_experts=sequential (megatron's SequentialMLP) or auto")
@@ -268,8 +302,13 @@ def build(cfg, checked: CheckedInputs, bridge=None):
     recompute = None if cfg.actor.recompute == "none" else cfg.actor.recompute
     common = dict(tp=cfg.actor.tp, pp=cfg.actor.pp, params_dtype=dtype, sequence_parallel=cfg.actor.sequence_parallel,
                   make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by, init_weights=False)
-    actor = build_policy(checked.arch, recompute_granularity=recompute, experts=checked.experts, **common)
+    lora = lora_options(cfg)
+    actor = build_policy(checked.arch, recompute_granularity=recompute, experts=checked.experts, lora=lora, **common)
     load_hf_weights(actor, actor_dir)
+    if lora is not None and torch.distributed.get_rank() == 0:
+        print(f"LoRA actor: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}; base frozen"
+              + ("; no reference model is built, the KL reference is the actor with its adapters off"
+                 if cfg.algo.kl_coef > 0 else ""), flush=True)
     reference = None
     if ref_dir:  # the reference routes on its own (no replay)
         reference = build_policy(checked.arch, trainable=False, **common,

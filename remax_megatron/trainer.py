@@ -51,6 +51,7 @@ from remax_megatron.models.forward import broadcast_from_last_stage, forward_onl
 from remax_megatron.data.prompts import Prompt, PromptSampler
 from remax_megatron.models.arch import packed_attention
 from remax_megatron.models.gpt import PolicyModel, sequence_multiple
+from remax_megatron.models.lora import adapters_disabled, has_adapters
 from remax_megatron.models.moe import LoadBalancing, end_replay, padding_mask, replay_routes
 from remax_megatron.rollout.batching import MicroBatch, assemble, exchange_rows, fixed_micro_batches, model_inputs, \
     model_labels, plan_step, take_rows, to_rows, to_sequences
@@ -140,7 +141,7 @@ class Trainer:
             # On-policy (one update per rollout) the training forward itself gives the rollout policy's
             # log-probs (same weights, no dropout): a separate pass only for several mini-batches.
             old_logprobs = self._logprobs(self.actor_module, batch, plan) if cfg.trainer.mini_batches > 1 else None
-            ref_logprobs = self._logprobs(parts.reference, batch, plan) if parts.reference is not None else None
+            ref_logprobs = self._reference_logprobs(batch, plan)
             behaviour_gap = self._behaviour_gap(batch, plan, version)
 
         with self._stage("update", times):
@@ -165,6 +166,8 @@ class Trainer:
             "batch/real_tokens": tokens, "batch/computed_tokens": update.computed_tokens,
             "sync/bytes": sync["bytes"], "sync/buckets": sync["buckets"], "kl/coef": parts.kl.coef,
             "lr": parts.optimizer.param_groups[0]["lr"], "optim/skipped_updates": self.skipped_updates,
+            # This rank's optimizer state (Adam moments, fp32 main weights): adapter-sized with LoRA.
+            "optim/state_mib": _distinct_bytes(parts.optimizer.state_tensors()) / 2**20,
             # Where the data loader stands after this step (resume must continue exactly here).
             "data/epoch": self._sampler_state()["epoch"], "data/position": self._sampler_state()["position"],
             # updates between the weights that generated this batch and the ones it trains (separate placement)
@@ -381,6 +384,21 @@ class Trainer:
                            inputs=model_inputs)
         return _scatter(out, micro, batch["input_ids"].shape) if out else None
 
+    @property
+    def _has_reference(self) -> bool:
+        """KL against a reference: a frozen reference model, or a LoRA actor's own base (adapters off)."""
+        return self.parts.reference is not None or (self.cfg.algo.kl_coef > 0 and has_adapters(self.actor_module))
+
+    def _reference_logprobs(self, batch: dict, plan: list[list[MicroBatch]]) -> torch.Tensor | None:
+        """The KL reference's log-probs [B, S] (last stage); None without KL. A LoRA actor is its own
+        reference with its adapters switched off (no second model is built)."""
+        if self.parts.reference is not None:
+            return self._logprobs(self.parts.reference, batch, plan)
+        if not self._has_reference:
+            return None
+        with adapters_disabled(self.actor_module):
+            return self._logprobs(self.actor_module, batch, plan)
+
     def _train_on(self, batch, old_logprobs, ref_logprobs, plan: list[list[MicroBatch]] | None = None) -> "Update":
         """One optimizer update per entry of `plan` (its micro-batches; default `_plan(batch)`'s) over the
         rollout batch.
@@ -520,7 +538,7 @@ class Trainer:
         rm = self.parts.scorer.reward_model
         reward = forward_flops(rm.arch, rows) if rm is not None else 0.0
         # forward + backward (3 forwards' worth), old log-probs (several mini-batches only), reference
-        passes = 3 + (self.cfg.trainer.mini_batches > 1) + (self.parts.reference is not None)
+        passes = 3 + (self.cfg.trainer.mini_batches > 1) + self._has_reference
         train = passes * forward_flops(arch, batch["lengths"].tolist())
         # Prompts are split over DP only: the ranks of one model-parallel group share one replica's work.
         step_flops, train_flops = (float(x) for x in self._dp_sum(torch.tensor(
@@ -811,6 +829,13 @@ class Update:
 
 class StageError(RuntimeError):
     """A stage of the step failed (a peer died, a collective timed out): names the step and stage."""
+
+
+def _distinct_bytes(tensors) -> int:
+    """Bytes of the distinct storages of `tensors` (a tensor listed twice counts once: CpuAdamW's state
+    also names its fp32 main weights after a checkpoint save)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def _clipped(value, limit: int = 200) -> str:

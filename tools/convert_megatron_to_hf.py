@@ -6,7 +6,8 @@ path the rollout weight sync uses (TP shards gathered, PP stages broadcast).
     torchrun --nproc_per_node=2 tools/convert_megatron_to_hf.py --ckpt MOE_CKPT --out HF --ep 2
 
 CKPT is a model checkpoint (tools/convert_hf_to_megatron.py) or a training
-checkpoint (its actor). The world size must hold the layout: tp * pp, times what expert parallelism
+checkpoint (its actor; a LoRA actor's adapters are merged: W + (alpha/r) B A in fp32, then cast).
+The world size must hold the layout: tp * pp, times what expert parallelism
 needs beyond tp (--ep 2 at --tp 1: 2 processes; --tp 2 --ep 2: 2 with whole experts, --etp 1, or 4
 with --etp 2), or a multiple of that (the extra data-parallel replicas export the same tensors). An existing --out (a file or a
 non-empty directory) is refused; --overwrite replaces only an HF directory this tool wrote (its
@@ -35,7 +36,8 @@ def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = N
     from remax_megatron.parallel import ParallelLayout, init_distributed
     from remax_megatron.weights.export import save_hf_dir
     from remax_megatron.weights.hf_io import check_out_dir, hf_dir_entries
-    from remax_megatron.weights.megatron_ckpt import build_model_for, load_model, read_checkpoint_meta
+    from remax_megatron.weights.megatron_ckpt import build_model_for, load_model, read_checkpoint_lora, \
+        read_checkpoint_meta
 
     out = os.path.abspath(out)
     replacing = check_out_dir(out, overwrite, lambda path: hf_dir_entries(path, TOOL), "a Hugging Face directory")
@@ -52,8 +54,8 @@ def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = N
     init_distributed()
     ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize()
     model = build_model_for(arch, tp=tp, pp=pp, params_dtype=params_dtype, init_weights=False,
-                            experts=ExpertOptions(ep=ep, etp=etp or tp))
-    load_model(model, ckpt)
+                            experts=ExpertOptions(ep=ep, etp=etp or tp), lora=read_checkpoint_lora(ckpt))
+    load_model(model, ckpt)  # a LoRA checkpoint's adapters too: the export writes W + (alpha/r) B A
     save_hf_dir(model, out, os.path.join(ckpt, "hf_config"), tool=TOOL, writer=dist.get_rank() == 0,
                 dtype=DTYPES[dtype] if dtype else None, overwrite=overwrite)
     if replacing and dist.get_rank() == 0:

@@ -6,9 +6,12 @@ registry all describe a model by a ModelArch.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
 import torch
+
+from remax_megatron.config import LoraTarget
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -88,3 +91,27 @@ class ExpertOptions:
     dispatcher: str = "alltoall"    # megatron's token dispatcher: alltoall | allgather
     grouped_gemm: bool = False      # TE's grouped experts (CUDA + Transformer Engine); else SequentialMLP
     routing_replay: bool = False    # megatron's RouterReplay: forward on routes given from outside (the engine's)
+
+
+LORA_TARGETS = typing.get_args(LoraTarget)
+LORA_ADAPTERS = ("lora_A", "lora_B")  # an adapted linear's extra parameters
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter / state-dict name is a LoRA adapter tensor."""
+    return name.rsplit(".", 1)[-1] in LORA_ADAPTERS
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """LoRA on the actor (actor.lora_rank > 0): W x + (alpha / rank) * B A dropout(x), base weights frozen."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = LORA_TARGETS
+    dropout: float = 0.0
+    seed: int = 0                   # A's init: the same on every rank and layout (B starts at zero)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank

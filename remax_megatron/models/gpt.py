@@ -23,8 +23,9 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from torch import nn
 
 from remax_megatron.kernels import fused_logprobs
-from remax_megatron.models.arch import DTYPES, ExpertOptions, ModelArch, transformer_engine_usable
+from remax_megatron.models.arch import DTYPES, ExpertOptions, LoraOptions, ModelArch, transformer_engine_usable
 from remax_megatron.models.hf_config import padded_vocab_size, transformer_config
+from remax_megatron.models.lora import apply_lora
 from remax_megatron.parallel import cpu_compat
 from remax_megatron.parallel.nested import NestedGroups, nested_groups
 
@@ -66,14 +67,15 @@ class HeadRMSNorm(RMSNorm):
         self.weight.sequence_parallel = False
 
 
-def layer_spec(config, pp_rank: int | None = None):
-    """Transformer Engine spec when usable, else the local (pure megatron-core) spec with RMSNorm above.
+def layer_spec(config, pp_rank: int | None = None, local: bool = False):
+    """Transformer Engine spec when usable (and not `local`), else the local (pure megatron-core) spec with
+    RMSNorm above.
 
     Returns the block spec of pipeline stage `pp_rank` (default: megatron's global PP rank): its
     layers and the final norm. config.qk_layernorm (Qwen3) adds the per-head q/k norms.
     """
     moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
-    if transformer_engine_usable():
+    if transformer_engine_usable() and not local:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **moe)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm, **moe)
     spec.submodules.input_layernorm = RMSNorm
@@ -86,12 +88,13 @@ def layer_spec(config, pp_rank: int | None = None):
                                       layer_norm=RMSNorm)
 
 
-def _gpt_kwargs(arch: ModelArch, config, tp: int, divisible_by: int, layout: NestedGroups | None = None) -> dict:
+def _gpt_kwargs(arch: ModelArch, config, tp: int, divisible_by: int, layout: NestedGroups | None = None,
+                local_spec: bool = False) -> dict:
     """GPTModel arguments; `layout` places the model on explicit groups (None: megatron's global ones)."""
     pp_rank, pp = (layout.pp_rank, layout.pp_size) if layout is not None else \
         (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size())
     return dict(
-        transformer_layer_spec=layer_spec(config, pp_rank),
+        transformer_layer_spec=layer_spec(config, pp_rank, local=local_spec),
         vocab_size=padded_vocab_size(arch.vocab_size, tp, divisible_by),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pp_rank == 0,
@@ -164,6 +167,7 @@ class PolicyModel(GPTModel):
     """
 
     arch: ModelArch
+    lora: LoraOptions | None  # the actor's adapters (models/lora.py); None: none
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """Forward this stage: the first stage takes input_ids [b, s] (right-padded, or packed rows with
@@ -239,9 +243,12 @@ class RewardModel(GPTModel):
 def build_policy(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32,
                  sequence_parallel: bool = False, recompute_granularity: str | None = None,
                  make_vocab_size_divisible_by: int = 128, init_weights: bool = True,
-                 trainable: bool = True, experts: ExpertOptions | None = None) -> PolicyModel:
+                 trainable: bool = True, experts: ExpertOptions | None = None,
+                 lora: LoraOptions | None = None) -> PolicyModel:
     """The actor (trainable=True) or the frozen reference model (trainable=False). experts: how a MoE
-    model's experts run (EP must match the layout's expert_model_parallel_size)."""
+    model's experts run (EP must match the layout's expert_model_parallel_size). lora: adapters on the
+    actor, base frozen (models/lora.py); its layers use megatron's local spec, whose Column/RowParallelLinear
+    the adapters wrap (TE fuses the input norm into linear_qkv / linear_fc1)."""
     if arch.task != "causal_lm":
         raise ValueError(f"{arch.architecture} is a reward model; the actor and reference need a *ForCausalLM")
     config = transformer_config(arch, tp=tp, pp=pp, params_dtype=params_dtype,
@@ -250,12 +257,17 @@ def build_policy(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype
                                 experts=experts)
     with cpu_compat.redirect_cuda():
         model = PolicyModel(config=config, share_embeddings_and_output_weights=arch.tie_word_embeddings,
-                            **_gpt_kwargs(arch, config, tp, make_vocab_size_divisible_by))
-    model.arch = arch
+                            **_gpt_kwargs(arch, config, tp, make_vocab_size_divisible_by,
+                                          local_spec=lora is not None))
+    model.arch, model.lora = arch, lora
     _mark_tensor_parallel(model)
     if model.post_process:
         # Same parameters, no logits GEMM (see HiddenStatesOutputLayer).
         model.output_layer.__class__ = HiddenStatesOutputLayer
+    if lora is not None:
+        if not trainable:
+            raise ValueError("LoRA adapters belong on the actor, not on a frozen model")
+        apply_lora(model, lora)
     if not trainable:
         model.requires_grad_(False)
         model.eval()

@@ -88,6 +88,9 @@ class HFExporter:
         self.model, self.mapping = model, (mapping := mapping_for(model))
         self.params = {k: v for k, v in model.state_dict(keep_vars=True).items()
                        if not k.endswith("_extra_state")}
+        from remax_megatron.models.lora import lora_modules  # megatron-core: not at import (start-up checks)
+
+        self._lora = lora_modules(model)  # adapted weights go out merged: HF tensors only, no adapters
         first = next(iter(self.params.values()))
         self.plan = _plan_buckets(mapping, int(bucket_mb * 2**20 / (dtype or first.dtype).itemsize))
         self.me = (groups.pp_rank, groups.tp_rank)
@@ -107,7 +110,11 @@ class HFExporter:
         """This rank's shard of `spec`: a live parameter, or an expert another EP rank sent."""
         if spec.megatron in self._gathered:
             return self._gathered[spec.megatron]
-        return self.params[local_param_name(self.model, self.mapping, spec, self.params)].detach()
+        name = local_param_name(self.model, self.mapping, spec, self.params)
+        if name in self._lora:
+            # W + (alpha/r) B A of this TP shard, in fp32; the caller casts once (to the output dtype).
+            return self._lora[name].merged_weight()
+        return self.params[name].detach()
 
     def _broadcast(self, spec: ParamSpec) -> bool:
         """Whether `spec` travels over the model-parallel group: not when every rank of it already holds

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from remax_megatron.models.hf_config import padded_vocab_size
+from remax_megatron.models.arch import is_adapter
 from remax_megatron.weights.hf_io import HFCheckpointReader
 from remax_megatron.weights.mapping import ParamSpec, WeightMapping, resolve_name
 
@@ -66,7 +67,9 @@ def load_hf_weights(model, model_dir: str | HFCheckpointReader) -> None:
     mapping = mapping_for(model)
     _, _, tp_rank, stage = _layout(model)
     _, _, ep_rank, etp_rank = expert_layout(model)
-    params = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
+    # LoRA adapters have no HF source: they keep their init (B = 0: the loaded model unchanged).
+    params = {k: v for k, v in model.state_dict(keep_vars=True).items()
+              if not k.endswith("_extra_state") and not is_adapter(k)}
     mine = [s for s in mapping.stage_specs(stage) if mapping.owns(s, ep_rank)]
     for spec in mine:
         for name in spec.hf:

@@ -23,7 +23,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
 from remax_megatron.models import build_policy, build_reward_model, read_hf_config
-from remax_megatron.models.arch import DTYPES, ExpertOptions, ModelArch
+from remax_megatron.models.arch import DTYPES, ExpertOptions, LoraOptions, ModelArch
 from remax_megatron.weights.hf_io import SIDE_FILES
 
 FORMAT_VERSION = 1
@@ -31,13 +31,14 @@ META = "remax_checkpoint.json"
 
 
 def build_model_for(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype, init_weights: bool,
-                    trainable: bool = False, experts: ExpertOptions | None = None):
+                    trainable: bool = False, experts: ExpertOptions | None = None, lora: LoraOptions | None = None):
     """The policy or reward model that `arch` describes, on the current layout (experts: a MoE model's
-    expert layout, matching the initialised expert-parallel groups)."""
+    expert layout, matching the initialised expert-parallel groups; lora: the adapters a checkpoint holds,
+    read_checkpoint_lora)."""
     if arch.task == "reward":
         return build_reward_model(arch, tp=tp, pp=pp, params_dtype=params_dtype, init_weights=init_weights)
     return build_policy(arch, tp=tp, pp=pp, params_dtype=params_dtype, init_weights=init_weights,
-                        trainable=trainable, experts=experts)
+                        trainable=trainable or lora is not None, experts=experts, lora=lora)
 
 
 def save_model(model, ckpt_dir: str, hf_dir: str) -> None:
@@ -54,9 +55,13 @@ def save_model(model, ckpt_dir: str, hf_dir: str) -> None:
         for name in SIDE_FILES:
             if os.path.isfile(os.path.join(hf_dir, name)):
                 shutil.copy2(os.path.join(hf_dir, name), os.path.join(side, name))
+        meta = {"format_version": FORMAT_VERSION, "architecture": model.arch.architecture,
+                "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
+        lora = getattr(model, "lora", None)
+        if lora is not None:  # the adapters' shapes and scale: what a loader must build to read them
+            meta["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}
         with open(os.path.join(ckpt_dir, META), "w") as f:
-            json.dump({"format_version": FORMAT_VERSION, "architecture": model.arch.architecture,
-                       "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}, f, indent=2)
+            json.dump(meta, f, indent=2)
     dist.barrier()
     save_sharded(model.sharded_state_dict(), model_dir)
     dist.barrier()
@@ -89,6 +94,13 @@ def read_checkpoint_meta(ckpt_dir: str) -> tuple[ModelArch, torch.dtype]:
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{meta_path} is unreadable ({type(e).__name__}: {e}): re-convert the checkpoint") from None
     return read_hf_config(os.path.join(ckpt_dir, "hf_config")), dtype
+
+
+def read_checkpoint_lora(ckpt_dir: str) -> LoraOptions | None:
+    """The LoRA adapters a checkpoint holds (rank, alpha, targets), None when it has none."""
+    with open(os.path.join(ckpt_dir, META)) as f:
+        lora = json.load(f).get("lora")
+    return LoraOptions(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"])) if lora else None
 
 
 def model_checkpoint_entries(path: str) -> list[str] | None:

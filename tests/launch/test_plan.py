@@ -353,3 +353,22 @@ def test_separate_placement_sizes_training_and_rollout_ranks_apart(config, capsy
     text = (plan.main(["--config", config, "--nodes", "1", "--gpus-per-node", "8", "rollout.placement=separate",
                        "rollout.ranks=2", "trainer.prompts_per_step=48"]), capsys.readouterr().out)[1]
     assert "on 2 separate rollout ranks (6 train)" in text and "per-GPU memory of a rollout rank" in text
+
+
+def test_lora_counts_only_the_adapters_as_trained(config, capsys):
+    """actor.lora_rank=16 on Llama-3-8B at tp2: gradients and optimizer states are the adapters', computed here
+    from the published shapes; the weights row adds them to the base; no reference model with KL on."""
+    argv = ("--config", config, "--nodes", "1", "--gpus-per-node", "8", "--gpu-mem-gib", "80")
+    _, full = _plan_json(capsys, *argv)
+    _, est = _plan_json(capsys, *argv, "actor.lora_rank=16", "algo.kl_coef=0.1", "reference.enabled=true")
+    d, f, layers, heads, kv, hd, r, tp = 4096, 14336, 32, 32, 8, 128, 16, 2
+    layer = (r * (d + (heads + 2 * kv) * hd // tp) + r * (heads * hd // tp + d)
+             + r * (d + 2 * f // tp) + r * (f // tp + d))
+    adapters = layers * layer
+    rows, base = {r["key"]: r for r in est["rows"]}, {r["key"]: r for r in full["rows"]}
+    assert rows["gradients"]["bytes"] == adapters * 4
+    assert rows["optimizer"]["bytes"] == adapters * 12
+    assert rows["optimizer_distributed"]["bytes"] == adapters * 12 // 4
+    assert rows["weights"]["bytes"] == base["weights"]["bytes"] + adapters * 2
+    assert rows["reference"]["bytes"] == 0 and not rows["reference"]["counted"]
+    assert est["total_bytes"] < full["total_bytes"]

@@ -24,8 +24,9 @@ ENGINE_GAPS = ("logprob/engine_vs_actor", "logprob/engine_below_actor")
 # the gradient sums each rank's rows in an order that follows the layout; its norm carries the fp32
 # cancellation of those sums (seen: 1.5e-6 relative at dp4 vs dp2 on one machine, within 1e-6 on another)
 GRADIENT = ("grad_norm",)
-# what the forward computed, padding included: each rank pads its own micro-batches, so it follows the layout
-LAYOUT_DEPENDENT = ("batch/computed_tokens",)
+# what the forward computed, padding included: each rank pads its own micro-batches, so it follows the layout;
+# one rank's optimizer state: its TP / PP share of the model
+LAYOUT_DEPENDENT = ("batch/computed_tokens", "optim/state_mib")
 # micro-batches of 4 sequences divide every DP share of 8 prompts x 2 samples (dp 1, 2, 4)
 COMMON = ["rollout.engine=native", "actor.tp=1", "trainer.micro_batch_size=4", "trainer.eval_every=0",
           "logging.progress_bar=false", "logging.tensorboard=false"]
