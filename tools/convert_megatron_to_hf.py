@@ -7,6 +7,9 @@ path the rollout weight sync uses (TP shards gathered, PP stages broadcast).
 
 CKPT is a model checkpoint (tools/convert_hf_to_megatron.py) or a training
 checkpoint (its actor; a LoRA actor's adapters are merged: W + (alpha/r) B A in fp32, then cast).
+--peft (a LoRA checkpoint): writes the adapters alone as a PEFT adapter directory instead
+(adapter_config.json + adapter_model.safetensors; weights/peft_export.py), which
+`peft.PeftModel.from_pretrained(base_hf_model, OUT)` loads onto the base model.
 The world size must hold the layout: tp * pp, times what expert parallelism
 needs beyond tp (--ep 2 at --tp 1: 2 processes; --tp 2 --ep 2: 2 with whole experts, --etp 1, or 4
 with --etp 2), or a multiple of that (the extra data-parallel replicas export the same tensors). An existing --out (a file or a
@@ -28,7 +31,7 @@ TOOL = "convert_megatron_to_hf"  # recorded in the HF directory it writes (what 
 
 
 def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
-            overwrite: bool = False, ep: int = 1, etp: int = 0) -> str:
+            overwrite: bool = False, ep: int = 1, etp: int = 0, peft: bool = False) -> str:
     import torch.distributed as dist
 
     from remax_megatron.models.arch import DTYPES, ExpertOptions
@@ -44,6 +47,12 @@ def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = N
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
     arch, params_dtype = read_checkpoint_meta(ckpt)
+    lora = read_checkpoint_lora(ckpt)
+    if peft and lora is None:
+        raise ValueError(f"--peft: {ckpt} holds no LoRA adapters (it was not trained with actor.lora_rank > 0): "
+                         "drop --peft to export its weights")
+    if peft and (overwrite or dtype):
+        raise ValueError("--peft writes the adapters as trained: --dtype and --overwrite do not apply to it")
     check_layout(arch, tp, pp, what="--", ep=ep)
     needed = ParallelLayout.smallest_world(tp, pp, ep, etp)
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; checked before any process group exists
@@ -54,8 +63,14 @@ def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = N
     init_distributed()
     ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize()
     model = build_model_for(arch, tp=tp, pp=pp, params_dtype=params_dtype, init_weights=False,
-                            experts=ExpertOptions(ep=ep, etp=etp or tp), lora=read_checkpoint_lora(ckpt))
+                            experts=ExpertOptions(ep=ep, etp=etp or tp), lora=lora)
     load_model(model, ckpt)  # a LoRA checkpoint's adapters too: the export writes W + (alpha/r) B A
+    if peft:
+        from remax_megatron.weights.peft_export import write_peft_dir
+
+        write_peft_dir(model, out, base_model=os.path.join(ckpt, "hf_config"))
+        dist.barrier()
+        return out
     save_hf_dir(model, out, os.path.join(ckpt, "hf_config"), tool=TOOL, writer=dist.get_rank() == 0,
                 dtype=DTYPES[dtype] if dtype else None, overwrite=overwrite)
     if replacing and dist.get_rank() == 0:
@@ -73,12 +88,14 @@ def main(argv=None):
     p.add_argument("--ep", type=int, default=1, help="MoE: expert parallel")
     p.add_argument("--etp", type=int, default=0, help="MoE: expert tensor parallel, 1 or --tp (default: --tp)")
     p.add_argument("--dtype", default=None, help="cast to float32 | bfloat16 | float16 (default: as saved)")
+    p.add_argument("--peft", action="store_true",
+                   help="a LoRA checkpoint: write its adapters as a PEFT adapter directory (not merged weights)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an HF directory this tool wrote before at --out (nothing else)")
     a = p.parse_args(argv)
     quiet_console()  # the libraries' warnings and progress bars, as in a training run
     try:
-        out = convert(a.ckpt, a.out, a.tp, a.pp, a.dtype, a.overwrite, a.ep, a.etp)
+        out = convert(a.ckpt, a.out, a.tp, a.pp, a.dtype, a.overwrite, a.ep, a.etp, a.peft)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

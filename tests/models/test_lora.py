@@ -13,6 +13,7 @@
   converter writes its merged weights at TP2 and TP1
 """
 
+import json
 import os
 import zlib
 
@@ -287,6 +288,29 @@ def _convert_body(rank, world, model_dir, top, out_path):
     dist.barrier()
 
 
+def _peft_body(rank, world, model_dir, top, out_path):
+    """TP2 x PP2 LoRA actor (random adapters) saved as a model checkpoint; tools/convert_megatron_to_hf --peft
+    at the same layout writes the PEFT adapter directory; the merged export is what the actor syncs."""
+    import torch.distributed as dist
+
+    from remax_megatron.weights import export_hf_weights
+    from remax_megatron.weights.megatron_ckpt import save_model
+    from tools import convert_megatron_to_hf
+
+    trainer, actor, _ = _trainer(world, model_dir, 2, 2)
+    _random_adapters(actor, trainer.groups.tp_rank)
+    merged = {n: t.clone() for n, t in export_hf_weights(actor)}
+    ckpt = os.path.join(top, "peft-ckpt")
+    if rank == 0:
+        os.makedirs(ckpt)
+    dist.barrier()
+    save_model(actor, ckpt, model_dir)
+    convert_megatron_to_hf.convert(ckpt, os.path.join(top, "peft-adapter"), tp=2, pp=2, peft=True)
+    if rank == 0:
+        torch.save({"merged": merged, "adapter": os.path.join(top, "peft-adapter")}, out_path)
+    dist.barrier()
+
+
 def _bf16_body(rank, world, model_dir, out_path):
     """bf16 actor: the export casts the fp32 merge once (W + (alpha/r) B A rounded to bf16 one time), as an fp64
     reference rounded to bf16 is; merging in bf16 would round W's update away."""
@@ -370,6 +394,7 @@ def launched(model_dir, tmp_path_factory):
     cases[2]["resume"] = (_resume_body, (model_dir, top, out("resume")))
     cases[2]["resume-tp1"] = (_resume_tp1_body, (model_dir, out("resume"), out("resume-tp1")))  # after "resume"
     cases[2]["convert"] = (_convert_body, (model_dir, top, out("convert")))
+    cases[4]["peft"] = (_peft_body, (model_dir, top, out("peft")))
     launches = SharedLaunches(cases, top)
 
     def result(name):
@@ -559,3 +584,35 @@ def test_vllm_engine_after_sync_from_tp2_lora_actor(tmp_path):
     print(f"lora vllm: {out}")
     assert out["adapter_effect"] > 1e-2, "the adapters must change the log-probs for this test to mean anything"
     assert out["gap"] < 1e-5, out
+
+
+@pytest.mark.slow
+def test_peft_export_loads_onto_the_base_model_with_the_actors_logits(launched, model_dir):
+    """Issue 37: the adapters of a TP2 x PP2 LoRA checkpoint as a PEFT directory: peft.PeftModel.from_pretrained
+    on the base HF model gives the logits of the actor's merged weights (what the engine runs) within 1e-5,
+    every adapted module of every layer is there, and the adapters moved the model (not a no-op)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    saved = launched("peft")
+    adapter = saved["adapter"]
+    config = json.load(open(os.path.join(adapter, "adapter_config.json")))
+    assert (config["r"], config["lora_alpha"]) == (RANK, ALPHA)
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    ids = torch.randint(4, 100, (2, 12), generator=torch.Generator().manual_seed(5))
+    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        plain = base(ids).logits
+        peft_logits = PeftModel.from_pretrained(base, adapter).eval()(ids).logits
+    merged = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    missing, unexpected = merged.load_state_dict(saved["merged"], strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)  # tied: lm_head = embed
+    with torch.no_grad():
+        actor = merged(ids).logits
+    assert (peft_logits - actor).abs().max().item() < 1e-5
+    assert (plain - actor).abs().max().item() > 1e-3
+    layers = json.load(open(os.path.join(model_dir, "config.json")))["num_hidden_layers"]
+    from safetensors.torch import load_file
+
+    names = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    assert len(names) == layers * 7 * 2  # q, k, v, o, gate, up, down: lora_A and lora_B each
