@@ -422,6 +422,33 @@ def describe(hint: dict | None, nodes: int, gpn: int) -> str:
     return f"--nodes {hint['nodes']} --gpus-per-node {hint['gpus_per_node']} {keys} {fits}".replace("  ", " ")
 
 
+SHIPPED_MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
+
+
+def largest_fitting(cfg, world: int, gpu_bytes: int, lora_rank: int = 16) -> dict:
+    """The largest shipped model (configs/models, causal LMs) that fits per GPU at this config's layout and
+    batch, with full fine-tuning and with LoRA (the config's actor.lora_rank, else `lora_rank`):
+    {"full": (name, params) | None, "lora": ...}. A shape this layout cannot hold (heads, layers) is skipped."""
+    from remax_megatron.models.hf_config import read_hf_config
+
+    rank = cfg.actor.lora_rank or lora_rank
+    best: dict = {"full": None, "lora": None}
+    for name in sorted(os.listdir(SHIPPED_MODELS)):
+        arch = read_hf_config(os.path.join(SHIPPED_MODELS, name))
+        if arch.task != "causal_lm":
+            continue
+        for kind, r in (("full", 0), ("lora", rank)):
+            cand = _apply(cfg, {"actor.lora_rank": r})
+            try:
+                est = estimate(cand, arch, None, validate(cand, arch, world))
+            except ValueError:
+                continue
+            if est["total_bytes"] <= gpu_bytes and (best[kind] is None or est["params"] > best[kind][1]):
+                best[kind] = (name, est["params"])
+    best["lora_rank"] = rank
+    return best
+
+
 def plan(args) -> tuple[int, str]:
     from remax_megatron.config import load_config
 
@@ -452,12 +479,17 @@ def plan(args) -> tuple[int, str]:
     gpu_bytes = int(args.gpu_mem_gib * GIB)
     fits = est["total_bytes"] <= gpu_bytes
     hint = [] if fits else suggest(cfg, arch, rm_arch, args.nodes, args.gpus_per_node, gpu_bytes)
+    largest = largest_fitting(cfg, world, gpu_bytes)
     if args.json:
         described = [describe(h, args.nodes, args.gpus_per_node) for h in hint]
         out = json.dumps(dict(sizes, **est, gpu_bytes=gpu_bytes, fits=fits, suggestions=described,
+                              largest_fitting=largest,
                               suggestion=None if fits else (described or [describe(None, 0, 0)])[0]), indent=1)
     else:
         out = render(cfg, arch, model_dir, args.nodes, args.gpus_per_node, gpu_bytes, sizes, est, hint)
+        said = {k: f"{v[0]} ({v[1] / 1e9:.1f} B)" if v else "none" for k, v in largest.items() if k != "lora_rank"}
+        out += (f"\nlargest shipped model that fits per GPU at this layout: full fine-tuning {said['full']}, "
+                f"LoRA r={largest['lora_rank']} {said['lora']}")
     return (0 if fits else 1), out
 
 

@@ -372,3 +372,18 @@ def test_lora_counts_only_the_adapters_as_trained(config, capsys):
     assert rows["weights"]["bytes"] == base["weights"]["bytes"] + adapters * 2
     assert rows["reference"]["bytes"] == 0 and not rows["reference"]["counted"]
     assert est["total_bytes"] < full["total_bytes"]
+
+
+def test_planner_names_the_largest_shipped_model_with_and_without_lora(config, capsys):
+    """Issue 37: on 8 x 24 GiB at tp8 an 8B model fits with LoRA (adapter-sized gradients and Adam states,
+    no reference) and not with full fine-tuning; on 80 GiB both do."""
+    argv = ("--config", config, "--nodes", "1", "--gpus-per-node", "8", "actor.tp=8", "trainer.micro_batch_size=1",
+            "optim.distributed_optimizer=true")
+    _, small = _plan_json(capsys, *argv, "--gpu-mem-gib", "24")
+    assert small["largest_fitting"]["full"] is None
+    assert small["largest_fitting"]["lora"][0] in ("llama3-8b", "qwen3-8b", "qwen2.5-7b")
+    _, large = _plan_json(capsys, *argv, "--gpu-mem-gib", "80")
+    assert large["largest_fitting"]["full"] is not None and large["largest_fitting"]["lora_rank"] == 16
+    plan.main([*argv, "--gpu-mem-gib", "24"])
+    assert "largest shipped model that fits per GPU at this layout: full fine-tuning none, LoRA r=16" in \
+        capsys.readouterr().out
