@@ -30,6 +30,8 @@
 #   separate rollout on its own rank (issue 36): 10 steps of the tiny default with 1 training + 1 rollout rank,
 #            one step ahead with token-tis (the NCCL bridge: ProcessGroupNCCL broadcast and send/recv); needs 2
 #            GPUs (NCCL refuses two ranks on one device): on one GPU it records rc 0 and "skipped: 1 GPU" in the log
+#   lora     10 steps of the LoRA default (configs/tiny_cpu_lora.yaml) on the GPU: megatron's GPU optimizer over
+#            adapters only, the merged sync, optim/state_mib (issue 37)
 #   cpu_tests the fast lane (pytest -m "not slow", tests/gpu left out) with CUDA present: the CPU-tensor
 #            tests must keep gloo and CPU placement there (issue 16; the full README command takes ~20 min)
 # megatron-core is installed from wheels in tools/wheels/ or .whl/ when the Python there lacks it.
@@ -113,6 +115,13 @@ step varlen 240 bash -c "$PY tools/make_tiny_model.py --family llama --hidden 51
     rollout.max_new_tokens=512 trainer.micro_batch_size=8 trainer.micro_batch_tokens=4096 \
     trainer.pack_sequences=true rollout.kv_cache_gib=0.5 actor.dtype=bfloat16 rollout.engine=$ENGINE"
 
+LORA_DIR=/tmp/gpu_check_lora
+rm -rf "$LORA_DIR"
+step lora 150 $PY -m torch.distributed.run --nproc_per_node=1 -m remax_megatron.train \
+    --config configs/tiny_cpu_lora.yaml actor.tp=1 rollout.engine=native trainer.steps=10 trainer.eval_every=10 \
+    trainer.output_dir="$LORA_DIR" checkpoint.save_every=0 logging.progress_bar=false
+cp "$LORA_DIR/metrics.jsonl" "$OUT/lora_metrics.jsonl" 2>/dev/null
+
 SEP_DIR=/tmp/gpu_check_separate
 rm -rf "$SEP_DIR"
 GPUS=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
@@ -184,6 +193,15 @@ try:
                                                                    "moe/expert_load", "time/step_s")}}
 except Exception as e:
     summary["moe_train"] = {"error": str(e)}
+try:
+    records = [json.loads(l) for l in open(os.path.join(out, "lora_metrics.jsonl"))]
+    train = [r for r in records if "loss" in r]
+    summary["lora"] = {"steps": len(train), "eval": [(r["step"], r["eval/reward_mean"]) for r in records
+                                                     if "eval/reward_mean" in r],
+                       "last": {k: train[-1].get(k) for k in ("loss", "grad_norm", "optim/state_mib", "time/step_s",
+                                                              "logprob/engine_vs_actor_max_diff")}}
+except Exception as e:
+    summary["lora"] = {"error": str(e)}
 try:
     records = [json.loads(l) for l in open(os.path.join(out, "separate_metrics.jsonl"))]
     train = [r for r in records if "loss" in r]
