@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests._dist import SharedLaunches
+from tests.train.test_update import _batch  # the update tests' batch: 8 rows, responses of 1..7 tokens
 from tools.make_tiny_model import make_tiny_model
 
 RANK, ALPHA = 4, 16.0  # scale 4: a dropped alpha/r shows
@@ -31,18 +32,6 @@ def model_dir(tmp_path_factory):
     # tied embeddings: at PP2 the frozen embedding's (absent) grad goes through megatron's embedding all-reduce
     return make_tiny_model(str(tmp_path_factory.mktemp("m") / "llama"), "llama", hidden=64, layers=2, heads=4,
                            kv_heads=2, ffn=96, tie=True, seed=7)
-
-
-def _batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, 100, (8, 12), generator=g)
-    labels = torch.roll(ids, -1, 1)
-    mask = torch.zeros(8, 12)
-    for i in range(8):
-        mask[i, 4:4 + 1 + i % 7] = 1          # responses of different lengths
-    labels[mask == 0] = -100
-    rewards = torch.randn(8, generator=g)  # with a zero baseline the advantage is the reward
-    return dict(input_ids=ids, labels=labels, response_mask=mask, rewards=rewards, baseline=torch.zeros(8))
 
 
 def _trainer(world, model_dir, tp, pp, overrides=(), lora=True):
