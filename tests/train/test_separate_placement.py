@@ -44,9 +44,11 @@ def _assert_same(got, ref, tol=1e-5):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", [NATIVE, ()], ids=["native", "vllm"])
-def test_separate_without_staleness_equals_colocated(env, tmp_path, engine):  # noqa: F811
-    common = ("trainer.steps=4", "trainer.eval_every=2", *engine)
+@pytest.mark.parametrize("engine, layout", [(NATIVE, ()), ((), ()), (NATIVE, ("actor.tp=1",))],
+                         ids=["native-tp2", "vllm-tp2", "native-dp2"])
+def test_separate_without_staleness_equals_colocated(env, tmp_path, engine, layout):  # noqa: F811
+    """dp2: the two training ranks are two data-parallel replicas, each submitting its own prompts."""
+    common = ("trainer.steps=4", "trainer.eval_every=2", *engine, *layout)
     colocated = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "colocated"), *common, nproc=2)
     separate = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "separate"), *common, *SEPARATE,
                       "rollout.max_staleness=0", nproc=3)
