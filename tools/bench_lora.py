@@ -17,12 +17,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_placement import run_bench_e2e  # noqa: E402
 
 
 def measured(result: dict) -> list[dict]:
@@ -53,17 +53,8 @@ def main(argv=None) -> None:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     out_dir = tempfile.mkdtemp(prefix="bench-lora-")
-    results = {}
-    for name, extra in (("full", []), ("lora", [f"actor.lora_rank={args.rank}", f"actor.lora_alpha={2 * args.rank}"])):
-        path = os.path.join(out_dir, f"{name}.json")
-        cmd = [TORCHRUN, f"--nproc_per_node={args.nproc}", os.path.join(REPO, "tools", "bench_e2e.py"), "--hf-dir",
-               args.hf_dir, "--json", path, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--greedy-repeats", "1", *args.overrides, *extra]
-        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        if r.returncode != 0:
-            sys.exit(f"error: the {name} run failed (exit {r.returncode}): {(r.stdout + r.stderr)[-2000:]}")
-        with open(path) as f:
-            results[name] = json.load(f)
+    results = {name: run_bench_e2e(name, args.nproc, args, extra, out_dir) for name, extra in (
+        ("full", []), ("lora", [f"actor.lora_rank={args.rank}", f"actor.lora_alpha={2 * args.rank}"]))}
     full, lora = summary(results["full"]), summary(results["lora"])
     ratio = {k: lora[k] / full[k] for k in full if full[k] and lora[k] is not None}
     out = {"rank": args.rank, "nproc": args.nproc, "overrides": args.overrides, "full": full, "lora": lora,

@@ -30,16 +30,20 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+SEPARATE = ("--placement", "separate", "--rollout-ranks", "1")
 
 
-def run(name: str, world: int, args, extra: list[str], out_dir: str) -> dict:
+def run_bench_e2e(name: str, nproc: int, args, extra: list[str], out_dir: str, flags: tuple = ()) -> dict:
+    """tools/bench_e2e.py under torchrun with `nproc` processes on args.hf_dir (args.steps, args.warmup), its
+    `flags`, the user's args.overrides and then this run's `extra` overrides (which win); its JSON, or exit
+    naming the failed run."""
     path = os.path.join(out_dir, f"{name}.json")
-    cmd = [TORCHRUN, f"--nproc_per_node={world}", os.path.join(REPO, "tools", "bench_e2e.py"), "--hf-dir",
-           args.hf_dir, "--json", path, "--steps", str(args.steps), "--warmup", str(args.warmup), *extra,
-           *args.overrides]
+    cmd = [TORCHRUN, f"--nproc_per_node={nproc}", os.path.join(REPO, "tools", "bench_e2e.py"), "--hf-dir",
+           args.hf_dir, "--json", path, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--greedy-repeats", "1", *flags, *args.overrides, *extra]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if r.returncode != 0:
-        sys.exit(f"error: {name} failed (exit {r.returncode}): {(r.stdout + r.stderr)[-2000:]}")
+        sys.exit(f"error: the {name} run failed (exit {r.returncode}): {(r.stdout + r.stderr)[-2000:]}")
     with open(path) as f:
         return json.load(f)
 
@@ -60,13 +64,12 @@ def main(argv=None) -> None:
     out_dir = tempfile.mkdtemp(prefix="bench-placement-")
     w = args.world
     runs = {
-        "colocated_small": run("colocated_small", w - 1, args, [f"actor.tp={args.tp}"], out_dir),
-        "colocated": run("colocated", w, args, [f"actor.tp={args.tp_full}"], out_dir),
-        "separate_0": run("separate_0", w, args, ["--placement", "separate", "--rollout-ranks", "1",
-                                                  f"actor.tp={args.tp}", "rollout.max_staleness=0"], out_dir),
-        "separate_1": run("separate_1", w, args, ["--placement", "separate", "--rollout-ranks", "1",
-                                                  f"actor.tp={args.tp}", "rollout.max_staleness=1",
-                                                  "algo.rollout_correction=token-tis"], out_dir),
+        "colocated_small": run_bench_e2e("colocated_small", w - 1, args, [f"actor.tp={args.tp}"], out_dir),
+        "colocated": run_bench_e2e("colocated", w, args, [f"actor.tp={args.tp_full}"], out_dir),
+        "separate_0": run_bench_e2e("separate_0", w, args, [f"actor.tp={args.tp}", "rollout.max_staleness=0"],
+                                    out_dir, SEPARATE),
+        "separate_1": run_bench_e2e("separate_1", w, args, [f"actor.tp={args.tp}", "rollout.max_staleness=1",
+                                                            "algo.rollout_correction=token-tis"], out_dir, SEPARATE),
     }
     step = {name: sorted(r["step_s"])[len(r["step_s"]) // 2] for name, r in runs.items()}
     result = {
