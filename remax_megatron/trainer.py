@@ -229,15 +229,12 @@ class Trainer:
         (max over the batch, every DP rank's): the engine/trainer mismatch without the policy's lag."""
         if not (self.cfg.rollout.behaviour_logprobs and self._ahead):
             return {}
-        params = list(self.actor_module.parameters())
-        current = [p.detach().clone() for p in params]
+        params, snapshot = list(self.actor_module.parameters()), self._snapshots[version]
+        _swap_data(params, snapshot)  # the generating version in, the current weights held by the snapshot
         try:
-            for p, w in zip(params, self._snapshots[version]):
-                p.data.copy_(w)
             behaviour = self._logprobs(self.actor_module, batch, plan)
         finally:
-            for p, w in zip(params, current):
-                p.data.copy_(w)
+            _swap_data(params, snapshot)
         local = None
         if self.groups.is_last_stage:
             gap = logprob_mismatch(behaviour, batch["engine_logprobs"], batch["response_mask"].bool(),
@@ -829,6 +826,12 @@ class Update:
 
 class StageError(RuntimeError):
     """A stage of the step failed (a peer died, a collective timed out): names the step and stage."""
+
+
+def _swap_data(params: list, tensors: list) -> None:
+    """Exchange each parameter's data with tensors[i] (no copy); a second call restores both."""
+    for i, p in enumerate(params):
+        p.data, tensors[i] = tensors[i], p.data
 
 
 def _distinct_bytes(tensors) -> int:
