@@ -39,8 +39,16 @@ def _stop_with_launcher() -> None:
 
 
 def _refuse(error: Exception) -> None:
-    """Bad input: one line on stderr (rank 0), exit 2."""
+    """Bad input: one line on stderr (rank 0), exit 2.
+
+    Once the process group is up (a refusal from claim_run), os._exit as in `_fail`: a peer may already
+    be gone, and the group's threads torn down at interpreter exit then can abort the process (a CI run
+    saw rank 1 of a refused second run die from SIGABRT, exit 134, instead of exit 2)."""
     report_error(f"error: {error}", printer=int(os.environ.get("RANK", "0")) == 0, same_on_every_rank=True)
+    if "torch.distributed" in sys.modules and sys.modules["torch.distributed"].is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
     sys.exit(2)
 
 
