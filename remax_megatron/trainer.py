@@ -6,7 +6,7 @@ One step, on every rank (SPMD under torchrun):
     rollout   per prompt: n sampled responses + 1 greedy response, one engine request
     reward    score samples and greedy responses with the same reward
     pack      samples -> one padded batch with rewards and greedy baselines; with a token budget the rows
-              are balanced over DP by tokens and grouped into micro-batches (rollout/batching.py)
+              are balanced over DP by tokens and grouped into micro-batches (remax_megatron/batching)
     logprobs  reference log-probs (when KL is on); the actor's own only for several mini-batches,
               on-policy the training forward gives them
     update    micro-batches through megatron's schedule: fused log-probs, advantage
@@ -53,15 +53,14 @@ from remax_megatron.models.arch import packed_attention
 from remax_megatron.models.gpt import PolicyModel, sequence_multiple
 from remax_megatron.models.lora import adapters_disabled, has_adapters
 from remax_megatron.models.moe import LoadBalancing, end_replay, padding_mask, replay_routes
-from remax_megatron.rollout.batching import MicroBatch, assemble, exchange_rows, fixed_micro_batches, model_inputs, \
-    model_labels, plan_step, take_rows, to_rows, to_sequences
+from remax_megatron.batching import MicroBatch, assemble, exchange_rows, fixed_micro_batches, model_inputs, \
+    model_labels, pad_sequences, plan_step, take_rows, to_rows, to_sequences
 from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer, restore_config_hyperparameters, schedule_changes
 from remax_megatron.parallel import ProcessGroups, all_reduce_cpu
 from remax_megatron.processes import preemption_flag
 from remax_megatron.resume import model_fingerprint
 from remax_megatron.reward.scoring import RewardScorer
-from remax_megatron.rollout import RolloutEngine, SamplingParams, WeightSync, logprob_mismatch, pack_sequences, \
-    stream_seed
+from remax_megatron.rollout import RolloutEngine, SamplingParams, WeightSync, logprob_mismatch, stream_seed
 from remax_megatron.weights.export import save_hf_dir
 
 # Statistics of the loss that are summed over micro-batches and DP ranks (each already normalised globally).
@@ -330,10 +329,10 @@ class Trainer:
         return [s for row in scores for s in row[:n]], [row[n] for row in scores], metrics
 
     def _pack(self, prompts, rollouts, r_sampled, r_greedy) -> dict:
-        """The samples as one right-padded batch (rollout.sequences.pack_sequences) with their rewards
+        """The samples as one right-padded batch (batching.pad_sequences) with their rewards
         [B] and their prompt's greedy reward [B] (the baseline)."""
         n = self.cfg.rollout.n
-        batch = pack_sequences([q.token_ids for q in prompts for _ in range(n)],
+        batch = pad_sequences([q.token_ids for q in prompts for _ in range(n)],
                                [c for r in rollouts for c in r.sampled], pad_id=self._pad_id(),
                                pad_to_multiple=sequence_multiple(self.actor_module))
         batch["rewards"] = torch.tensor(r_sampled, dtype=torch.float32)                      # [B]
@@ -341,7 +340,7 @@ class Trainer:
         return batch
 
     def _plan(self, batch: dict) -> tuple[dict, list[list[MicroBatch]]]:
-        """This rank's rows and its micro-batches per update (rollout.batching).
+        """This rank's rows and its micro-batches per update (remax_megatron.batching).
 
         trainer.micro_batch_tokens = 0: the rows stay, micro_batch_size rows per micro-batch, all as wide as
         the batch. Otherwise each update's rows are balanced over DP by tokens (a row carries its reward and
@@ -365,7 +364,7 @@ class Trainer:
         return exchange_rows(batch, plan.sources, me, widest, self.groups.dp), plan.updates[me]
 
     def _micro_batches(self, batch: dict, micro: list[MicroBatch], extra: dict | None = None) -> list[dict]:
-        """The micro-batches' tensors (rollout.batching.assemble)."""
+        """The micro-batches' tensors (batching.assemble)."""
         path = packed_attention()
         multiple = sequence_multiple(self.actor_module)
         return [assemble(batch, m, path, extra, multiple) for m in micro]
@@ -450,7 +449,7 @@ class Trainer:
         rollout-policy log-probs and advantages [b, w] to `behaviour` / `advantages` (last stage).
 
         A micro-batch's loss, advantages and log-probs are in the sequence layout (one row per sample); the
-        model runs its input rows (rollout.batching: padded rows, or packed ones with their attention
+        model runs its input rows (remax_megatron.batching: padded rows, or packed ones with their attention
         boundaries), whose per-token values `to_rows` / `to_sequences` move between the two."""
         cfg, model = self.cfg, self.actor_module
         off_policy = cfg.trainer.mini_batches > 1

@@ -62,8 +62,8 @@ def controlled(model_dir: str, dtype: str, prompts: int, n: int, max_new_tokens:
     from remax_megatron.models.forward import forward_only
     from remax_megatron.models.moe import end_replay, own_routes, replay_routes
     from remax_megatron.parallel import ParallelLayout
-    from remax_megatron.rollout import SamplingParams, flatten_rollouts, logprob_mismatch, pack_sequences, \
-        sync_weights
+    from remax_megatron.batching import pad_sequences
+    from remax_megatron.rollout import SamplingParams, flatten_rollouts, logprob_mismatch, sync_weights
     from transformers import AutoTokenizer
 
     from remax_megatron.config import RolloutConfig
@@ -84,7 +84,7 @@ def controlled(model_dir: str, dtype: str, prompts: int, n: int, max_new_tokens:
                                                               seed=seed))
     rows_p, rows_c = flatten_rollouts(asked, out)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batch = pack_sequences(rows_p, rows_c, pad_id=pad)
+    batch = pad_sequences(rows_p, rows_c, pad_id=pad)
     given = batch["routed_experts"]                                              # [B, S, layers, k]
     fed = given[..., 0] >= 0                                                     # [B, S, layers]
     actor_routes = own_routes(actor, batch)

@@ -71,7 +71,8 @@ def _memcpy_gbps(nbytes: int, repeats: int) -> float:
 
 def _max_logprob_diff(actor, engine, vocab: int) -> float:
     from remax_megatron.models.forward import broadcast_from_last_stage, forward_only
-    from remax_megatron.rollout import SamplingParams, flatten_rollouts, pack_sequences
+    from remax_megatron.batching import pad_sequences
+    from remax_megatron.rollout import SamplingParams, flatten_rollouts
 
     gen = torch.Generator().manual_seed(dist.get_rank())
     prompts = [torch.randint(4, vocab, (16,), generator=gen).tolist() for _ in range(2)]
@@ -81,7 +82,7 @@ def _max_logprob_diff(actor, engine, vocab: int) -> float:
     dist.all_gather_object(shares, (prompts, rollouts))
     rows_p, rows_c = flatten_rollouts([p for ps, _ in shares for p in ps], [r for _, rs in shares for r in rs],
                                       include_greedy=True)
-    batch = pack_sequences(rows_p, rows_c, pad_id=0)
+    batch = pad_sequences(rows_p, rows_c, pad_id=0)
     out = forward_only(actor, [{"input_ids": batch["input_ids"], "labels": batch["labels"]}],
                        lambda m, hidden, b: m.token_logprobs(hidden, b["labels"])[0])
     actor_lp = broadcast_from_last_stage(out[0] if out else None, batch["input_ids"].shape, torch.float32)

@@ -73,11 +73,6 @@ def read_rows(source: str) -> list[tuple[str, dict]]:
     return rows
 
 
-def read_records(source: str) -> list[dict]:
-    """Rows of a JSONL or Parquet file; `builtin:<task>` rows are handled by load_prompts."""
-    return [row for _, row in read_rows(source)]
-
-
 def prompt_kind(where: str, value, key: str) -> str:
     """"text" or "chat" for a row's prompt value; anything else is refused naming the row."""
     expected = f'the prompt column {key!r} must hold a string or a list of {{"role": ..., "content": "..."}} messages'

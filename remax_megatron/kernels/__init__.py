@@ -12,7 +12,6 @@ from remax_megatron.kernels.logprobs import (
     IGNORE_INDEX,
     fused_logprobs,
     fused_logprobs_reference,
-    vocab_parallel_logprobs,
 )
 from remax_megatron.kernels.loss import logprob_gradient, remax_loss
 
@@ -24,5 +23,4 @@ __all__ = [
     "fused_logprobs_reference",
     "logprob_gradient",
     "remax_loss",
-    "vocab_parallel_logprobs",
 ]

@@ -123,13 +123,6 @@ def fused_logprobs(
     return logp, (ent if with_entropy else None)
 
 
-def vocab_parallel_logprobs(hidden, output_weight, labels, temperature=1.0, tp_group=None,
-                            with_entropy=False, **kwargs):
-    """Positional-argument alias of :func:`fused_logprobs` for model code."""
-    return fused_logprobs(hidden, output_weight, labels, temperature=temperature,
-                          tp_group=tp_group, with_entropy=with_entropy, **kwargs)
-
-
 def fused_logprobs_reference(
     hidden: torch.Tensor,
     weight: torch.Tensor,

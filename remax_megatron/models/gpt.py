@@ -171,7 +171,7 @@ class PolicyModel(GPTModel):
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """Forward this stage: the first stage takes input_ids [b, s] (right-padded, or packed rows with
-        their `attention_mask` / `packed_seq_params`: rollout.batching.model_inputs)."""
+        their `attention_mask` / `packed_seq_params`: batching.model_inputs)."""
         return self(input_ids, _position_ids(input_ids), attention_mask=attention_mask, **kwargs)
 
     def output_weight(self) -> torch.Tensor:
@@ -313,7 +313,7 @@ def check_sequence_length(model, seq_length: int) -> None:
     multiple = sequence_multiple(model)
     if seq_length % multiple:
         raise ValueError(f"sequence length {seq_length} is not a multiple of tp={multiple}, which sequence "
-                         f"parallel needs: pad batches to a multiple of {multiple} (pack_sequences(pad_to_multiple=))")
+                         f"parallel needs: pad batches to a multiple of {multiple} (batching.pad_sequences(pad_to_multiple=))")
 
 
 def params_dtype_of(name: str) -> torch.dtype:

@@ -1,77 +1,12 @@
-"""Prompts in, training tensors out: over-long prompts, engine padding, response packing.
+"""The engine's side of sequences: prompts left-padded for decoding, rollouts flattened into rows.
 
-    prepared = prepare_prompts(token_ids, max_prompt_tokens=256, overlong="drop")
-    results = engine.generate(prepared.token_ids, n, sampling)
-    batch = pack_sequences(prompts_per_row, completions_per_row, pad_id)
-
-`pack_sequences` lays each (prompt, completion) row out right-padded, as the
-megatron actor reads it (positions start at 0), with next-token labels:
-
-    position t:      0    1    2    3    4    5    6
-    input_ids:       p0   p1   p2   r0   r1   r2   pad
-    labels:          -100 -100 r0   r1   r2   -100 -100
-    response_mask:   0    0    1    1    1    0    0
-    engine_logprobs: 0    0    l0   l1   l2   0    0
-
-so `PolicyModel.token_logprobs(hidden, labels)[b, t]` is the log-prob of the
-token at t + 1, and response_mask / engine_logprobs line up with it.
+    input_ids, attention_mask, positions = left_pad(prompts, pad_id)
+    rows_p, rows_c = flatten_rollouts(prompts, rollouts, include_greedy=True)   # for batching.pad_sequences
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-
-from remax_megatron.kernels import IGNORE_INDEX
-
-OVERLONG_MODES = ("drop", "truncate")
-
-
-@dataclass
-class PreparedPrompts:
-    """The prompts that go to the engine, and what happened to the others."""
-
-    token_ids: list[list[int]]      # kept prompts (truncated ones shortened)
-    indices: list[int]              # position of each kept prompt in the input list
-    dropped: int                    # prompts over max_prompt_tokens that were dropped
-    truncated: int                  # prompts over max_prompt_tokens that were left-truncated
-    empty: int                      # prompts with no tokens (always dropped)
-
-
-def prepare_prompts(token_ids: list[list[int]], max_prompt_tokens: int, overlong: str = "drop") -> PreparedPrompts:
-    """Apply data.max_prompt_tokens / data.overlong to tokenised prompts.
-
-    overlong="drop" removes prompts longer than max_prompt_tokens; "truncate" keeps
-    their LAST max_prompt_tokens tokens (the question and the generation prompt
-    sit at the end of a chat-formatted prompt). Empty prompts are always dropped.
-    """
-    if overlong not in OVERLONG_MODES:
-        raise ValueError(f"data.overlong={overlong!r} is not one of {', '.join(OVERLONG_MODES)}")
-    if max_prompt_tokens < 1:
-        raise ValueError(f"data.max_prompt_tokens={max_prompt_tokens!r} must be >= 1")
-    kept, indices, dropped, truncated, empty = [], [], 0, 0, 0
-    for i, ids in enumerate(token_ids):
-        ids = [int(t) for t in ids]
-        if not ids:
-            empty += 1
-            continue
-        if len(ids) > max_prompt_tokens:
-            if overlong == "drop":
-                dropped += 1
-                continue
-            ids = ids[-max_prompt_tokens:]
-            truncated += 1
-        kept.append(ids)
-        indices.append(i)
-    return PreparedPrompts(kept, indices, dropped, truncated, empty)
-
-
-def tokenize_prompts(tokenizer, texts: list[str], max_prompt_tokens: int, overlong: str = "drop",
-                     add_special_tokens: bool = False) -> PreparedPrompts:
-    """Tokenise already-formatted prompt strings (chat template applied) and prepare them."""
-    ids = [tokenizer(t, add_special_tokens=add_special_tokens)["input_ids"] for t in texts]
-    return prepare_prompts(ids, max_prompt_tokens, overlong)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -93,87 +28,9 @@ def left_pad(prompts: list[list[int]], pad_id: int, device=None) -> tuple[torch.
     return ids.to(device), mask.to(device), positions.to(device)
 
 
-def pack_sequences(prompt_ids: list[list[int]], completions: list, pad_id: int,
-                   pad_to_multiple: int = 1) -> dict[str, torch.Tensor]:
-    """Rows of prompt + response, right-padded, with labels and masks for the loss.
-
-    prompt_ids:  B prompts (one per row; repeat a prompt for each of its completions)
-    completions: B `Completion`s (token_ids, logprobs)
-    pad_to_multiple: round S up to a multiple of this (e.g. TP for sequence parallel)
-
-    Returns (all on CPU):
-        input_ids       [B, S] long, right-padded with pad_id
-        labels          [B, S] long, next-token targets; -100 on prompt and padding
-        response_mask   [B, S] bool, labels != -100
-        engine_logprobs [B, S] float32, the engine's log-prob of labels[b, t]; 0 elsewhere
-        lengths         [B] long, prompt + response tokens
-        prompt_lengths  [B] long
-        response_lengths [B] long
-        routed_experts  [B, S, layers, top_k] long, only when every completion carries the engine's routes
-                        (rollout.routing_replay): the experts of each input token, -1 where none was given
-                        (the final token, which the engine never fed through the model, and padding)
-    """
-    if len(prompt_ids) != len(completions):
-        raise ValueError(f"pack_sequences got {len(prompt_ids)} prompts for {len(completions)} completions: "
-                         "repeat each prompt once per completion")
-    if not prompt_ids:
-        raise ValueError("pack_sequences got no rows")
-    if pad_to_multiple < 1:
-        raise ValueError(f"pad_to_multiple={pad_to_multiple!r} must be >= 1")
-    prompt_len = [len(p) for p in prompt_ids]
-    resp_len = [len(c.token_ids) for c in completions]
-    for b, (p, c) in enumerate(zip(prompt_len, completions)):
-        if p == 0:
-            raise ValueError(f"row {b} has an empty prompt: a response needs a token to condition on")
-        if len(c.logprobs) != len(c.token_ids):
-            raise ValueError(f"row {b}: {len(c.token_ids)} tokens but {len(c.logprobs)} log-probs")
-    total = [p + r for p, r in zip(prompt_len, resp_len)]
-    width = max(total)
-    width = -(-width // pad_to_multiple) * pad_to_multiple
-    batch = len(prompt_ids)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    labels = torch.full((batch, width), IGNORE_INDEX, dtype=torch.long)
-    engine_logprobs = torch.zeros((batch, width), dtype=torch.float32)
-    for b, (prompt, comp) in enumerate(zip(prompt_ids, completions)):
-        p, r = prompt_len[b], resp_len[b]
-        input_ids[b, :p] = torch.tensor(prompt, dtype=torch.long)
-        if r:
-            response = torch.tensor(list(comp.token_ids), dtype=torch.long)
-            input_ids[b, p:p + r] = response
-            # The token at position p + i is predicted at position p + i - 1.
-            labels[b, p - 1:p - 1 + r] = response
-            engine_logprobs[b, p - 1:p - 1 + r] = torch.tensor(list(comp.logprobs), dtype=torch.float32)
-    batch = dict(
-        input_ids=input_ids,
-        labels=labels,
-        response_mask=labels != IGNORE_INDEX,
-        engine_logprobs=engine_logprobs,
-        lengths=torch.tensor(total, dtype=torch.long),
-        prompt_lengths=torch.tensor(prompt_len, dtype=torch.long),
-        response_lengths=torch.tensor(resp_len, dtype=torch.long),
-    )
-    if completions and all(getattr(c, "routed_experts", None) is not None for c in completions):
-        batch["routed_experts"] = pack_routes([c.routed_experts for c in completions], total, width)
-    return batch
-
-
-def pack_routes(routes: list, lengths: list[int], width: int) -> torch.Tensor:
-    """Per row the engine's routes [tokens, layers, top_k] (tokens: the row's first tokens; vLLM gives every
-    token it fed through the model) -> [B, width, layers, top_k] long, -1 where none was given."""
-    first = torch.as_tensor(routes[0])
-    out = torch.full((len(routes), width, *first.shape[1:]), -1, dtype=torch.long)
-    for b, (r, length) in enumerate(zip(routes, lengths)):
-        r = torch.as_tensor(r, dtype=torch.long)
-        if r.shape[1:] != first.shape[1:]:
-            raise ValueError(f"row {b}: routes of shape {tuple(r.shape)}, other rows {tuple(first.shape)}")
-        rows = min(r.shape[0], length)
-        out[b, :rows] = r[:rows]
-    return out
-
-
 def flatten_rollouts(prompts: list[list[int]], rollouts: list, include_greedy: bool = False
                      ) -> tuple[list[list[int]], list]:
-    """(prompt per row, completion per row) for pack_sequences: each prompt's n sampled
+    """(prompt per row, completion per row) for batching.pad_sequences: each prompt's n sampled
     completions in order, then (include_greedy) its greedy one."""
     if len(prompts) != len(rollouts):
         raise ValueError(f"{len(prompts)} prompts but {len(rollouts)} rollouts")

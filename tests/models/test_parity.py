@@ -334,13 +334,13 @@ def _packed_case(model_dir):
 
 
 def _packed_body(rank, world, model_dir, sequences, expected):
-    """Three sequences in one packed row (rollout.batching, the trainer's "mask" path: a block-diagonal causal
+    """Three sequences in one packed row (remax_megatron.batching, the trainer's "mask" path: a block-diagonal causal
     mask through megatron's local attention, RoPE at the row's positions): each one's logits equal
     transformers' on that sequence alone, the last two starting 1900 and 1940 positions into the row."""
     from remax_megatron.models import build_policy, read_hf_config
     from remax_megatron.models.forward import forward_only
     from remax_megatron.parallel import ParallelLayout
-    from remax_megatron.rollout.batching import MicroBatch, assemble, model_inputs, to_sequences
+    from remax_megatron.batching.micro_batches import MicroBatch, assemble, model_inputs, to_sequences
     from remax_megatron.weights import load_hf_weights
 
     ParallelLayout(tp=1, pp=1, world_size=world).initialize()

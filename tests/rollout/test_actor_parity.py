@@ -59,8 +59,8 @@ def _body(rank, world, model_dir, tp, pp, ep=1):
     from remax_megatron.models.arch import ExpertOptions
     from remax_megatron.models.moe import own_routes
     from remax_megatron.parallel import ParallelLayout
-    from remax_megatron.rollout import SamplingParams, build_engine, flatten_rollouts, logprob_mismatch, \
-        pack_sequences, sync_weights
+    from remax_megatron.batching import pad_sequences
+    from remax_megatron.rollout import SamplingParams, build_engine, flatten_rollouts, logprob_mismatch, sync_weights
     from remax_megatron.weights import export_hf_weights, load_hf_weights
 
     etp = 1 if ep > 1 else tp
@@ -94,7 +94,7 @@ def _body(rank, world, model_dir, tp, pp, ep=1):
     dist.broadcast_object_list(shared, src=0)
     results = shared[0]
     rows_p, rows_c = flatten_rollouts(prompts, results)
-    batch = pack_sequences(rows_p, rows_c, pad_id=engine.pad_token_id, pad_to_multiple=tp if sp else 1)
+    batch = pad_sequences(rows_p, rows_c, pad_id=engine.pad_token_id, pad_to_multiple=tp if sp else 1)
     actor_lp = _actor_logprobs(actor, batch, TEMPERATURE)
     mismatch = logprob_mismatch(actor_lp, batch["engine_logprobs"], batch["response_mask"], threshold=1e-5)
     assert mismatch["max"] < 1e-5 and mismatch["tokens"] > 0, mismatch
@@ -102,7 +102,7 @@ def _body(rank, world, model_dir, tp, pp, ep=1):
         given = batch["routed_experts"]
         assert (given >= 0).sum() > 50
         assert torch.equal(given.sort(-1).values, own_routes(actor, batch).sort(-1).values)
-    greedy = pack_sequences(prompts, [ro.greedy for ro in results], pad_id=engine.pad_token_id,
+    greedy = pad_sequences(prompts, [ro.greedy for ro in results], pad_id=engine.pad_token_id,
                             pad_to_multiple=tp if sp else 1)
     mismatch = logprob_mismatch(_actor_logprobs(actor, greedy, 1.0), greedy["engine_logprobs"],
                                 greedy["response_mask"])

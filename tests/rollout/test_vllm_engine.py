@@ -82,14 +82,15 @@ def test_parse_outputs_orders_samples_and_refuses_surprises():
 def _check_against_actor(actor, rollouts, prompts, eos_id, pad):
     """Sampled rows at the sampling temperature, greedy rows at T=1: engine log-probs == actor's;
     greedy tokens == the actor's own argmax decoding."""
-    from remax_megatron.rollout import flatten_rollouts, logprob_mismatch, pack_sequences
+    from remax_megatron.batching import pad_sequences
+    from remax_megatron.rollout import flatten_rollouts, logprob_mismatch
 
     rows_p, rows_c = flatten_rollouts(prompts, rollouts)
-    batch = pack_sequences(rows_p, rows_c, pad_id=pad)
+    batch = pad_sequences(rows_p, rows_c, pad_id=pad)
     sampled = logprob_mismatch(_actor_logprobs(actor, batch, TEMPERATURE), batch["engine_logprobs"],
                                batch["response_mask"], threshold=1e-5)
     assert sampled["max"] < 1e-5 and sampled["tokens"] > 0, f"sampled rows: {sampled}"
-    greedy = pack_sequences(prompts, [ro.greedy for ro in rollouts], pad_id=pad)
+    greedy = pad_sequences(prompts, [ro.greedy for ro in rollouts], pad_id=pad)
     mismatch = logprob_mismatch(_actor_logprobs(actor, greedy, 1.0), greedy["engine_logprobs"],
                                 greedy["response_mask"], threshold=1e-5)
     assert mismatch["max"] < 1e-5, f"greedy rows at T=1: {mismatch}"
@@ -223,7 +224,8 @@ def _check_guided(engine, actor, prompts, seeds, model_dir):
 
     from transformers import AutoTokenizer
 
-    from remax_megatron.rollout import flatten_rollouts, pack_sequences
+    from remax_megatron.batching import pad_sequences
+    from remax_megatron.rollout import flatten_rollouts
 
     tok = AutoTokenizer.from_pretrained(model_dir)
 
@@ -237,7 +239,7 @@ def _check_guided(engine, actor, prompts, seeds, model_dir):
     assert all(re.fullmatch("[0-9]+", t) for t in texts(rollouts)), texts(rollouts)
     assert all(len(r.sampled) == 2 for r in rollouts)
     rows_p, rows_c = flatten_rollouts(prompts, rollouts)
-    batch = pack_sequences(rows_p, rows_c, pad_id=PAD)
+    batch = pad_sequences(rows_p, rows_c, pad_id=PAD)
     below = (_actor_logprobs(actor, batch, TEMPERATURE) - batch["engine_logprobs"])[batch["response_mask"].bool()]
     assert below.max() < 1e-5, f"constrained engine log-probs below the actor's by {below.max()}"
 

@@ -29,7 +29,7 @@ With `trainer.micro_batch_tokens` = 0 the trainer keeps fixed-count micro-batche
   it has no row left to split.
 
 The loss and the fused log-prob kernel see each micro-batch in the sequence layout of
-`rollout.sequences.pack_sequences` (`labels`, `response_mask`, rewards per row, trimmed to the
+`batching.padding.pad_sequences` (`labels`, `response_mask`, rewards per row, trimmed to the
 micro-batch's width): packed rows only change what the model's forward runs (`input_ids` and the
 attention boundaries); `to_rows` / `to_sequences` move per-token values between the two layouts. The
 trainer normalises the loss by the update's GLOBAL token (sequence) counts, so the grouping into
@@ -44,16 +44,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from remax_megatron.batching.padding import round_up
 from remax_megatron.kernels import IGNORE_INDEX
 from remax_megatron.parallel.layout import comm_device
 
 PATHS = ("mask", "thd")
 # Fill of each per-token key beyond a row's length (anything else: 0).
 _FILL = {"labels": IGNORE_INDEX, "routed_experts": -1}
-
-
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""rollout/batching.py: token-budget micro-batches, packed rows, the DP balance, the global normalisation.
+"""batching/micro_batches.py: token-budget micro-batches, packed rows, the DP balance, the global normalisation.
 
 Pure python (no process group, but for the one all-to-all that moves rows between 3 gloo ranks): the plans,
 the row exchange keeping each sample with its prompt's greedy reward, the packed layout and its attention mask, and that summing per-micro-batch losses with GLOBAL
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from remax_megatron.algo.aggregation import AGG_MODES, aggregate
 from tests._dist import run_distributed
-from remax_megatron.rollout.batching import (
+from remax_megatron.batching.micro_batches import (
     assemble,
     balance_rows,
     block_causal_mask,

@@ -1,0 +1,39 @@
+"""batching/padding.py: the right-padded row layout the loss reads, and its one-line refusals."""
+
+import pytest
+import torch
+
+from remax_megatron.batching import pad_sequences, round_up
+from remax_megatron.rollout import Completion
+
+
+def test_round_up_is_the_next_multiple():
+    assert [round_up(v, 4) for v in (1, 4, 5, 8)] == [4, 4, 8, 8] and round_up(7, 1) == 7
+
+
+def test_pad_sequences_layout():
+    prompts = [[11, 12, 13], [21]]
+    comps = [Completion([31, 32], [-0.5, -0.25], "stop"), Completion([41, 42, 43, 44], [-1, -2, -3, -4], "length")]
+    out = pad_sequences(prompts, comps, pad_id=0, pad_to_multiple=4)
+    assert out["input_ids"].tolist() == [[11, 12, 13, 31, 32, 0, 0, 0], [21, 41, 42, 43, 44, 0, 0, 0]]
+    assert out["labels"].tolist() == [[-100, -100, 31, 32, -100, -100, -100, -100],
+                                      [41, 42, 43, 44, -100, -100, -100, -100]]
+    assert out["response_mask"].tolist() == (out["labels"] != -100).tolist()
+    assert out["engine_logprobs"][0, 2:4].tolist() == [-0.5, -0.25]
+    assert out["engine_logprobs"][1, :4].tolist() == [-1, -2, -3, -4]
+    assert out["engine_logprobs"][~out["response_mask"]].abs().sum() == 0
+    assert out["lengths"].tolist() == [5, 5]
+    assert out["prompt_lengths"].tolist() == [3, 1] and out["response_lengths"].tolist() == [2, 4]
+    # labels[b, t] is input_ids[b, t + 1] wherever it is not ignored.
+    ids, labels = out["input_ids"], out["labels"]
+    valid = labels[:, :-1] != -100
+    assert torch.equal(labels[:, :-1][valid], ids[:, 1:][valid])
+
+
+def test_pad_sequences_bad_input():
+    with pytest.raises(ValueError, match="2 prompts for 1 completions"):
+        pad_sequences([[1], [2]], [Completion([3], [-1.0], "stop")], 0)
+    with pytest.raises(ValueError, match="row 0 has an empty prompt"):
+        pad_sequences([[]], [Completion([3], [-1.0], "stop")], 0)
+    with pytest.raises(ValueError, match="1 tokens but 2 log-probs"):
+        pad_sequences([[1]], [Completion([3], [-1.0, -2.0], "stop")], 0)
