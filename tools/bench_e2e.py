@@ -244,13 +244,13 @@ def measure_greedy_row(trainer, train_prompts: list, repeats: int) -> dict:
     import torch.distributed as dist
 
     from remax_megatron.rollout import SamplingParams, stream_seed
-    from remax_megatron.trainer import _share
+    from remax_megatron.rollout.dispatch import contiguous_share
 
     cfg, engine, groups = trainer.cfg, trainer.parts.engine, trainer.groups
     n = cfg.rollout.n
-    prompts = trainer._local_share(train_prompts[:cfg.trainer.prompts_per_step])
+    prompts = trainer.dispatch.share(train_prompts[:cfg.trainer.prompts_per_step])
     if engine.group_size == 1 and groups.mp_size > 1:  # as in training: each rank decodes its share
-        lo, hi = _share(len(prompts), groups.mp_size, groups.mp_rank)
+        lo, hi = contiguous_share(len(prompts), groups.mp_size, groups.mp_rank)
         prompts = prompts[lo:hi]
     ids = [q.token_ids for q in prompts]
     sampling = SamplingParams.from_config(cfg.rollout)

@@ -53,12 +53,12 @@ def _thd_body(rank, world, model_dir, out_path):
         trainer, actor = _bf16_trainer(world, model_dir, [*overrides, "optim.lr=1e-3", "optim.grad_clip=0",
                                                           "actor.dtype=bfloat16"])
         batch = _var_batch()
-        batch, plan = trainer._plan(batch)
-        micro = trainer._micro_batches(batch, [m for update in plan for m in update])
+        batch, plan = trainer.updater.plan(batch)
+        micro = trainer.updater.micro_batches(batch, [m for update in plan for m in update])
         if variant == "packed":
             assert all("cu_seqlens" in mb and mb["input_ids"].shape[0] == 1 for mb in micro if "unpack" in mb)
-        logprobs = trainer._logprobs(actor, batch, plan)
-        update = trainer._train_on(batch, None, None, plan)
+        logprobs = trainer.updater.logprobs(actor, batch, plan)
+        update = trainer.updater.train_on(batch, None, None, plan)
         results[variant] = {"logprobs": logprobs, "mask": batch["response_mask"], "stats": update.stats,
                             "weights": {n: t.float().cpu() for n, t in export_hf_weights(actor)}}
     torch.save(results, out_path)

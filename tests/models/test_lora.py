@@ -125,7 +125,7 @@ def _update_body(rank, world, model_dir, tp, pp, out_path, sp=False, recompute="
     batch = _batch()
     for k in range(2):
         local = _local_rows(trainer, batch)
-        stats.append(trainer._train_on(local, None, None).stats)
+        stats.append(trainer.updater.train_on(local, None, None).stats)
         batch["rewards"] = batch["rewards"].flip(0)  # another advantage for the second update
     after = _snapshot(actor)
     for n in before:
@@ -157,14 +157,14 @@ def _reference_body(rank, world, model_dir, tp, pp, out_path):
     trainer, actor, _ = _trainer(world, model_dir, tp, pp, ["algo.kl_coef=0.1"])
     batch = _batch()
     for _ in range(2):
-        trainer._train_on(batch, None, None)
+        trainer.updater.train_on(batch, None, None)
         batch["rewards"] = batch["rewards"].flip(0)
     reference = build_policy(read_hf_config(model_dir), tp=tp, pp=pp, init_weights=False, trainable=False)
     load_hf_weights(reference, model_dir)
-    plan = trainer._plan(batch)[1]
-    from_adapters_off = trainer._reference_logprobs(batch, plan)
-    from_model = trainer._logprobs(reference, batch, plan)
-    actor_lp = trainer._logprobs(actor, batch, plan)
+    plan = trainer.updater.plan(batch)[1]
+    from_adapters_off = trainer.updater.reference_logprobs(batch, plan)
+    from_model = trainer.updater.logprobs(reference, batch, plan)
+    actor_lp = trainer.updater.logprobs(actor, batch, plan)
     mask = batch["labels"] != -100
     gap = moved = None
     if trainer.groups.is_last_stage:
@@ -195,13 +195,13 @@ def _engine_body(rank, world, model_dir, out_path):
     engine = NativeEngine(hf_dir=model_dir, seed=0, dtype=torch.float32, device="cpu")
     WeightSync(engine, actor, bucket_mb=0.05, groups=trainer.groups)()
     batch = _batch()
-    actor_lp = trainer._logprobs(actor, batch, trainer._plan(batch)[1])
+    actor_lp = trainer.updater.logprobs(actor, batch, trainer.updater.plan(batch)[1])
     engine_lp = engine.score(batch["input_ids"], batch["labels"])
     mask = batch["labels"] != -100
     from remax_megatron.models.lora import adapters_disabled
 
     with adapters_disabled(actor):
-        base_lp = trainer._logprobs(actor, batch, trainer._plan(batch)[1])
+        base_lp = trainer.updater.logprobs(actor, batch, trainer.updater.plan(batch)[1])
     if rank == 0:
         torch.save({"gap": (actor_lp - engine_lp)[mask].abs().max().item(),
                     "adapter_effect": (actor_lp - base_lp)[mask].abs().max().item()}, out_path)
@@ -213,14 +213,14 @@ def _resume_body(rank, world, model_dir, top, out_path):
 
     batch = _batch()
     trainer, actor, opt = _trainer(world, model_dir, world, 1)
-    trainer._train_on(batch, None, None)
+    trainer.updater.train_on(batch, None, None)
     path = save_checkpoint(os.path.join(top, "ckpt"), 1, actor, opt, {"step": 1}, model_dir, keep=2)
     second = batch | {"rewards": batch["rewards"].flip(0)}
-    want = trainer._train_on(second, None, None).stats
+    want = trainer.updater.train_on(second, None, None).stats
     want_params = _snapshot(actor)
     trainer, actor, opt = _trainer(world, model_dir, world, 1, ["trainer.seed=5"])  # other adapter init
     load_checkpoint(path, actor, opt)
-    got = trainer._train_on(second, None, None).stats
+    got = trainer.updater.train_on(second, None, None).stats
     got_params = _snapshot(actor)
     assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"], (got, want)
     for n in want_params:
@@ -240,7 +240,7 @@ def _resume_tp1_body(rank, world, model_dir, saved_path, out_path):
     second = batch | {"rewards": batch["rewards"].flip(0)}
     trainer, actor, opt = _trainer(world, model_dir, 1, 1, ["trainer.seed=5"])
     load_checkpoint(saved["path"], actor, opt)
-    got = trainer._train_on(_local_rows(trainer, second), None, None).stats
+    got = trainer.updater.train_on(_local_rows(trainer, second), None, None).stats
     if rank == 0:
         torch.save({"got": got, "want": saved["want"]}, out_path)
 
@@ -548,10 +548,10 @@ def _vllm_body(rank, world, model_dir, out_path):
     WeightSync(engine, actor, bucket_mb=0.05, groups=trainer.groups)()
     batch = _batch()
     batch["labels"][:, -1] = -100  # the engine scores tokens 1.. of each row
-    plan = trainer._plan(batch)[1]
-    actor_lp = trainer._logprobs(actor, batch, plan)
+    plan = trainer.updater.plan(batch)[1]
+    actor_lp = trainer.updater.logprobs(actor, batch, plan)
     with adapters_disabled(actor):
-        base_lp = trainer._logprobs(actor, batch, plan)
+        base_lp = trainer.updater.logprobs(actor, batch, plan)
     engine_lp = engine_score(engine, batch["input_ids"], batch["labels"])
     mask = batch["labels"] != -100
     if rank == 0:

@@ -55,15 +55,15 @@ def _body(rank, world, model_dir, tp, pp, out_path):
                 g, batch = trainer.groups, _var_batch()
                 batch["row"] = torch.arange(8)  # which global row each local row is, wherever the plan moves it
                 rows = batch["input_ids"].shape[0] // g.dp_size
-                local, plan = trainer._plan({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()})
+                local, plan = trainer.updater.plan({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()})
                 # The engine: the actor's own log-probs (the separate pass: fp32-equal to the training forward)
-                exact = trainer._logprobs(actor, local, plan)
+                exact = trainer.updater.logprobs(actor, local, plan)
                 exact = broadcast_from_last_stage(exact, local["input_ids"].shape, torch.float32)
                 engine = exact.clone()
                 engine[local["row"] == SHIFTED_ROW] += shift
                 local["engine_logprobs"] = engine
-                update = trainer._train_on(local, None, None, plan)
-                metrics = trainer._correction_record(local, update.logprobs)
+                update = trainer.updater.train_on(local, None, None, plan)
+                metrics = trainer.metrics.correction(local, update.logprobs)
                 mine = {int(r): exact[i] for i, r in enumerate(local["row"])} if g.is_last_stage else {}
                 results[variant, mode, correction, shift] = {
                     "stats": update.stats, "metrics": metrics, "logprobs": mine,

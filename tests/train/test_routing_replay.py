@@ -101,7 +101,7 @@ def _replay_body(rank, world, model_dir, tp, pp, ep, routes_path, replay, out_pa
 
     for router in routers(actor):
         router.register_forward_hook(observe)
-    update = trainer._train_on(local, None, None)
+    update = trainer.updater.train_on(local, None, None)
     dist.all_reduce(counts)
     if rank == 0:  # and the run's own count: how often the live router would have routed elsewhere
         torch.save((counts, update.stats.get("moe/route_mismatch_frac")), out_path)
@@ -173,7 +173,7 @@ def _packed_replay_body(rank, world, model_dir, tp, pp, ep, routes_path, out_pat
         if replay:
             batch["routed_experts"] = torch.load(routes_path)
         rows = batch["input_ids"].shape[0] // g.dp_size
-        trainer._train_on({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()}, None, None)
+        trainer.updater.train_on({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()}, None, None)
         results[name] = {n: t.clone() for n, t in export_hf_weights(actor)}
     if rank == 0:
         torch.save(results, out_path)

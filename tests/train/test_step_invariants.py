@@ -51,6 +51,7 @@ class SpyScorer:
 
 def _step_body(rank, world, model_dir, out_dir, result_path):
     import remax_megatron.trainer as trainer_module
+    import remax_megatron.update as update_module
     from remax_megatron.config import load_config
     from remax_megatron.startup import build, check_inputs
 
@@ -71,14 +72,14 @@ def _step_body(rank, world, model_dir, out_dir, result_path):
 
     parts.engine.generate = spy_generate
     advantages = []
-    kernel = trainer_module.compute_advantages
+    kernel = update_module.compute_advantages
 
     def spy_advantages(rewards, baseline, mask, *args, **kwargs):
         out = kernel(rewards, baseline, mask, *args, **kwargs)
         advantages[-1].append((rewards.clone(), baseline.clone(), out.clone()))
         return out
 
-    trainer_module.compute_advantages = spy_advantages
+    update_module.compute_advantages = spy_advantages
     trainer = trainer_module.Trainer(parts, logger=None)
     records, weights = [], []
     initial = {n: p.detach().clone() for n, p in trainer.actor_module.named_parameters()}
@@ -172,6 +173,7 @@ def test_the_engine_follows_the_actor_after_an_update(run):
 
 def _paths_body(rank, world, model_dir, ref_dir, out_dir, result_path):
     import remax_megatron.trainer as trainer_module
+    import remax_megatron.update as update_module
     from remax_megatron.config import load_config
     from remax_megatron.startup import build, check_inputs
 
@@ -182,7 +184,7 @@ def _paths_body(rank, world, model_dir, ref_dir, out_dir, result_path):
     kl = ["reference.enabled=true", f"reference.model={ref_dir}", "algo.kl_coef=0.5"]
     runs = {"kl_reward": kl + ["algo.kl_mode=reward"], "kl_loss": kl + ["algo.kl_mode=loss"],
             "mini_batches": ["trainer.mini_batches=2"]}
-    kernel, loss_fn, results = trainer_module.compute_advantages, trainer_module.remax_loss, {}
+    kernel, loss_fn, results = update_module.compute_advantages, update_module.remax_loss, {}
     for name, extra in runs.items():
         cfg = load_config(None, common + extra + [f"trainer.output_dir={out_dir}/{name}"])
         parts = build(cfg, check_inputs(cfg, world))
@@ -200,18 +202,18 @@ def _paths_body(rank, world, model_dir, ref_dir, out_dir, result_path):
                                  if k in ("old_logprobs", "ref_logprobs", "kl_coef")} | {"logprobs": logprobs.detach().clone()})
             return loss_fn(logprobs, advantages, mask, **kwargs)
 
-        trainer_module.compute_advantages, trainer_module.remax_loss = spy_advantages, spy_loss
+        update_module.compute_advantages, update_module.remax_loss = spy_advantages, spy_loss
         trainer = trainer_module.Trainer(parts, logger=None)
-        logprobs = trainer._logprobs
+        logprobs = trainer.updater.logprobs
 
         def counted(model, batch, plan):
             seen["logprob_passes"] += 1
             return logprobs(model, batch, plan)
 
-        trainer._logprobs = counted
+        trainer.updater.logprobs = counted
         seen["record"] = trainer.train_step()
         results[name] = seen
-        trainer_module.compute_advantages, trainer_module.remax_loss = kernel, loss_fn
+        update_module.compute_advantages, update_module.remax_loss = kernel, loss_fn
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()

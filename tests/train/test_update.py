@@ -69,10 +69,10 @@ def _update_body(rank, world, model_dir, tp, pp, micro_batch_size, poison, out_p
     batch = _batch()
     if poison:
         batch["rewards"][3] = float("nan")
-    stats = trainer._train_on(batch, None, None).stats
+    stats = trainer.updater.train_on(batch, None, None).stats
     weights = {n: t.clone() for n, t in export_hf_weights(actor)}
     if rank == 0:
-        torch.save({"stats": stats, "weights": weights, "skipped": trainer.skipped_updates}, out_path)
+        torch.save({"stats": stats, "weights": weights, "skipped": trainer.updater.skipped_updates}, out_path)
 
 
 def _max_rel(a, b):
@@ -161,7 +161,7 @@ def _offload_body(rank, world, model_dir, tp):
 
     trainer, actor, ddp, opt = _trainer(world, model_dir, tp, 1, ["optim.lr=1e-2"])
     batch = _batch()
-    trainer._train_on(batch, None, None)  # Adam state exists from here on
+    trainer.updater.train_on(batch, None, None)  # Adam state exists from here on
     state = list(actor.parameters()) + opt.state_tensors()
     assert len(opt.state_tensors()) >= 2 * len(list(actor.parameters()))
     before = [t.detach().clone() for t in state]
@@ -183,7 +183,7 @@ def _offload_body(rank, world, model_dir, tp):
             g.fill_(1.0)
         # main_grad views into the grad buffer are usable again
         assert all(p.main_grad.untyped_storage().nbytes() > 0 for p in actor.parameters())
-    trainer._train_on(batch, None, None)  # and training goes on
+    trainer.updater.train_on(batch, None, None)  # and training goes on
 
 
 @pytest.mark.slow
@@ -197,7 +197,7 @@ DP_LAYOUTS = [(1, 1, 1, 2), (2, 1, 2, 2), (1, 2, 2, 2), (1, 1, 4, 1)]  # tp, pp,
 
 def _dp_update_body(rank, world, model_dir, tp, pp, micro_batch_size, out_path):
     """One update per loss aggregation mode; this DP rank trains on its contiguous share of the
-    global batch (as Trainer._local_share gives it), the counts are global."""
+    global batch (as RolloutDispatch.share gives it), the counts are global."""
     from remax_megatron.weights import export_hf_weights
 
     results = {}
@@ -211,7 +211,7 @@ def _dp_update_body(rank, world, model_dir, tp, pp, micro_batch_size, out_path):
         rows = batch["input_ids"].shape[0] // g.dp_size
         local = {k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()}
         assert rows // micro_batch_size > 1, "the test needs more than one micro-batch per rank"
-        stats = trainer._train_on(local, None, None).stats
+        stats = trainer.updater.train_on(local, None, None).stats
         results[mode] = {"stats": stats, "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
     if rank == 0:
         torch.save(results, out_path)
@@ -247,8 +247,8 @@ def _saved_forward_body(rank, world, model_dir, tp, pp, out_path):
         trainer.parts.kl.coef = 0.3
         batch = _batch()
         ref = -3.0 * torch.rand(8, 12, generator=torch.Generator().manual_seed(1))  # [B, S] reference log-probs
-        old = trainer._logprobs(actor, batch, trainer._plan(batch)[1]) if separate else None
-        update = trainer._train_on(batch, old, ref)
+        old = trainer.updater.logprobs(actor, batch, trainer.updater.plan(batch)[1]) if separate else None
+        update = trainer.updater.train_on(batch, old, ref)
         results[separate] = {"stats": update.stats, "logprobs": update.logprobs, "advantages": update.advantages,
                              "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
     if trainer.groups.is_last_stage and trainer.groups.tp_rank == 0:
@@ -277,26 +277,26 @@ def _gradient_hint_body(rank, world, model_dir, tp, pp, out_path):
     """The same on-policy update twice: with the loss's gradient handed to the fused log-prob kernel
     (the trainer's default without KL) and without it (logprob_gradient patched to give none);
     counts the backward recomputations of the logit tiles in each."""
-    import remax_megatron.trainer as trainer_module
+    import remax_megatron.update as update_module
     from remax_megatron.kernels.logprobs_torch import TorchBackend
     from remax_megatron.weights import export_hf_weights
 
-    recomputes, recompute, hint = [], TorchBackend.backward_grads, trainer_module.logprob_gradient
+    recomputes, recompute, hint = [], TorchBackend.backward_grads, update_module.logprob_gradient
     TorchBackend.backward_grads = lambda self, *a, **k: recomputes.append(1) or recompute(self, *a, **k)
     results = {}
     try:  # the launch runs other cases in this process afterwards: patches are undone
         for hinted in (True, False):
-            trainer_module.logprob_gradient = hint if hinted else (lambda *a, **k: None)
+            update_module.logprob_gradient = hint if hinted else (lambda *a, **k: None)
             trainer, actor, _, _ = _trainer(
                 world, model_dir, tp, pp,
                 ["trainer.micro_batch_size=2", "optim.lr=1e-2", "optim.grad_clip=1.0", "optim.eps=1e-3",
                  "algo.loss_agg=seq-mean-token-mean", "algo.advantage_clip=0.8"])
             recomputes.clear()
-            update = trainer._train_on(_batch(), None, None)
+            update = trainer.updater.train_on(_batch(), None, None)
             results[hinted] = {"stats": update.stats, "recomputes": len(recomputes),
                                "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
     finally:
-        TorchBackend.backward_grads, trainer_module.logprob_gradient = recompute, hint
+        TorchBackend.backward_grads, update_module.logprob_gradient = recompute, hint
     if trainer.groups.is_last_stage and trainer.groups.tp_rank == 0:
         torch.save(results, out_path)
 
@@ -337,7 +337,7 @@ def _recompute_body(rank, world, model_dir, out_path):
             if isinstance(module, TransformerLayer):
                 module.register_forward_hook(count("layer"))
                 module.self_attention.core_attention.register_forward_hook(count("core_attention"))
-        trainer._train_on(_batch(), None, None)
+        trainer.updater.train_on(_batch(), None, None)
         counts[str(recompute)] = dict(calls)
     torch.save(counts, out_path)
 
@@ -401,7 +401,7 @@ def _moe_update_body(rank, world, model_dir, tp, pp, ep, kind, micro_batch_size,
     trainer = Trainer(parts, logger=None)
     batch, g = (batch_fn or _moe_batch)(), trainer.groups
     rows = batch["input_ids"].shape[0] // g.dp_size
-    stats = trainer._train_on({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()},
+    stats = trainer.updater.train_on({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()},
                               None, None).stats
     weights = {n: t.clone() for n, t in export_hf_weights(actor)}
     if rank == 0:
@@ -532,7 +532,7 @@ def _var_batch():
 
 def _budget_body(rank, world, model_dir, tp, pp, sp, out_path):
     """One update per loss mode and micro-batching variant on this DP rank's contiguous share of _var_batch()
-    (as Trainer._local_share gives it); with a budget, the trainer balances the rows over DP by tokens. The
+    (as RolloutDispatch.share gives it); with a budget, the trainer balances the rows over DP by tokens. The
     separate log-prob pass (what old / reference log-probs use) over the same micro-batches gives the
     training forward's log-probs (checked here, on the last stage)."""
     from remax_megatron.weights import export_hf_weights
@@ -549,10 +549,10 @@ def _budget_body(rank, world, model_dir, tp, pp, sp, out_path):
                 sequence_parallel=sp)
             g, batch = trainer.groups, _var_batch()
             rows = batch["input_ids"].shape[0] // g.dp_size
-            local, plan = trainer._plan({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()})
+            local, plan = trainer.updater.plan({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()})
             # the separate log-prob pass (old / reference log-probs) runs the same micro-batches
-            separate = trainer._logprobs(actor, local, plan)
-            update = trainer._train_on(local, None, None, plan)
+            separate = trainer.updater.logprobs(actor, local, plan)
+            update = trainer.updater.train_on(local, None, None, plan)
             if g.is_last_stage:
                 gap = (separate - update.logprobs)[local["response_mask"]].abs().max().item()
                 assert gap < 1e-6, (mode, variant, gap)
