@@ -93,20 +93,8 @@ def main(argv=None) -> None:
     preemption_flag()  # a stop signal from here on ends the run at a step boundary with a checkpoint
     _stop_with_launcher()
     children_die_with_parent()
-    from remax_megatron.config import config_help, load_config
-    from remax_megatron.reward.functions import contract_help
-
-    parser = argparse.ArgumentParser(description=__doc__, epilog=f"{contract_help()}\n\n{config_help()}",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="YAML config (configs/tiny_cpu.yaml)")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2")
-    args = parser.parse_args(argv)
-
+    cfg = _config(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        cfg = load_config(args.config, args.overrides)  # yaml only: a mistyped key is refused in a second
-    except (ValueError, FileNotFoundError) as e:
-        _refuse(e)
     # Imported in this order: what the libraries print is set before they load (remax_megatron.console),
     # the checks need torch and transformers only, megatron-core and vLLM load for the claim and the build.
     from remax_megatron.console import quiet_console
@@ -138,21 +126,42 @@ def main(argv=None) -> None:
     except CheckpointError as e:  # the checkpoint to resume cannot be read (every rank raises the same line)
         _fail(None, None, e, printer=is_rank0(), same_on_every_rank=True)
 
-    dp = cfg.train_world(world) // (cfg.actor.tp * cfg.actor.pp)
     if int(os.environ.get("RANK", "0")) == 0:
-        where = f" on {cfg.rollout.ranks} separate rank(s), {cfg.rollout.max_staleness} version(s) behind at most" \
-            if cfg.rollout.placement == "separate" else ""
-        print(f"remax-megatron: rollout engine {cfg.rollout.engine} (rollout.tp={cfg.rollout.tp}){where}, actor "
-              f"{checked.arch.architecture} from {cfg.actor.model}, {cfg.actor.tp}x{cfg.actor.pp}x{dp} "
-              f"(tp x pp x dp), {len(checked.train)} train / {len(checked.eval)} eval prompts "
-              f"{checked.data_counts}", flush=True)
-        for line in cfg.start_warnings():
-            print(line, file=sys.stderr, flush=True)
+        _print_banner(cfg, checked, world)
     try:
         _train(cfg, checked, claim, bridge)
     finally:  # a run that failed before its first record leaves no lock file and no directory it created
         if claim.lock is not None:
             claim.lock.release()
+
+
+def _config(argv):
+    """The run's Config from --config and the dotted overrides (--help lists every key); bad input exits 2."""
+    from remax_megatron.config import config_help, load_config
+    from remax_megatron.reward.functions import contract_help
+
+    parser = argparse.ArgumentParser(description=__doc__, epilog=f"{contract_help()}\n\n{config_help()}",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help="YAML config (configs/tiny_cpu.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2")
+    args = parser.parse_args(argv)
+    try:
+        return load_config(args.config, args.overrides)  # yaml only: a mistyped key is refused in a second
+    except (ValueError, FileNotFoundError) as e:
+        _refuse(e)
+
+
+def _print_banner(cfg, checked, world: int) -> None:
+    """Rank 0's first line: engine, actor, layout and data; then the config's start-up warnings."""
+    dp = cfg.train_world(world) // (cfg.actor.tp * cfg.actor.pp)
+    where = f" on {cfg.rollout.ranks} separate rank(s), {cfg.rollout.max_staleness} version(s) behind at most" \
+        if cfg.rollout.placement == "separate" else ""
+    print(f"remax-megatron: rollout engine {cfg.rollout.engine} (rollout.tp={cfg.rollout.tp}){where}, actor "
+          f"{checked.arch.architecture} from {cfg.actor.model}, {cfg.actor.tp}x{cfg.actor.pp}x{dp} "
+          f"(tp x pp x dp), {len(checked.train)} train / {len(checked.eval)} eval prompts "
+          f"{checked.data_counts}", flush=True)
+    for line in cfg.start_warnings():
+        print(line, file=sys.stderr, flush=True)
 
 
 def _serve_rollouts(cfg, checked, split) -> None:

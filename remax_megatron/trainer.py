@@ -39,7 +39,6 @@ from remax_megatron.health import TrainingHealth
 from remax_megatron.memory import TrainStateOffload, phase_memory
 from remax_megatron.metrics import MetricsLogger
 from remax_megatron.models.gpt import PolicyModel, sequence_multiple
-from remax_megatron.models.moe import LoadBalancing
 from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer
 from remax_megatron.parallel import ProcessGroups
 from remax_megatron.reward.scoring import RewardScorer
@@ -78,18 +77,21 @@ class Trainer:
         self._sampler_before_pending = None  # the sampler's state before the pending batch was drawn
         self._synced_step: int | None = None  # the policy version (updates applied) of the weights last synced
         self.health = TrainingHealth(self.cfg, self.actor_module.arch.vocab_size)
-        # MoE: the load-balancing loss and expert-load statistics (hooks on the actor's routers)
-        balance = LoadBalancing(self.actor_module, self.cfg.algo.moe_aux_loss, self.cfg.algo.moe_aux_loss_coef,
-                                self.groups.tp, self.groups.dp, self.groups.pp) \
-            if self.actor_module.arch.is_moe else None
-        reduce = DpReduce(self.groups)
-        self.dispatch = RolloutDispatch(parts.engine, self.groups, self.cfg.rollout, seed=self.cfg.trainer.seed)
-        self.updater = Updater(self.cfg, parts, reduce, balance)
-        self.metrics = StepMetrics(self.cfg, parts, reduce)
-        self.behaviour = BehaviourCheck(self.cfg, self.actor_module, reduce,
+        self.reduce = DpReduce(self.groups)
+        self.updater = Updater(self.cfg, parts, self.reduce)
+        self.metrics = StepMetrics(self.cfg, parts, self.reduce)
+        self.behaviour = BehaviourCheck(self.cfg, self.actor_module, self.reduce,
                                         enabled=self.cfg.rollout.behaviour_logprobs and self._ahead)
-        self.evaluator = Evaluator(self.cfg, parts, self.dispatch, reduce, logger)
         self.run = RunControl(self.cfg, parts, self.groups, logger, self.health)
+
+    @functools.cached_property
+    def dispatch(self) -> RolloutDispatch:
+        """Built on first use, as what else needs the engine (a test of the update alone builds none)."""
+        return RolloutDispatch(self.parts.engine, self.groups, self.cfg.rollout, seed=self.cfg.trainer.seed)
+
+    @functools.cached_property
+    def evaluator(self) -> Evaluator:
+        return Evaluator(self.cfg, self.parts, self.dispatch, self.reduce, self.log)
 
     @functools.cached_property
     def offload(self) -> TrainStateOffload:
@@ -120,9 +122,8 @@ class Trainer:
             record = self.train_step()
             self.step += 1
             if cfg.trainer.eval_every and (self.step % cfg.trainer.eval_every == 0 or self.step == cfg.trainer.steps):
-                with self._stage("eval", {}, step=self.step):
-                    record.update({k: v for k, v in self.evaluator.evaluate(self.step, self._eval_rollouts).items()
-                                   if k != "step"})
+                with self._stage("eval", {}, step=self.step):  # its "step" is the record's
+                    record.update(self.evaluator.evaluate(self.step, self._eval_rollouts))
             self.log.log(record)
             self.log.progress(self.step, record)
             for line in self.health.observe(record):  # the same records, so the same findings, on every rank
@@ -142,8 +143,7 @@ class Trainer:
     # ---- the step ------------------------------------------------------------------------
     def train_step(self) -> dict:
         cfg, parts, updater = self.cfg, self.parts, self.updater
-        times: dict[str, float] = {}
-        t_step = time.perf_counter()
+        times, t_step = {}, time.perf_counter()  # times: time/<stage>_s
 
         # sync + rollout: this step's prompts and their rollouts, and the policy version that generated them
         prompts, rollouts, sync, version = self._rollout(times)
@@ -170,8 +170,8 @@ class Trainer:
                                          reward_metrics, stale=version < self.step)
             record.update(behaviour_gap)
             record.update(self.metrics.rollout_work(rollouts, self.dispatch.decoded_tokens))
-            tokens = self.metrics.reduce.global_sum(float(batch["lengths"].sum()))
-            num_sequences = int(self.metrics.reduce.global_sum(len(r_sampled)))
+            tokens = self.reduce.global_sum(float(batch["lengths"].sum()))
+            num_sequences = int(self.reduce.global_sum(len(r_sampled)))
         # The adaptive KL controller's horizon counts the global batch's sequences (every DP rank's).
         parts.kl.update(record["kl/mean"] * record["response/length_mean"], num_sequences)
         step_time = time.perf_counter() - t_step

@@ -1,6 +1,6 @@
 """The update: a step's padded batch -> micro-batches -> megatron's schedule -> optimizer steps.
 
-    updater = Updater(cfg, parts, reduce, balance)
+    updater = Updater(cfg, parts, reduce)
     batch, plan = updater.plan(batch)                       # this rank's rows and micro-batches per update
     ref = updater.reference_logprobs(batch, plan)           # [B, S] on the last stage; None without KL
     update = updater.train_on(batch, old_logprobs, ref, plan, step=step)
@@ -26,7 +26,7 @@ from remax_megatron.models.arch import packed_attention
 from remax_megatron.models.forward import forward_only, run_schedule, to_model_device
 from remax_megatron.models.gpt import sequence_multiple
 from remax_megatron.models.lora import adapters_disabled, has_adapters
-from remax_megatron.models.moe import end_replay, padding_mask, replay_routes
+from remax_megatron.models.moe import LoadBalancing, end_replay, padding_mask, replay_routes
 from remax_megatron.step_metrics import LOSS_STATS, MOE_STATS, REPLAY_STATS, DpReduce
 
 
@@ -42,10 +42,12 @@ class Update:
 
 
 class Updater:
-    def __init__(self, cfg, parts, reduce: DpReduce, balance=None):
+    def __init__(self, cfg, parts, reduce: DpReduce):
         self.cfg, self.parts, self.reduce, self.groups = cfg, parts, reduce, reduce.groups
-        self.actor_module = parts.actor.module
-        self.balance = balance  # MoE: models.moe.LoadBalancing (None for a dense actor)
+        self.actor_module = model = parts.actor.module
+        # MoE: the load-balancing loss and expert-load statistics (hooks on the actor's routers)
+        self.balance = LoadBalancing(model, cfg.algo.moe_aux_loss, cfg.algo.moe_aux_loss_coef, self.groups.tp,
+                                     self.groups.dp, self.groups.pp) if model.arch.is_moe else None
         self.skipped_updates = 0
 
     def plan(self, batch: dict) -> tuple[dict, list[list[MicroBatch]]]:
