@@ -1,5 +1,5 @@
-"""configs/tiny_cpu_rm.yaml end to end under torchrun, as the README runs it (30 steps): the reward
-model's score of greedy eval answers rises as the README says (measured 0.09 -> 0.82 on an Intel Xeon,
+"""configs/tiny_cpu_rm.yaml end to end under torchrun (30 steps): the reward model's score of greedy eval
+answers rises as docs/benchmarks.md records (measured 0.09 -> 0.82 on an Intel Xeon,
 0.09 -> 0.64 on an AMD EPYC: the built-in models and the run's rounding differ by CPU). A file of its
 own, so pytest-xdist's per-file scheduling (--dist loadfile) can run it beside test_train_e2e.py."""
 
