@@ -270,9 +270,9 @@ class Trainer:
         prompt's greedy reward [B] (the baseline)."""
         n, tokenizer = self.cfg.rollout.n, self.parts.tokenizer
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        batch = pad_sequences([q.token_ids for q in prompts for _ in range(n)],
-                              [c for r in rollouts for c in r.sampled], pad_id=pad_id,
-                              pad_to_multiple=sequence_multiple(self.actor_module))
+        rows = [q.token_ids for q in prompts for _ in range(n)], [c for r in rollouts for c in r.sampled]
+        batch = pad_sequences(*rows, pad_id=pad_id, pad_to_multiple=sequence_multiple(self.actor_module),
+                              routes=self.cfg.rollout.routing_replay)  # the engine's experts, replayed in the update
         batch["rewards"] = torch.tensor(r_sampled, dtype=torch.float32)                      # [B]
         batch["baseline"] = torch.tensor(r_greedy, dtype=torch.float32).repeat_interleave(n)  # [B]
         return batch

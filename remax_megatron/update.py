@@ -175,7 +175,7 @@ class Updater:
             if self.balance:  # which tokens are padding, and for seq_aux which sequence each token is of
                 moe = {"padding_mask": padding_mask(model, input_ids, padding=mb["padding"])}
                 self.balance.set_sequences(mb.get("segments"))
-            if "routed_experts" in mb:  # rollout.routing_replay: the engine's experts for these tokens
+            if self.cfg.rollout.routing_replay:  # the engine's experts for these tokens
                 replay_routes(model, mb["routed_experts"])
             hidden = ddp_model(input_ids, _positions(input_ids), **inputs, **moe)
             return hidden, lambda output: self._loss(mb, output, num_tokens, num_seqs, behaviour, advantages)

@@ -84,7 +84,7 @@ def controlled(model_dir: str, dtype: str, prompts: int, n: int, max_new_tokens:
                                                               seed=seed))
     rows_p, rows_c = flatten_rollouts(asked, out)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batch = pad_sequences(rows_p, rows_c, pad_id=pad)
+    batch = pad_sequences(rows_p, rows_c, pad_id=pad, routes=True)
     given = batch["routed_experts"]                                              # [B, S, layers, k]
     fed = given[..., 0] >= 0                                                     # [B, S, layers]
     actor_routes = own_routes(actor, batch)

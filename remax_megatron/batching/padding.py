@@ -29,12 +29,14 @@ def round_up(value: int, multiple: int) -> int:
 
 
 def pad_sequences(prompt_ids: list[list[int]], completions: list, pad_id: int,
-                   pad_to_multiple: int = 1) -> dict[str, torch.Tensor]:
+                  pad_to_multiple: int = 1, routes: bool = False) -> dict[str, torch.Tensor]:
     """Rows of prompt + response, right-padded, with labels and masks for the loss.
 
     prompt_ids:  B prompts (one per row; repeat a prompt for each of its completions)
     completions: B `Completion`s (token_ids, logprobs)
     pad_to_multiple: round S up to a multiple of this (e.g. TP for sequence parallel)
+    routes:      rollout.routing_replay: every completion carries the engine's routed experts (refused
+                 in one line when one does not), and the batch holds them; False: the batch holds none
 
     Returns (all on CPU):
         input_ids       [B, S] long, right-padded with pad_id
@@ -44,27 +46,15 @@ def pad_sequences(prompt_ids: list[list[int]], completions: list, pad_id: int,
         lengths         [B] long, prompt + response tokens
         prompt_lengths  [B] long
         response_lengths [B] long
-        routed_experts  [B, S, layers, top_k] long, only when every completion carries the engine's routes
-                        (rollout.routing_replay): the experts of each input token, -1 where none was given
-                        (the final token, which the engine never fed through the model, and padding)
+        routed_experts  [B, S, layers, top_k] long, only with `routes`: the experts of each input token, -1
+                        where none was given (the final token, which the engine never fed through the model,
+                        and padding)
     """
-    if len(prompt_ids) != len(completions):
-        raise ValueError(f"pad_sequences got {len(prompt_ids)} prompts for {len(completions)} completions: "
-                         "repeat each prompt once per completion")
-    if not prompt_ids:
-        raise ValueError("pad_sequences got no rows")
-    if pad_to_multiple < 1:
-        raise ValueError(f"pad_to_multiple={pad_to_multiple!r} must be >= 1")
+    _check_rows(prompt_ids, completions, pad_to_multiple, routes)
     prompt_len = [len(p) for p in prompt_ids]
     resp_len = [len(c.token_ids) for c in completions]
-    for b, (p, c) in enumerate(zip(prompt_len, completions)):
-        if p == 0:
-            raise ValueError(f"row {b} has an empty prompt: a response needs a token to condition on")
-        if len(c.logprobs) != len(c.token_ids):
-            raise ValueError(f"row {b}: {len(c.token_ids)} tokens but {len(c.logprobs)} log-probs")
     total = [p + r for p, r in zip(prompt_len, resp_len)]
-    width = max(total)
-    width = round_up(width, pad_to_multiple)
+    width = round_up(max(total), pad_to_multiple)
     batch = len(prompt_ids)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
     labels = torch.full((batch, width), IGNORE_INDEX, dtype=torch.long)
@@ -87,9 +77,28 @@ def pad_sequences(prompt_ids: list[list[int]], completions: list, pad_id: int,
         prompt_lengths=torch.tensor(prompt_len, dtype=torch.long),
         response_lengths=torch.tensor(resp_len, dtype=torch.long),
     )
-    if completions and all(getattr(c, "routed_experts", None) is not None for c in completions):
+    if routes:
         batch["routed_experts"] = pad_routes([c.routed_experts for c in completions], total, width)
     return batch
+
+
+def _check_rows(prompt_ids: list[list[int]], completions: list, pad_to_multiple: int, routes: bool) -> None:
+    """pad_sequences' refusals, one line each, naming the row."""
+    if len(prompt_ids) != len(completions):
+        raise ValueError(f"pad_sequences got {len(prompt_ids)} prompts for {len(completions)} completions: "
+                         "repeat each prompt once per completion")
+    if not prompt_ids:
+        raise ValueError("pad_sequences got no rows")
+    if pad_to_multiple < 1:
+        raise ValueError(f"pad_to_multiple={pad_to_multiple!r} must be >= 1")
+    for b, (p, c) in enumerate(zip(prompt_ids, completions)):
+        if not p:
+            raise ValueError(f"row {b} has an empty prompt: a response needs a token to condition on")
+        if len(c.logprobs) != len(c.token_ids):
+            raise ValueError(f"row {b}: {len(c.token_ids)} tokens but {len(c.logprobs)} log-probs")
+        if routes and getattr(c, "routed_experts", None) is None:
+            raise ValueError(f"row {b} has no routed experts but rollout.routing_replay=true: the engine must return "
+                             "them (the native engine, or vLLM on CUDA); set rollout.routing_replay=false")
 
 
 def pad_routes(routes: list, lengths: list[int], width: int) -> torch.Tensor:

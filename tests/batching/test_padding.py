@@ -37,3 +37,22 @@ def test_pad_sequences_bad_input():
         pad_sequences([[]], [Completion([3], [-1.0], "stop")], 0)
     with pytest.raises(ValueError, match="1 tokens but 2 log-probs"):
         pad_sequences([[1]], [Completion([3], [-1.0, -2.0], "stop")], 0)
+
+
+def _routed(tokens: int, expert: int) -> Completion:
+    """A completion of `tokens` tokens after a 1-token prompt, every fed token routed to `expert` in 2 layers."""
+    return Completion(list(range(3, 3 + tokens)), [-1.0] * tokens, "stop",
+                      routed_experts=torch.full((tokens, 2, 1), expert))  # [fed tokens, layers, top_k]
+
+
+def test_routes_follow_the_one_switch_and_a_missing_route_is_refused():
+    rows = [[1], [2]], [_routed(2, 5), _routed(1, 7)]
+    routed = pad_sequences(*rows, pad_id=0, routes=True)["routed_experts"]   # [B, S, layers, top_k]
+    assert routed.shape == (2, 3, 2, 1)
+    assert routed[0, :2].eq(5).all() and routed[0, 2:].eq(-1).all()          # the last token was never fed
+    assert routed[1, :1].eq(7).all() and routed[1, 1:].eq(-1).all()
+    # rollout.routing_replay=false: no routes in the batch even when the engine returned them
+    assert "routed_experts" not in pad_sequences(*rows, pad_id=0)
+    unrouted = [[1], [2]], [_routed(2, 5), Completion([3], [-1.0], "stop")]
+    with pytest.raises(ValueError, match=r"^row 1 has no routed experts but rollout.routing_replay=true"):
+        pad_sequences(*unrouted, pad_id=0, routes=True)

@@ -94,7 +94,7 @@ def _body(rank, world, model_dir, tp, pp, ep=1):
     dist.broadcast_object_list(shared, src=0)
     results = shared[0]
     rows_p, rows_c = flatten_rollouts(prompts, results)
-    batch = pad_sequences(rows_p, rows_c, pad_id=engine.pad_token_id, pad_to_multiple=tp if sp else 1)
+    batch = pad_sequences(rows_p, rows_c, pad_id=engine.pad_token_id, pad_to_multiple=tp if sp else 1, routes=moe)
     actor_lp = _actor_logprobs(actor, batch, TEMPERATURE)
     mismatch = logprob_mismatch(actor_lp, batch["engine_logprobs"], batch["response_mask"], threshold=1e-5)
     assert mismatch["max"] < 1e-5 and mismatch["tokens"] > 0, mismatch

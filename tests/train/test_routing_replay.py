@@ -162,7 +162,7 @@ def _packed_replay_body(rank, world, model_dir, tp, pp, ep, routes_path, out_pat
 
     results = {}
     for name, packed, replay in (("fixed", False, True), ("packed", True, True), ("packed-live", True, False)):
-        overrides = PACKED if packed else PACKED[4:]
+        overrides = (PACKED if packed else PACKED[4:]) + [f"rollout.routing_replay={str(replay).lower()}"]
         trainer, actor = _actor(world, model_dir, tp, pp, ep, overrides)
         gen = torch.Generator().manual_seed(1)
         with torch.no_grad():
