@@ -153,7 +153,7 @@ class Trainer:
 
         with self._stage("pack", times):
             batch = self._batch(prompts, rollouts, r_sampled, r_greedy)
-            batch, plan = updater.plan(batch)  # this rank's rows and micro-batches per update
+            batch, plan = updater.micro_batch_plan(batch)  # this rank's rows and micro-batches per update
 
         with self._stage("logprobs", times):
             # On-policy (one update per rollout) the training forward itself gives the rollout policy's

@@ -1,7 +1,7 @@
 """The update: a step's padded batch -> micro-batches -> megatron's schedule -> optimizer steps.
 
     updater = Updater(cfg, parts, reduce)
-    batch, plan = updater.plan(batch)                       # this rank's rows and micro-batches per update
+    batch, plan = updater.micro_batch_plan(batch)           # this rank's rows and micro-batches per update
     ref = updater.reference_logprobs(batch, plan)           # [B, S] on the last stage; None without KL
     update = updater.train_on(batch, old_logprobs, ref, plan, step=step)
 
@@ -50,7 +50,7 @@ class Updater:
                                      self.groups.dp, self.groups.pp) if model.arch.is_moe else None
         self.skipped_updates = 0
 
-    def plan(self, batch: dict) -> tuple[dict, list[list[MicroBatch]]]:
+    def micro_batch_plan(self, batch: dict) -> tuple[dict, list[list[MicroBatch]]]:
         """This rank's rows and its micro-batches per update (remax_megatron.batching).
 
         trainer.micro_batch_tokens = 0: the rows stay, micro_batch_size rows per micro-batch, all as wide as
@@ -108,8 +108,8 @@ class Updater:
 
     def train_on(self, batch, old_logprobs, ref_logprobs, plan: list[list[MicroBatch]] | None = None,
                  step: int = 1) -> Update:
-        """One optimizer update per entry of `plan` (its micro-batches; default `plan(batch)`'s) over the
-        rollout batch of step `step`.
+        """One optimizer update per entry of `plan` (its micro-batches; default `micro_batch_plan(batch)`'s)
+        over the rollout batch of step `step`.
 
         The advantages are computed per micro-batch inside the loss (remax_megatron.kernels.compute_advantages:
         per row, so equal to a whole-batch call) from the rollout policy's log-probs: `old_logprobs` when
@@ -118,7 +118,7 @@ class Updater:
         """
         cfg = self.cfg
         if plan is None:
-            batch, plan = self.plan(batch)
+            batch, plan = self.micro_batch_plan(batch)
         summed = {k: 0.0 for k in LOSS_STATS + (MOE_STATS if self.balance else ())
                   + (REPLAY_STATS if self.balance and cfg.rollout.routing_replay else ())}
         grad_norms, behaviour, advantages, computed = [], [], [], 0

@@ -53,7 +53,7 @@ def _thd_body(rank, world, model_dir, out_path):
         trainer, actor = _bf16_trainer(world, model_dir, [*overrides, "optim.lr=1e-3", "optim.grad_clip=0",
                                                           "actor.dtype=bfloat16"])
         batch = _var_batch()
-        batch, plan = trainer.updater.plan(batch)
+        batch, plan = trainer.updater.micro_batch_plan(batch)
         micro = trainer.updater.micro_batches(batch, [m for update in plan for m in update])
         if variant == "packed":
             assert all("cu_seqlens" in mb and mb["input_ids"].shape[0] == 1 for mb in micro if "unpack" in mb)

@@ -161,7 +161,7 @@ def _reference_body(rank, world, model_dir, tp, pp, out_path):
         batch["rewards"] = batch["rewards"].flip(0)
     reference = build_policy(read_hf_config(model_dir), tp=tp, pp=pp, init_weights=False, trainable=False)
     load_hf_weights(reference, model_dir)
-    plan = trainer.updater.plan(batch)[1]
+    plan = trainer.updater.micro_batch_plan(batch)[1]
     from_adapters_off = trainer.updater.reference_logprobs(batch, plan)
     from_model = trainer.updater.logprobs(reference, batch, plan)
     actor_lp = trainer.updater.logprobs(actor, batch, plan)
@@ -195,13 +195,13 @@ def _engine_body(rank, world, model_dir, out_path):
     engine = NativeEngine(hf_dir=model_dir, seed=0, dtype=torch.float32, device="cpu")
     WeightSync(engine, actor, bucket_mb=0.05, groups=trainer.groups)()
     batch = _batch()
-    actor_lp = trainer.updater.logprobs(actor, batch, trainer.updater.plan(batch)[1])
+    actor_lp = trainer.updater.logprobs(actor, batch, trainer.updater.micro_batch_plan(batch)[1])
     engine_lp = engine.score(batch["input_ids"], batch["labels"])
     mask = batch["labels"] != -100
     from remax_megatron.models.lora import adapters_disabled
 
     with adapters_disabled(actor):
-        base_lp = trainer.updater.logprobs(actor, batch, trainer.updater.plan(batch)[1])
+        base_lp = trainer.updater.logprobs(actor, batch, trainer.updater.micro_batch_plan(batch)[1])
     if rank == 0:
         torch.save({"gap": (actor_lp - engine_lp)[mask].abs().max().item(),
                     "adapter_effect": (actor_lp - base_lp)[mask].abs().max().item()}, out_path)
@@ -548,7 +548,7 @@ def _vllm_body(rank, world, model_dir, out_path):
     WeightSync(engine, actor, bucket_mb=0.05, groups=trainer.groups)()
     batch = _batch()
     batch["labels"][:, -1] = -100  # the engine scores tokens 1.. of each row
-    plan = trainer.updater.plan(batch)[1]
+    plan = trainer.updater.micro_batch_plan(batch)[1]
     actor_lp = trainer.updater.logprobs(actor, batch, plan)
     with adapters_disabled(actor):
         base_lp = trainer.updater.logprobs(actor, batch, plan)

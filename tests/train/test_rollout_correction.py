@@ -55,7 +55,8 @@ def _body(rank, world, model_dir, tp, pp, out_path):
                 g, batch = trainer.groups, _var_batch()
                 batch["row"] = torch.arange(8)  # which global row each local row is, wherever the plan moves it
                 rows = batch["input_ids"].shape[0] // g.dp_size
-                local, plan = trainer.updater.plan({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()})
+                mine = {k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()}
+                local, plan = trainer.updater.micro_batch_plan(mine)
                 # The engine: the actor's own log-probs (the separate pass: fp32-equal to the training forward)
                 exact = trainer.updater.logprobs(actor, local, plan)
                 exact = broadcast_from_last_stage(exact, local["input_ids"].shape, torch.float32)

@@ -247,7 +247,7 @@ def _saved_forward_body(rank, world, model_dir, tp, pp, out_path):
         trainer.parts.kl.coef = 0.3
         batch = _batch()
         ref = -3.0 * torch.rand(8, 12, generator=torch.Generator().manual_seed(1))  # [B, S] reference log-probs
-        old = trainer.updater.logprobs(actor, batch, trainer.updater.plan(batch)[1]) if separate else None
+        old = trainer.updater.logprobs(actor, batch, trainer.updater.micro_batch_plan(batch)[1]) if separate else None
         update = trainer.updater.train_on(batch, old, ref)
         results[separate] = {"stats": update.stats, "logprobs": update.logprobs, "advantages": update.advantages,
                              "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
@@ -549,7 +549,8 @@ def _budget_body(rank, world, model_dir, tp, pp, sp, out_path):
                 sequence_parallel=sp)
             g, batch = trainer.groups, _var_batch()
             rows = batch["input_ids"].shape[0] // g.dp_size
-            local, plan = trainer.updater.plan({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()})
+            mine = {k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()}
+            local, plan = trainer.updater.micro_batch_plan(mine)
             # the separate log-prob pass (old / reference log-probs) runs the same micro-batches
             separate = trainer.updater.logprobs(actor, local, plan)
             update = trainer.updater.train_on(local, None, None, plan)
