@@ -29,6 +29,7 @@ no-ops (there is no separate device memory to free).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -132,6 +133,26 @@ def _eos_ids(hf_dir: str, config) -> set[int]:
         elif item:
             out.update(int(i) for i in item)
     return out
+
+
+@dataclass
+class _Rows:
+    """What each output row of one request has produced so far (lists indexed by output row)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finish: list[str | None]                 # "stop" once a row stopped; None: still running or ran to length
+    routes: list[list[torch.Tensor]] | None  # per row, pieces of [tokens, layers, top_k]; None: not recorded
+
+    @classmethod
+    def empty(cls, total: int, routes: bool) -> _Rows:
+        return cls([[] for _ in range(total)], [[] for _ in range(total)], [None] * total, [] if routes else None)
+
+    def completions(self) -> list[Completion]:
+        return [Completion(token_ids=self.tokens[r], logprobs=self.logprobs[r],
+                           finish_reason=self.finish[r] or "length",
+                           routed_experts=torch.cat(self.routes[r]) if self.routes is not None else None)
+                for r in range(len(self.tokens))]
 
 
 class NativeEngine(RolloutEngine):
@@ -275,39 +296,16 @@ class NativeEngine(RolloutEngine):
         generators = []                                                            # per output row
         for seed in seeds:
             generators += [torch.Generator(device=dev).manual_seed(seed + j) for j in range(n)] + [None]
-        ids, mask, pos = left_pad(prompts, self.pad_token_id, dev)                 # [P, L] each
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                         logits_to_keep=1)
-        routes: list[list[torch.Tensor]] = []                                      # per output row
-        if self.routes:
-            prefill = self._recorder.take(*ids.shape)                              # [P, L, layers, k]
-            for p, prompt in enumerate(prompts):
-                routes += [[prefill[p, ids.shape[1] - len(prompt):]] for _ in range(per)]
-        cache = out.past_key_values
-        cache.batch_repeat_interleave(per)
-        logits = out.logits[:, -1].float().repeat_interleave(per, 0)               # [B, V]
-        mask = mask.repeat_interleave(per, 0)                                      # [B, L]
-        next_pos = pos[:, -1].repeat_interleave(per) + 1                           # [B]
+        cache, logits, mask, next_pos, rows = self._prefill(prompts, per)
         greedy = torch.tensor([False] * n + [True], device=dev).repeat(len(prompts))
         temperature = torch.where(greedy, 1.0, float(sampling.temperature)).to(torch.float32)
-        total = len(prompts) * per
-        active = torch.arange(total, device=dev)                                   # batch row -> output row
-        tokens: list[list[int]] = [[] for _ in range(total)]
-        logprobs: list[list[float]] = [[] for _ in range(total)]
-        finish: list[str | None] = [None] * total
+        active = torch.arange(len(prompts) * per, device=dev)                      # batch row -> output row
         eos = torch.tensor(sorted(self.eos_token_ids | set(sampling.stop_token_ids)), dtype=torch.long, device=dev)
         for step in range(sampling.max_new_tokens):
             tok, lp = sample_next(logits, temperature, greedy, sampling.top_k, sampling.top_p,
                                   [generators[row] for row in active.tolist()])
             done = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(greedy)
-            tok_list, lp_list, done_list = tok.tolist(), lp.tolist(), done.tolist()
-            for i, row in enumerate(active.tolist()):
-                tokens[row].append(tok_list[i])
-                logprobs[row].append(lp_list[i])
-                if not done_list[i] and sampling.stop and self._hits_stop(tokens[row], sampling.stop):
-                    done_list[i] = True
-                if done_list[i]:
-                    finish[row] = "stop"
+            done_list = self._append_step(rows, active, tok, lp, done, sampling.stop)
             if step == sampling.max_new_tokens - 1:
                 break
             keep = ~torch.tensor(done_list, device=dev)
@@ -319,17 +317,51 @@ class NativeEngine(RolloutEngine):
                 active, tok, mask, next_pos = active[index], tok[index], mask[index], next_pos[index]
                 greedy, temperature = greedy[index], temperature[index]
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            out = self.model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos.unsqueeze(-1),
-                             past_key_values=cache, use_cache=True)
-            logits = out.logits[:, -1].float()
+            logits = self._feed(tok, mask, next_pos, cache, active, rows)
             next_pos = next_pos + 1
-            if self.routes:
-                fed = self._recorder.take(tok.shape[0], 1)                         # [B, 1, layers, k]
-                for i, row in enumerate(active.tolist()):
-                    routes[row].append(fed[i])
-        return [Completion(token_ids=tokens[r], logprobs=logprobs[r], finish_reason=finish[r] or "length",
-                           routed_experts=torch.cat(routes[r]) if self.routes else None)
-                for r in range(total)]
+        return rows.completions()
+
+    def _prefill(self, prompts: list[list[int]], per: int):
+        """All prompts through the model once, then everything repeated per output row (n + 1 per prompt):
+        (KV cache, last logits [B, V] float32, attention mask [B, L], next positions [B], the rows' record
+        with the prompt tokens' routes)."""
+        ids, mask, pos = left_pad(prompts, self.pad_token_id, self.device)         # [P, L] each
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         logits_to_keep=1)
+        rows = _Rows.empty(len(prompts) * per, self.routes)
+        if self.routes:
+            prefill = self._recorder.take(*ids.shape)                              # [P, L, layers, k]
+            for p, prompt in enumerate(prompts):
+                rows.routes += [[prefill[p, ids.shape[1] - len(prompt):]] for _ in range(per)]
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(per)
+        logits = out.logits[:, -1].float().repeat_interleave(per, 0)               # [B, V]
+        return cache, logits, mask.repeat_interleave(per, 0), pos[:, -1].repeat_interleave(per) + 1, rows
+
+    def _append_step(self, rows: _Rows, active: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor,
+                     done: torch.Tensor, stop: list[str]) -> list[bool]:
+        """One step's token and log-prob onto each active row; which rows finished (EOS, a stop token or
+        a stop string), their finish reason set."""
+        tok_list, lp_list, done_list = tok.tolist(), lp.tolist(), done.tolist()
+        for i, row in enumerate(active.tolist()):
+            rows.tokens[row].append(tok_list[i])
+            rows.logprobs[row].append(lp_list[i])
+            if not done_list[i] and stop and self._hits_stop(rows.tokens[row], stop):
+                done_list[i] = True
+            if done_list[i]:
+                rows.finish[row] = "stop"
+        return done_list
+
+    def _feed(self, tok: torch.Tensor, mask: torch.Tensor, next_pos: torch.Tensor, cache, active: torch.Tensor,
+              rows: _Rows) -> torch.Tensor:
+        """The active rows' new tokens through the model (their routes recorded) -> next logits [B, V] float32."""
+        out = self.model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos.unsqueeze(-1),
+                         past_key_values=cache, use_cache=True)
+        if self.routes:
+            fed = self._recorder.take(tok.shape[0], 1)                             # [B, 1, layers, k]
+            for i, row in enumerate(active.tolist()):
+                rows.routes[row].append(fed[i])
+        return out.logits[:, -1].float()
 
     def _hits_stop(self, token_ids: list[int], stop: list[str]) -> bool:
         # Earlier steps found no stop string, so only one ending in the new text can be new:
