@@ -16,9 +16,13 @@ the convention in rollout/engine.py. Sample j of prompt p draws from its own
 generator seeded `seeds[p] + j` (the seed convention of rollout/engine.py), so a
 prompt's samples do not depend on which other prompts share the batch.
 
-Routes (MoE with rollout.routing_replay): hooks on transformers' top-k routers record the experts every
-token fed through the model went to (prompt tokens in the prefill, then each new token as it is fed; the
-final token never is), per completion int [tokens, layers, top_k], as vLLM's `routed_experts`.
+Routes (MoE with rollout.routing_replay): hooks on transformers' top-k routers (the modules the model's
+family names, models/families) record the experts every token fed through the model went to (prompt
+tokens in the prefill, then each new token as it is fed; the final token never is), per completion int
+[tokens, layers, top_k], as vLLM's `routed_experts`.
+
+Weights: the stream carries the family's HF checkpoint names; the family says where a name lies in
+transformers' model when the model does not hold it under that name (MoE experts and routers).
 
 sleep()/wake_up(): the KV cache lives only inside a generate call, so between
 calls the engine holds just its weights; on CUDA sleep() moves them to the CPU
@@ -28,13 +32,14 @@ no-ops (there is no separate device memory to free).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.initialization import no_init_weights
 
+from remax_megatron.models import families
+from remax_megatron.models.families import Family
 from remax_megatron.rollout.engine import Completion, PromptRollout, RolloutEngine, SamplingParams
 from remax_megatron.rollout.sequences import left_pad
 
@@ -81,21 +86,14 @@ def sample_next(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.T
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-# HF checkpoint names of one MoE expert's matrices (Qwen3-MoE: mlp.experts.{e}.gate/up/down_proj; Mixtral:
-# block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2 (down)) and of Mixtral's router
-_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-_MIXTRAL_ROUTER = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight$")
-
-
 class RouteRecorder:
-    """Forward hooks on a transformers MoE model's top-k routers (Qwen3-MoE's and Mixtral's
-    `*TopKRouter`, which return (logits, scores, indices [tokens, top_k])): `take(b, s)` gives the
-    experts of the last forward's b x s tokens, [b, s, layers, top_k] int16, in layer order."""
+    """Forward hooks on a transformers MoE model's top-k routers (the modules `family` names, which
+    return (logits, scores, indices [tokens, top_k])): `take(b, s)` gives the experts of the last
+    forward's b x s tokens, [b, s, layers, top_k] int16, in layer order."""
 
-    def __init__(self, model):
+    def __init__(self, model, family: Family):
         self._last: dict[int, torch.Tensor] = {}
-        routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        routers = family.engine_routers(model)
         if not routers:
             raise ValueError(f"rollout.routing_replay=true but {type(model).__name__} has no top-k router whose "
                              "routes the native engine can record: set rollout.routing_replay=false")
@@ -169,6 +167,9 @@ class NativeEngine(RolloutEngine):
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.hf_dir, self.dtype, self.device = hf_dir, dtype, torch.device(device)
         config = AutoConfig.from_pretrained(hf_dir)
+        # the family whose HF names the weight stream carries (config.json's one architecture)
+        architecture = (getattr(config, "architectures", None) or [None])[0]
+        self.family = families.lookup(str(architecture), f"{hf_dir}/config.json")[0]
         with no_init_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.tie_weights()  # no_init_weights also skips tying (transformers 5)
@@ -180,7 +181,7 @@ class NativeEngine(RolloutEngine):
         self._params = dict(self.model.named_parameters())
         self.synced = False
         self.routes = bool(getattr(cfg, "routing_replay", False)) if routes is None else routes
-        self._recorder = RouteRecorder(self.model) if self.routes else None
+        self._recorder = RouteRecorder(self.model, self.family) if self.routes else None
 
     @staticmethod
     def check_config(cfg, arch, world_size: int) -> None:
@@ -204,53 +205,39 @@ class NativeEngine(RolloutEngine):
         if self.asleep:
             self.wake_up()
         loaded: dict[str, set[str]] = {}                                           # parameter -> tensors copied
+        pieces: dict[str, int] = {}                                                # parameter -> tensors it takes
         for bucket in buckets:
             for name, tensor in bucket:
-                key, target = self._target(name)
+                key, target, needed = self._target(name)
+                pieces[key] = needed
                 if tuple(target.shape) != tuple(tensor.shape):
                     raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} but the engine has "
                                      f"{tuple(target.shape)}: does {self.hf_dir}/config.json match the actor?")
                 target.copy_(tensor)
                 loaded.setdefault(key, set()).add(name)
-        missing = sorted(k for k in self._params if len(loaded.get(k, ())) < self._pieces(k))
+        missing = sorted(k for k in self._params if len(loaded.get(k, ())) < pieces.get(k, 1))
         if missing:
             raise ValueError(f"weight sync left {len(missing)} engine parameters unset (e.g. {missing[:3]}): "
                              "the exported stream does not cover the model")
         self.synced = True
 
-    def _target(self, name: str) -> tuple[str, torch.Tensor]:
-        """An HF checkpoint tensor's place in the model: its parameter, or for an MoE expert (one
-        tensor per expert in the checkpoint) its slice of transformers' fused experts, gate_up_proj
-        [E, 2 * ffn, hidden] = [gate; up] and down_proj [E, hidden, ffn]."""
+    def _target(self, name: str) -> tuple[str, torch.Tensor, int]:
+        """An HF checkpoint tensor's place in the model: (parameter name, the tensor to copy it into, how
+        many checkpoint tensors fill that parameter). Its own parameter when the model has one, else
+        where the family puts it (e.g. one expert's slice of transformers' fused experts)."""
         param = self._params.get(name)
         if param is not None:
-            return name, param
-        expert = _EXPERT.match(name)
-        router = _MIXTRAL_ROUTER.match(name)
-        if router:  # Mixtral's checkpoint calls the MoE block block_sparse_moe; transformers 5's model mlp
-            key = f"{router.group(1)}.mlp.gate.weight"
-            if key in self._params:
-                return key, self._params[key]
-        elif expert:
-            layer, e, part = expert.group(1), int(expert.group(2)), expert.group(3)
-            fused = "down_proj" if part in ("down_proj", "w2") else "gate_up_proj"
-            key = f"{layer}.mlp.experts.{fused}"
-            param = self._params.get(key)
-            if param is not None and e < param.shape[0]:
-                if fused == "down_proj":
-                    return key, param[e]
-                ffn = param.shape[1] // 2
-                return key, param[e, :ffn] if part in ("gate_proj", "w1") else param[e, ffn:]
+            return name, param, 1
+        place = self.family.engine_tensor(name)
+        param = self._params.get(place.param) if place is not None else None
+        if param is not None and place.expert is None:
+            return place.param, param, 1
+        if param is not None and place.expert < param.shape[0]:
+            rows = param.shape[1] // place.parts                                   # one block of [gate; up]
+            block = param[place.expert, place.part * rows:(place.part + 1) * rows]
+            return place.param, block, place.parts * param.shape[0]
         raise ValueError(f"weight {name!r} has no parameter in the native engine's {type(self.model).__name__}: "
                          f"is the actor the same architecture as {self.hf_dir}?")
-
-    def _pieces(self, key: str) -> int:
-        """How many checkpoint tensors fill parameter `key` (fused experts: one or two per expert)."""
-        if key.endswith(".experts.gate_up_proj"):
-            return 2 * self._params[key].shape[0]
-        if key.endswith(".experts.down_proj"):
-            return self._params[key].shape[0]
-        return 1
 
     # ---- memory --------------------------------------------------------------------------
     def sleep(self) -> None:
