@@ -16,9 +16,13 @@ the convention in rollout/engine.py. Sample j of prompt p draws from its own
 generator seeded `seeds[p] + j` (the seed convention of rollout/engine.py), so a
 prompt's samples do not depend on which other prompts share the batch.
 
-Routes (MoE with rollout.routing_replay): hooks on transformers' top-k routers record the experts every
-token fed through the model went to (prompt tokens in the prefill, then each new token as it is fed; the
-final token never is), per completion int [tokens, layers, top_k], as vLLM's `routed_experts`.
+Routes (MoE with rollout.routing_replay): hooks on transformers' top-k routers (the modules the model's
+family names, models/families) record the experts every token fed through the model went to (prompt
+tokens in the prefill, then each new token as it is fed; the final token never is), per completion int
+[tokens, layers, top_k], as vLLM's `routed_experts`.
+
+Weights: the stream carries the family's HF checkpoint names; the family says where a name lies in
+transformers' model when the model does not hold it under that name (MoE experts and routers).
 
 sleep()/wake_up(): the KV cache lives only inside a generate call, so between
 calls the engine holds just its weights; on CUDA sleep() moves them to the CPU
@@ -28,12 +32,14 @@ no-ops (there is no separate device memory to free).
 
 from __future__ import annotations
 
-import re
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.initialization import no_init_weights
 
+from remax_megatron.models import families
+from remax_megatron.models.families import Family
 from remax_megatron.rollout.engine import Completion, PromptRollout, RolloutEngine, SamplingParams
 from remax_megatron.rollout.sequences import left_pad
 
@@ -80,21 +86,14 @@ def sample_next(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.T
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-# HF checkpoint names of one MoE expert's matrices (Qwen3-MoE: mlp.experts.{e}.gate/up/down_proj; Mixtral:
-# block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2 (down)) and of Mixtral's router
-_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-_MIXTRAL_ROUTER = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight$")
-
-
 class RouteRecorder:
-    """Forward hooks on a transformers MoE model's top-k routers (Qwen3-MoE's and Mixtral's
-    `*TopKRouter`, which return (logits, scores, indices [tokens, top_k])): `take(b, s)` gives the
-    experts of the last forward's b x s tokens, [b, s, layers, top_k] int16, in layer order."""
+    """Forward hooks on a transformers MoE model's top-k routers (the modules `family` names, which
+    return (logits, scores, indices [tokens, top_k])): `take(b, s)` gives the experts of the last
+    forward's b x s tokens, [b, s, layers, top_k] int16, in layer order."""
 
-    def __init__(self, model):
+    def __init__(self, model, family: Family):
         self._last: dict[int, torch.Tensor] = {}
-        routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        routers = family.engine_routers(model)
         if not routers:
             raise ValueError(f"rollout.routing_replay=true but {type(model).__name__} has no top-k router whose "
                              "routes the native engine can record: set rollout.routing_replay=false")
@@ -134,6 +133,26 @@ def _eos_ids(hf_dir: str, config) -> set[int]:
     return out
 
 
+@dataclass
+class _Rows:
+    """What each output row of one request has produced so far (lists indexed by output row)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finish: list[str | None]                 # "stop" once a row stopped; None: still running or ran to length
+    routes: list[list[torch.Tensor]] | None  # per row, pieces of [tokens, layers, top_k]; None: not recorded
+
+    @classmethod
+    def empty(cls, total: int, routes: bool) -> _Rows:
+        return cls([[] for _ in range(total)], [[] for _ in range(total)], [None] * total, [] if routes else None)
+
+    def completions(self) -> list[Completion]:
+        return [Completion(token_ids=self.tokens[r], logprobs=self.logprobs[r],
+                           finish_reason=self.finish[r] or "length",
+                           routed_experts=torch.cat(self.routes[r]) if self.routes is not None else None)
+                for r in range(len(self.tokens))]
+
+
 class NativeEngine(RolloutEngine):
     """transformers AutoModelForCausalLM + a hand-written batched decode loop."""
 
@@ -148,6 +167,9 @@ class NativeEngine(RolloutEngine):
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.hf_dir, self.dtype, self.device = hf_dir, dtype, torch.device(device)
         config = AutoConfig.from_pretrained(hf_dir)
+        # the family whose HF names the weight stream carries (config.json's one architecture)
+        architecture = (getattr(config, "architectures", None) or [None])[0]
+        self.family = families.lookup(str(architecture), f"{hf_dir}/config.json")[0]
         with no_init_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.tie_weights()  # no_init_weights also skips tying (transformers 5)
@@ -159,7 +181,7 @@ class NativeEngine(RolloutEngine):
         self._params = dict(self.model.named_parameters())
         self.synced = False
         self.routes = bool(getattr(cfg, "routing_replay", False)) if routes is None else routes
-        self._recorder = RouteRecorder(self.model) if self.routes else None
+        self._recorder = RouteRecorder(self.model, self.family) if self.routes else None
 
     @staticmethod
     def check_config(cfg, arch, world_size: int) -> None:
@@ -183,53 +205,39 @@ class NativeEngine(RolloutEngine):
         if self.asleep:
             self.wake_up()
         loaded: dict[str, set[str]] = {}                                           # parameter -> tensors copied
+        pieces: dict[str, int] = {}                                                # parameter -> tensors it takes
         for bucket in buckets:
             for name, tensor in bucket:
-                key, target = self._target(name)
+                key, target, needed = self._target(name)
+                pieces[key] = needed
                 if tuple(target.shape) != tuple(tensor.shape):
                     raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} but the engine has "
                                      f"{tuple(target.shape)}: does {self.hf_dir}/config.json match the actor?")
                 target.copy_(tensor)
                 loaded.setdefault(key, set()).add(name)
-        missing = sorted(k for k in self._params if len(loaded.get(k, ())) < self._pieces(k))
+        missing = sorted(k for k in self._params if len(loaded.get(k, ())) < pieces.get(k, 1))
         if missing:
             raise ValueError(f"weight sync left {len(missing)} engine parameters unset (e.g. {missing[:3]}): "
                              "the exported stream does not cover the model")
         self.synced = True
 
-    def _target(self, name: str) -> tuple[str, torch.Tensor]:
-        """An HF checkpoint tensor's place in the model: its parameter, or for an MoE expert (one
-        tensor per expert in the checkpoint) its slice of transformers' fused experts, gate_up_proj
-        [E, 2 * ffn, hidden] = [gate; up] and down_proj [E, hidden, ffn]."""
+    def _target(self, name: str) -> tuple[str, torch.Tensor, int]:
+        """An HF checkpoint tensor's place in the model: (parameter name, the tensor to copy it into, how
+        many checkpoint tensors fill that parameter). Its own parameter when the model has one, else
+        where the family puts it (e.g. one expert's slice of transformers' fused experts)."""
         param = self._params.get(name)
         if param is not None:
-            return name, param
-        expert = _EXPERT.match(name)
-        router = _MIXTRAL_ROUTER.match(name)
-        if router:  # Mixtral's checkpoint calls the MoE block block_sparse_moe; transformers 5's model mlp
-            key = f"{router.group(1)}.mlp.gate.weight"
-            if key in self._params:
-                return key, self._params[key]
-        elif expert:
-            layer, e, part = expert.group(1), int(expert.group(2)), expert.group(3)
-            fused = "down_proj" if part in ("down_proj", "w2") else "gate_up_proj"
-            key = f"{layer}.mlp.experts.{fused}"
-            param = self._params.get(key)
-            if param is not None and e < param.shape[0]:
-                if fused == "down_proj":
-                    return key, param[e]
-                ffn = param.shape[1] // 2
-                return key, param[e, :ffn] if part in ("gate_proj", "w1") else param[e, ffn:]
+            return name, param, 1
+        place = self.family.engine_tensor(name)
+        param = self._params.get(place.param) if place is not None else None
+        if param is not None and place.expert is None:
+            return place.param, param, 1
+        if param is not None and place.expert < param.shape[0]:
+            rows = param.shape[1] // place.parts                                   # one block of [gate; up]
+            block = param[place.expert, place.part * rows:(place.part + 1) * rows]
+            return place.param, block, place.parts * param.shape[0]
         raise ValueError(f"weight {name!r} has no parameter in the native engine's {type(self.model).__name__}: "
                          f"is the actor the same architecture as {self.hf_dir}?")
-
-    def _pieces(self, key: str) -> int:
-        """How many checkpoint tensors fill parameter `key` (fused experts: one or two per expert)."""
-        if key.endswith(".experts.gate_up_proj"):
-            return 2 * self._params[key].shape[0]
-        if key.endswith(".experts.down_proj"):
-            return self._params[key].shape[0]
-        return 1
 
     # ---- memory --------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -275,39 +283,16 @@ class NativeEngine(RolloutEngine):
         generators = []                                                            # per output row
         for seed in seeds:
             generators += [torch.Generator(device=dev).manual_seed(seed + j) for j in range(n)] + [None]
-        ids, mask, pos = left_pad(prompts, self.pad_token_id, dev)                 # [P, L] each
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                         logits_to_keep=1)
-        routes: list[list[torch.Tensor]] = []                                      # per output row
-        if self.routes:
-            prefill = self._recorder.take(*ids.shape)                              # [P, L, layers, k]
-            for p, prompt in enumerate(prompts):
-                routes += [[prefill[p, ids.shape[1] - len(prompt):]] for _ in range(per)]
-        cache = out.past_key_values
-        cache.batch_repeat_interleave(per)
-        logits = out.logits[:, -1].float().repeat_interleave(per, 0)               # [B, V]
-        mask = mask.repeat_interleave(per, 0)                                      # [B, L]
-        next_pos = pos[:, -1].repeat_interleave(per) + 1                           # [B]
+        cache, logits, mask, next_pos, rows = self._prefill(prompts, per)
         greedy = torch.tensor([False] * n + [True], device=dev).repeat(len(prompts))
         temperature = torch.where(greedy, 1.0, float(sampling.temperature)).to(torch.float32)
-        total = len(prompts) * per
-        active = torch.arange(total, device=dev)                                   # batch row -> output row
-        tokens: list[list[int]] = [[] for _ in range(total)]
-        logprobs: list[list[float]] = [[] for _ in range(total)]
-        finish: list[str | None] = [None] * total
+        active = torch.arange(len(prompts) * per, device=dev)                      # batch row -> output row
         eos = torch.tensor(sorted(self.eos_token_ids | set(sampling.stop_token_ids)), dtype=torch.long, device=dev)
         for step in range(sampling.max_new_tokens):
             tok, lp = sample_next(logits, temperature, greedy, sampling.top_k, sampling.top_p,
                                   [generators[row] for row in active.tolist()])
             done = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(greedy)
-            tok_list, lp_list, done_list = tok.tolist(), lp.tolist(), done.tolist()
-            for i, row in enumerate(active.tolist()):
-                tokens[row].append(tok_list[i])
-                logprobs[row].append(lp_list[i])
-                if not done_list[i] and sampling.stop and self._hits_stop(tokens[row], sampling.stop):
-                    done_list[i] = True
-                if done_list[i]:
-                    finish[row] = "stop"
+            done_list = self._append_step(rows, active, tok, lp, done, sampling.stop)
             if step == sampling.max_new_tokens - 1:
                 break
             keep = ~torch.tensor(done_list, device=dev)
@@ -319,17 +304,51 @@ class NativeEngine(RolloutEngine):
                 active, tok, mask, next_pos = active[index], tok[index], mask[index], next_pos[index]
                 greedy, temperature = greedy[index], temperature[index]
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            out = self.model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos.unsqueeze(-1),
-                             past_key_values=cache, use_cache=True)
-            logits = out.logits[:, -1].float()
+            logits = self._feed(tok, mask, next_pos, cache, active, rows)
             next_pos = next_pos + 1
-            if self.routes:
-                fed = self._recorder.take(tok.shape[0], 1)                         # [B, 1, layers, k]
-                for i, row in enumerate(active.tolist()):
-                    routes[row].append(fed[i])
-        return [Completion(token_ids=tokens[r], logprobs=logprobs[r], finish_reason=finish[r] or "length",
-                           routed_experts=torch.cat(routes[r]) if self.routes else None)
-                for r in range(total)]
+        return rows.completions()
+
+    def _prefill(self, prompts: list[list[int]], per: int):
+        """All prompts through the model once, then everything repeated per output row (n + 1 per prompt):
+        (KV cache, last logits [B, V] float32, attention mask [B, L], next positions [B], the rows' record
+        with the prompt tokens' routes)."""
+        ids, mask, pos = left_pad(prompts, self.pad_token_id, self.device)         # [P, L] each
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         logits_to_keep=1)
+        rows = _Rows.empty(len(prompts) * per, self.routes)
+        if self.routes:
+            prefill = self._recorder.take(*ids.shape)                              # [P, L, layers, k]
+            for p, prompt in enumerate(prompts):
+                rows.routes += [[prefill[p, ids.shape[1] - len(prompt):]] for _ in range(per)]
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(per)
+        logits = out.logits[:, -1].float().repeat_interleave(per, 0)               # [B, V]
+        return cache, logits, mask.repeat_interleave(per, 0), pos[:, -1].repeat_interleave(per) + 1, rows
+
+    def _append_step(self, rows: _Rows, active: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor,
+                     done: torch.Tensor, stop: list[str]) -> list[bool]:
+        """One step's token and log-prob onto each active row; which rows finished (EOS, a stop token or
+        a stop string), their finish reason set."""
+        tok_list, lp_list, done_list = tok.tolist(), lp.tolist(), done.tolist()
+        for i, row in enumerate(active.tolist()):
+            rows.tokens[row].append(tok_list[i])
+            rows.logprobs[row].append(lp_list[i])
+            if not done_list[i] and stop and self._hits_stop(rows.tokens[row], stop):
+                done_list[i] = True
+            if done_list[i]:
+                rows.finish[row] = "stop"
+        return done_list
+
+    def _feed(self, tok: torch.Tensor, mask: torch.Tensor, next_pos: torch.Tensor, cache, active: torch.Tensor,
+              rows: _Rows) -> torch.Tensor:
+        """The active rows' new tokens through the model (their routes recorded) -> next logits [B, V] float32."""
+        out = self.model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos.unsqueeze(-1),
+                         past_key_values=cache, use_cache=True)
+        if self.routes:
+            fed = self._recorder.take(tok.shape[0], 1)                             # [B, 1, layers, k]
+            for i, row in enumerate(active.tolist()):
+                rows.routes[row].append(fed[i])
+        return out.logits[:, -1].float()
 
     def _hits_stop(self, token_ids: list[int], stop: list[str]) -> bool:
         # Earlier steps found no stop string, so only one ending in the new text can be new:

@@ -1,15 +1,17 @@
 """The model-family registry: every family reads its configs, counts its parameters as transformers
 does, refuses what it cannot run exactly, and a new family needs only its own description (a toy
-family with other HF names registers, loads, runs and exports)."""
+family with other HF names registers, loads, runs and exports; a toy MoE family with other expert and
+router names also syncs into the native rollout engine and records its routes)."""
 
 import json
+import re
 
 import pytest
 import torch
 
 from remax_megatron.models import families
-from remax_megatron.models.families import CAUSAL_LM, Family, TensorRule
-from remax_megatron.models.families.base import dense_mlp_rules, attention_rules
+from remax_megatron.models.families import CAUSAL_LM, EngineTensor, Family, MoeNames, TensorRule
+from remax_megatron.models.families.base import dense_mlp_rules, attention_rules, moe_mlp_rules
 from remax_megatron.models.hf_config import check_run_length, read_hf_config
 from tests._dist import run_distributed
 from tools.make_tiny_model import make_tiny_model
@@ -229,3 +231,146 @@ def test_a_registered_toy_family_loads_runs_and_exports(tmp_path):
     with torch.no_grad():
         expected = hf(ids).logits
     run_distributed(_toy_body, 2, (llama, toy, expected))
+
+
+# ---- a toy MoE family: a Qwen3-MoE model whose checkpoint names its router and experts otherwise -------
+
+class ToyMoe(Family):
+    """What a new MoE family's file holds: its architecture, the config fields it reads, its layer rules
+    and its routed MLP's names (the checkpoint's; transformers' model is Qwen3-MoE's, model_type stays)."""
+
+    name = "toy_moe"
+    architectures = {"ToyMoeForCausalLM": CAUSAL_LM}
+    hf_config_class = "Qwen3MoeConfig"
+    moe = MoeNames(router="moe.router.weight", expert="moe.expert_{}.", gate="wi_gate.weight", up="wi_up.weight",
+                   down="wo.weight", model_router="mlp.gate", model_gate_up="mlp.experts.gate_up_proj",
+                   model_down="mlp.experts.down_proj")
+
+    def features(self, cfg, path):
+        return {"qk_layernorm": True, "num_experts": cfg.num_experts, "moe_ffn_hidden_size": cfg.moe_intermediate_size,
+                "moe_top_k": cfg.num_experts_per_tok, "moe_pre_softmax": not cfg.norm_topk_prob}
+
+    def layer_rules(self, arch, layer):
+        return attention_rules(arch, qkv_bias=False, qk_norm=True) + moe_mlp_rules(arch, self.moe)
+
+
+# Qwen3-MoE checkpoint name -> the toy's, written out here (not derived from either family's rules)
+_TO_TOY_MOE = [(r"\.mlp\.gate\.weight$", ".moe.router.weight"),
+               (r"\.mlp\.experts\.(\d+)\.gate_proj\.", r".moe.expert_\1.wi_gate."),
+               (r"\.mlp\.experts\.(\d+)\.up_proj\.", r".moe.expert_\1.wi_up."),
+               (r"\.mlp\.experts\.(\d+)\.down_proj\.", r".moe.expert_\1.wo.")]
+
+
+def _toy_moe_model(tmp_path) -> tuple[str, str]:
+    """(a tiny Qwen3-MoE directory, the same weights as a ToyMoeForCausalLM directory)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    qwen = make_tiny_model(str(tmp_path / "qwen3_moe"), "qwen3_moe", hidden=64, layers=2, heads=4, kv_heads=2, ffn=32,
+                           experts=4, top_k=2, seed=21)
+    toy = tmp_path / "toy_moe"
+    shutil.copytree(qwen, toy)  # tokenizer, generation config
+    renamed = {}
+    for name, tensor in load_file(f"{qwen}/model.safetensors").items():
+        for pattern, replacement in _TO_TOY_MOE:
+            name = re.sub(pattern, replacement, name)
+        renamed[name] = tensor
+    save_file(renamed, str(toy / "model.safetensors"), metadata={"format": "pt"})
+    config = json.load(open(toy / "config.json"))
+    config["architectures"] = ["ToyMoeForCausalLM"]  # model_type stays "qwen3_moe": transformers builds that
+    json.dump(config, open(toy / "config.json", "w"))
+    return qwen, str(toy)
+
+
+@pytest.fixture
+def toy_moe_registered():
+    families.register(ToyMoe())
+    yield
+    families.unregister("toy_moe")
+
+
+def _native_generate(model_dir, stream):
+    """A native engine with routes, synced from `stream`: (its weights, tokens, log-probs and routes of a
+    seeded sampled-and-greedy request)."""
+    from remax_megatron.rollout import SamplingParams, sync_weights
+    from remax_megatron.rollout.native import NativeEngine
+
+    engine = NativeEngine(hf_dir=model_dir, seed=0, dtype=torch.float32, device="cpu", routes=True)
+    sync_weights(engine, stream, bucket_mb=0.05)
+    out = engine.generate([[5, 17, 40, 41], [9, 10]], n=2, sampling=SamplingParams(max_new_tokens=5, temperature=1.3),
+                          seeds=[1, 2])
+    rows = [(c.token_ids, c.logprobs, c.routed_experts) for r in out for c in r.sampled + [r.greedy]]
+    return engine.model.state_dict(), rows
+
+
+def _assert_same_engine(got, want):
+    (got_state, got_rows), (want_state, want_rows) = got, want
+    assert got_state.keys() == want_state.keys()
+    unequal = [k for k in want_state if not torch.equal(got_state[k], want_state[k])]
+    assert not unequal, f"engine parameters differ from Qwen3-MoE's: {unequal}"
+    for (tokens, logprobs, routes), (want_tokens, want_logprobs, want_routes) in zip(got_rows, want_rows):
+        assert (tokens, logprobs) == (want_tokens, want_logprobs)
+        assert routes.shape[1:] == (2, 2) and torch.equal(routes, want_routes)  # [tokens, layers, top_k]
+
+
+def test_a_registered_toy_moe_family_names_its_experts_everywhere(tmp_path, toy_moe_registered):
+    """The toy's one definition serves the registry, the weight mapping and the native engine: its
+    checkpoint (no Qwen3-MoE expert or router name in it) syncs into transformers' fused experts and
+    router exactly as Qwen3-MoE's does, and routing replay finds its routers."""
+    from safetensors.torch import load_file
+
+    from remax_megatron import plan
+    from remax_megatron.weights.mapping import WeightMapping
+    from tests.rollout.helpers import hf_stream
+
+    qwen, toy = _toy_moe_model(tmp_path)
+    arch = read_hf_config(toy)
+    assert (arch.family, arch.is_moe, arch.num_experts) == ("toy_moe", True, 4)
+    toy_names = set(load_file(f"{toy}/model.safetensors"))
+    assert not any(".mlp.gate." in n or ".mlp.experts." in n for n in toy_names)
+    mapping = WeightMapping(arch, tp=1, pp=1, padded_vocab=arch.vocab_size)
+    assert {n for s in mapping.exported_specs() for n in s.hf} == toy_names
+    assert plan.param_count(arch, arch.vocab_size) == plan.param_count(read_hf_config(qwen), arch.vocab_size)
+
+    toy_family = families.family_named("toy_moe")
+    assert toy_family.engine_tensor("model.layers.1.moe.expert_3.wi_up.weight") == \
+        EngineTensor("model.layers.1.mlp.experts.gate_up_proj", 3, part=1, parts=2)
+    assert toy_family.engine_tensor("model.layers.0.moe.router.weight") == \
+        EngineTensor("model.layers.0.mlp.gate.weight")
+    assert toy_family.engine_tensor("model.layers.0.mlp.experts.3.up_proj.weight") is None  # Qwen3-MoE's name
+    _assert_same_engine(_native_generate(toy, hf_stream(toy)), _native_generate(qwen, hf_stream(qwen)))
+
+
+def _toy_moe_body(rank, world, toy, out_path):
+    """The toy checkpoint into a megatron MoE actor and out again: the export stream, saved."""
+    from remax_megatron.models import build_policy
+    from remax_megatron.models.arch import ExpertOptions
+    from remax_megatron.parallel import ParallelLayout
+    from remax_megatron.weights import export_hf_weights, load_hf_weights
+
+    families.register(ToyMoe())  # in this process too: registration is all a new family needs
+    ParallelLayout(tp=1, pp=1, world_size=world).initialize(seed=0)
+    arch = read_hf_config(toy)
+    actor = build_policy(arch, tp=1, pp=1, trainable=False, experts=ExpertOptions(ep=1, etp=1))
+    load_hf_weights(actor, toy)
+    torch.save([(name, tensor.clone()) for name, tensor in export_hf_weights(actor, bucket_mb=0.05)], out_path)
+
+
+@pytest.mark.slow
+def test_a_toy_moe_actor_exports_into_the_native_engine(tmp_path, toy_moe_registered):
+    """Actor -> export -> native engine, the rollout path, for a family registered at run time: the actor
+    exports the toy's names, and the engine ends up exactly where a Qwen3-MoE checkpoint puts it (the
+    engines are compared in one process: another process's thread count may round differently)."""
+    from safetensors.torch import load_file
+
+    from tests.rollout.helpers import hf_stream
+
+    qwen, toy = _toy_moe_model(tmp_path)
+    out = tmp_path / "exported.pt"
+    run_distributed(_toy_moe_body, 1, (toy, str(out)))
+    exported = torch.load(out, weights_only=False)
+    source = load_file(f"{toy}/model.safetensors")
+    assert sorted(n for n, _ in exported) == sorted(source)
+    assert all(torch.equal(t, source[n]) for n, t in exported)
+    _assert_same_engine(_native_generate(toy, iter(exported)), _native_generate(qwen, hf_stream(qwen)))

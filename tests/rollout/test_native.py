@@ -238,7 +238,7 @@ def test_recorded_routes_are_the_experts_each_fed_token_went_to(family, moe_mode
     eos = sorted(engine.eos_token_ids)
     out = engine.generate(prompts, n=3, sampling=SamplingParams(max_new_tokens=8, temperature=1.5,
                                                                 stop_token_ids=list(range(40, 60))))
-    full = RouteRecorder(engine.model)
+    full = RouteRecorder(engine.model, engine.family)
     lengths = set()
     for prompt, rollout in zip(prompts, out):
         for c in rollout.sampled + [rollout.greedy]:

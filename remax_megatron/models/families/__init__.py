@@ -6,12 +6,13 @@
 
 Each family is one file beside this one (base.py says what a family declares). Adding one touches
 that file and the list below, nothing else: config reading, the weight mapping (load, export,
-rollout sync, both converters), the planner's parameter count and tiny test models all read it.
+rollout sync, both converters), the planner's parameter count, tiny test models and the native rollout
+engine's expert, router and routing-replay names all read it.
 """
 
 from __future__ import annotations
 
-from remax_megatron.models.families.base import CAUSAL_LM, REWARD, Family, TensorRule
+from remax_megatron.models.families.base import CAUSAL_LM, REWARD, EngineTensor, Family, MoeNames, TensorRule
 
 _BY_NAME: dict[str, Family] = {}
 _BY_ARCHITECTURE: dict[str, Family] = {}
@@ -79,5 +80,5 @@ def _register_builtin() -> None:
 
 _register_builtin()
 
-__all__ = ["CAUSAL_LM", "REWARD", "Family", "TensorRule", "families", "family_named", "lookup", "register",
-           "supported_architectures", "unregister"]
+__all__ = ["CAUSAL_LM", "REWARD", "EngineTensor", "Family", "MoeNames", "TensorRule", "families", "family_named",
+           "lookup", "register", "supported_architectures", "unregister"]

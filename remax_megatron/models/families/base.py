@@ -8,11 +8,17 @@ planner counts parameters from the same rules, so a family never says twice what
 
 Megatron names are those of megatron-core's local layer spec (the TE spec's fused norm names are
 translated in weights/mapping.py); shapes are the HF tensors' shapes.
+
+The native rollout engine runs transformers' own model of the family, whose parameters carry the
+checkpoint's names except where transformers 5 reorganises a routed MLP; a MoE family's `MoeNames` says
+both sides, and `engine_tensor` / `engine_routers` answer the engine from them.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from remax_megatron.models.arch import ModelArch
 
@@ -41,6 +47,36 @@ class TensorRule:
     expert: int | None = None
 
 
+@dataclass(frozen=True)
+class MoeNames:
+    """A routed MLP's HF names inside a decoder layer, on both sides of the native rollout engine.
+
+    The checkpoint (what load, export and conversion read) holds the router and one tensor per expert
+    matrix. transformers 5's model (what the native engine fills) fuses every expert of a layer into two
+    parameters, gate_up [experts, 2 * ffn, hidden] = [gate; up] and down [experts, hidden, ffn], and
+    routes with a top-k router module returning (logits, scores, expert indices [tokens, top_k]).
+    """
+
+    router: str         # checkpoint: the router's weight [experts, hidden], e.g. "mlp.gate.weight"
+    expert: str         # checkpoint: the prefix of expert e's tensors, "{}" standing for e
+    gate: str           # checkpoint, after `expert`: the SwiGLU gate [ffn, hidden]
+    up: str             # checkpoint, after `expert`: the up projection [ffn, hidden]
+    down: str           # checkpoint, after `expert`: the down projection [hidden, ffn]
+    model_router: str   # transformers' model: the top-k router module (its `.weight` is `router`)
+    model_gate_up: str  # transformers' model: every expert's [gate; up], fused
+    model_down: str     # transformers' model: every expert's down, fused
+
+
+@dataclass(frozen=True)
+class EngineTensor:
+    """Where one checkpoint tensor lies in the transformers model the native rollout engine runs."""
+
+    param: str                  # the model's parameter name
+    expert: int | None = None   # fused experts: the index on dim 0; None: the whole parameter
+    part: int = 0               # which of `parts` equal row blocks of that expert's matrix ([gate; up]: 0, 1)
+    parts: int = 1
+
+
 class Family:
     """A model family. Subclasses set `name` and `architectures` and override what differs.
 
@@ -59,6 +95,8 @@ class Family:
     hf_lm_head = "lm_head.weight"
     hf_score = "score.weight"
     hf_layer_prefix = "model.layers.{layer}."
+    # a MoE family's routed-MLP names (checkpoint and transformers' model); None: a dense MLP
+    moe: MoeNames | None = None
 
     # ---- HF config -> ModelArch ----------------------------------------------------------
     def features(self, cfg, path: str) -> dict:
@@ -76,6 +114,39 @@ class Family:
 
     def hf_layer(self, layer: int) -> str:
         return self.hf_layer_prefix.format(layer=layer)
+
+    # ---- the native rollout engine (transformers' model of this family) --------------------
+    def engine_tensor(self, name: str) -> EngineTensor | None:
+        """Where checkpoint tensor `name` lies in transformers' model when that model does not hold it
+        under its own name (a routed MLP's router and experts, see MoeNames); None otherwise."""
+        if self.moe is None:
+            return None
+        found = self._moe_pattern.match(name)
+        if found is None:
+            return None
+        what = next(part for part in ("router", "gate", "up", "down") if found.group(part))
+        prefix, expert = self.hf_layer(int(found.group("layer"))), found.group("expert")
+        if what == "router":
+            return EngineTensor(f"{prefix}{self.moe.model_router}.weight")
+        if what == "down":
+            return EngineTensor(f"{prefix}{self.moe.model_down}", int(expert))
+        return EngineTensor(f"{prefix}{self.moe.model_gate_up}", int(expert), part=int(what == "up"), parts=2)
+
+    def engine_routers(self, model) -> list:
+        """transformers' top-k router modules of `model`, in layer order; [] for a dense family."""
+        if self.moe is None:
+            return []
+        return [model.get_submodule(f"{self.hf_layer(layer)}{self.moe.model_router}")
+                for layer in range(model.config.num_hidden_layers)]
+
+    @cached_property
+    def _moe_pattern(self) -> re.Pattern:
+        """Checkpoint names of the routed MLP: groups layer, expert, and one of router / gate / up / down."""
+        moe = self.moe
+        layer = _template(self.hf_layer_prefix, "{layer}", r"(?P<layer>\d+)")
+        expert = _template(moe.expert, "{}", r"(?P<expert>\d+)")
+        parts = "|".join(f"(?P<{k}>{re.escape(getattr(moe, k))})" for k in ("gate", "up", "down"))
+        return re.compile(f"^{layer}(?:(?P<router>{re.escape(moe.router)})|{expert}(?:{parts}))$")
 
     # ---- tiny models --------------------------------------------------------------------
     def tiny_config(self, common: dict, **options):
@@ -134,19 +205,25 @@ def check_routing(top_k: int, renormalise: bool, path: str) -> None:
                          "megatron-core's router needs the softmax before a top-1 selection")
 
 
-def moe_mlp_rules(arch: ModelArch, *, router: str, expert: str, gate: str, up: str, down: str) -> list[TensorRule]:
+def moe_mlp_rules(arch: ModelArch, names: MoeNames) -> list[TensorRule]:
     """Pre-norm routed MLP: post-attention norm, the router [experts, hidden], and per expert a SwiGLU MLP
-    (megatron's SequentialMLP names, global expert index; `expert` is the HF prefix with `{}` for it)."""
+    (megatron's SequentialMLP names, global expert index; the HF names are the checkpoint's of `names`)."""
     d, f, n = arch.hidden_size, arch.moe_ffn_hidden_size, arch.num_experts
     rules = [TensorRule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), REPLICATED, ((d,),)),
-             TensorRule("mlp.router.weight", (router,), REPLICATED, ((n, d),))]
+             TensorRule("mlp.router.weight", (names.router,), REPLICATED, ((n, d),))]
     for e in range(n):
-        prefix = expert.format(e)
-        rules += [TensorRule(f"mlp.experts.local_experts.{e}.linear_fc1.weight", (prefix + gate, prefix + up), FC1,
-                             ((f, d), (f, d)), expert=e),
-                  TensorRule(f"mlp.experts.local_experts.{e}.linear_fc2.weight", (prefix + down,), ROW, ((d, f),),
-                             expert=e)]
+        prefix = names.expert.format(e)
+        rules += [TensorRule(f"mlp.experts.local_experts.{e}.linear_fc1.weight",
+                             (prefix + names.gate, prefix + names.up), FC1, ((f, d), (f, d)), expert=e),
+                  TensorRule(f"mlp.experts.local_experts.{e}.linear_fc2.weight", (prefix + names.down,), ROW,
+                             ((d, f),), expert=e)]
     return rules
+
+
+def _template(template: str, field: str, group: str) -> str:
+    """A regular expression for the names `template` makes: its text literal, `field` matched by `group`."""
+    head, tail = template.split(field)
+    return re.escape(head) + group + re.escape(tail)
 
 
 def sliding_window_of(cfg) -> int | None:

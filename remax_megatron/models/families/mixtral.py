@@ -6,7 +6,7 @@ top-k-then-softmax (moe_pre_softmax=False; checked against transformers' logits 
 (`router_jitter_noise` > 0, a training-time perturbation) is refused rather than approximated.
 """
 
-from remax_megatron.models.families.base import CAUSAL_LM, Family, attention_rules, check_routing, \
+from remax_megatron.models.families.base import CAUSAL_LM, Family, MoeNames, attention_rules, check_routing, \
     moe_mlp_rules, sliding_window_of
 
 
@@ -14,6 +14,10 @@ class Mixtral(Family):
     name = "mixtral"
     architectures = {"MixtralForCausalLM": CAUSAL_LM}
     hf_config_class = "MixtralConfig"
+    # the checkpoint's `block_sparse_moe` is `mlp` in transformers 5's model, with the experts fused
+    moe = MoeNames(router="block_sparse_moe.gate.weight", expert="block_sparse_moe.experts.{}.", gate="w1.weight",
+                   up="w3.weight", down="w2.weight", model_router="mlp.gate", model_gate_up="mlp.experts.gate_up_proj",
+                   model_down="mlp.experts.down_proj")
 
     def features(self, cfg, path: str) -> dict:
         super().features(cfg, path)  # attention_bias refused
@@ -25,9 +29,7 @@ class Mixtral(Family):
                 "moe_pre_softmax": False}
 
     def layer_rules(self, arch, layer):
-        return attention_rules(arch, qkv_bias=False, qk_norm=False) + moe_mlp_rules(
-            arch, router="block_sparse_moe.gate.weight", expert="block_sparse_moe.experts.{}.", gate="w1.weight",
-            up="w3.weight", down="w2.weight")
+        return attention_rules(arch, qkv_bias=False, qk_norm=False) + moe_mlp_rules(arch, self.moe)
 
     def tiny_config(self, common: dict, head_dim: int | None = None, experts: int = 4, top_k: int = 2, **options):
         """`intermediate_size` of `common` is each expert's width (Mixtral has no dense MLP)."""

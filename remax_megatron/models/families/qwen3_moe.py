@@ -7,7 +7,7 @@ kept as they are otherwise (moe_pre_softmax=True). Checked against transformers'
 layers between the MoE ones (`decoder_sparse_step` > 1, `mlp_only_layers`) are refused.
 """
 
-from remax_megatron.models.families.base import CAUSAL_LM, Family, attention_rules, check_routing, \
+from remax_megatron.models.families.base import CAUSAL_LM, Family, MoeNames, attention_rules, check_routing, \
     moe_mlp_rules, sliding_window_of
 
 
@@ -15,6 +15,10 @@ class Qwen3Moe(Family):
     name = "qwen3_moe"
     architectures = {"Qwen3MoeForCausalLM": CAUSAL_LM}
     hf_config_class = "Qwen3MoeConfig"
+    # transformers' model keeps the checkpoint's router name and fuses the experts
+    moe = MoeNames(router="mlp.gate.weight", expert="mlp.experts.{}.", gate="gate_proj.weight",
+                   up="up_proj.weight", down="down_proj.weight", model_router="mlp.gate",
+                   model_gate_up="mlp.experts.gate_up_proj", model_down="mlp.experts.down_proj")
 
     def features(self, cfg, path: str) -> dict:
         super().features(cfg, path)  # attention_bias refused
@@ -27,9 +31,7 @@ class Qwen3Moe(Family):
                 "moe_pre_softmax": not cfg.norm_topk_prob}
 
     def layer_rules(self, arch, layer):
-        return attention_rules(arch, qkv_bias=False, qk_norm=True) + moe_mlp_rules(
-            arch, router="mlp.gate.weight", expert="mlp.experts.{}.", gate="gate_proj.weight", up="up_proj.weight",
-            down="down_proj.weight")
+        return attention_rules(arch, qkv_bias=False, qk_norm=True) + moe_mlp_rules(arch, self.moe)
 
     def tiny_config(self, common: dict, head_dim: int | None = None, experts: int = 4, top_k: int = 2,
                     norm_topk_prob: bool = True, **options):
