@@ -83,6 +83,8 @@ import os
 import sys
 import warnings
 
+from remax_megatron.sizes import ceil_div, sequence_multiple
+
 GIB = 1 << 30
 TILE_ELEMS = 1 << 24  # remax_megatron/kernels/logprobs_torch.py DEFAULT_CHUNK_ELEMS
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -185,9 +187,9 @@ def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
     expert_dp = tp * sizes["dp"] // (ep * etp)
 
     d, hd, h, kv, f = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.ffn_hidden_size
-    seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    seq, _ = cfg.longest_sequence()
     tokens = cfg.trainer.micro_batch_size * seq
-    s = tp if a.sequence_parallel and tp > 1 else 1
+    s = sequence_multiple(tp, a.sequence_parallel)
     mlp = (3 * arch.moe_ffn_hidden_size * arch.moe_top_k / etp + 2 * arch.moe_top_k * d) if arch.is_moe else 3 * f / tp
     selective = 4 * d / s + (2 * h + 2 * kv) * hd / tp + mlp
     layers = arch.num_layers // pp
@@ -201,7 +203,7 @@ def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
 
     separate = cfg.rollout.placement == "separate"   # the engines live on their own ranks, not beside the actor
     engines = sizes["rollout_world"] // cfg.rollout.tp
-    per_engine = math.ceil(cfg.trainer.prompts_per_step / engines)
+    per_engine = ceil_div(cfg.trainer.prompts_per_step, engines)
     kv_cache = (2 * arch.num_layers * (kv / cfg.rollout.tp) * hd * per_engine * (cfg.rollout.n + 1) * seq * nbytes)
 
     adapters = lora_adapter_params(arch, a) // pp  # per rank of a stage (layers split evenly)

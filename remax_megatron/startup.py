@@ -90,8 +90,7 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     if beyond:
         raise ValueError(f"rollout.stop_token_ids: {beyond[:5]} are not tokens of actor.model {actor_dir} "
                          f"(vocab_size {arch.vocab_size}): use ids below it")
-    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    how = f"data.max_prompt_tokens({cfg.data.max_prompt_tokens}) + rollout.max_new_tokens({cfg.rollout.max_new_tokens})"
+    longest, how = cfg.longest_sequence()
     check_run_length(arch, longest, f"actor.model {actor_dir}", how)
     if arch.task != "causal_lm":
         raise ValueError(f"actor.model {actor_dir} is a {arch.architecture}: the actor must be a *ForCausalLM")
@@ -349,4 +348,4 @@ def build_rollout_engine(cfg, checked: CheckedInputs, actor_dir: str | None = No
 
     return build_engine(cfg.rollout, hf_dir=actor_dir or resolve_model(cfg.actor.model, "actor.model"),
                         arch=checked.arch, seed=cfg.trainer.seed, dtype=params_dtype_of(cfg.actor.dtype),
-                        max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+                        max_model_len=cfg.longest_sequence()[0])

@@ -18,6 +18,7 @@ from transformers import AutoConfig
 
 from remax_megatron.models import families
 from remax_megatron.models.arch import ExpertOptions, ModelArch
+from remax_megatron.sizes import round_up
 
 
 def read_hf_config(model_dir: str) -> ModelArch:
@@ -128,7 +129,7 @@ def check_layout(arch: ModelArch, tp: int, pp: int, what: str = "actor", ep: int
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     """Megatron's padded vocab: a multiple of divisible_by * tp (rows past vocab_size are padding)."""
     multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
+    return round_up(vocab_size, multiple)
 
 
 def transformer_config(

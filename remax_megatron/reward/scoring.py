@@ -17,6 +17,7 @@ from remax_megatron.models.gpt import RewardModel, sequence_multiple
 from remax_megatron.parallel import all_reduce_cpu
 from remax_megatron.reward.functions import RewardBatch, RewardError, RewardFunctions
 from remax_megatron.reward.rm_inputs import RewardModelInputs
+from remax_megatron.sizes import round_up
 
 if TYPE_CHECKING:
     from remax_megatron.data.prompts import Prompt
@@ -103,9 +104,9 @@ class RewardScorer:
             pad = model.arch.pad_token_id
             mine = [sequences[i] for i in share]
             mbs = self.micro_batch_size
-            padded_count = -(-len(mine) // mbs) * mbs
+            padded_count = round_up(len(mine), mbs)
             multiple = sequence_multiple(model)
-            width = -(-max(len(s) for s in mine) // multiple) * multiple  # sequence parallel splits it
+            width = round_up(max(len(s) for s in mine), multiple)  # sequence parallel splits it
             # Past each length: filler that no score reads (causal attention, positions < length).
             ids = torch.full((padded_count, width), pad if pad is not None else 0, dtype=torch.long)
             lengths = torch.ones(padded_count, dtype=torch.long)
