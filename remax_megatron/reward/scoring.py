@@ -7,7 +7,7 @@ sample equal to the greedy one) is scored once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,8 +19,21 @@ from remax_megatron.reward.functions import RewardBatch, RewardError, RewardFunc
 from remax_megatron.reward.rm_inputs import RewardModelInputs
 from remax_megatron.sizes import round_up
 
-if TYPE_CHECKING:
-    from remax_megatron.data.prompts import Prompt
+
+class ScoredPrompt(Protocol):
+    """What the scorer reads of a prompt (data.prompts.Prompt is one; reward does not import data, which
+    imports reward's functions)."""
+
+    text: str
+    token_ids: list[int]
+    columns: dict
+    index: int
+    raw: object
+    messages: list[dict] | None
+
+    @property
+    def is_chat(self) -> bool: ...
+
 
 class RewardScorer:
     """reward = sum_k w_k * f_k(response) + model_weight * RM(prompt + response)."""
@@ -34,7 +47,7 @@ class RewardScorer:
         self.functions, self.reward_model, self.rm_inputs = functions, reward_model, rm_inputs
         self.model_weight, self.micro_batch_size = model_weight, micro_batch_size
 
-    def score(self, prompts: Sequence[Prompt], responses: list[list[tuple[list[int], str]]]
+    def score(self, prompts: Sequence[ScoredPrompt], responses: list[list[tuple[list[int], str]]]
               ) -> tuple[list[list[float]], dict]:
         """responses[i] = [(token_ids, text), ...] for prompts[i] (samples then greedy) -> rewards, same shape.
 
