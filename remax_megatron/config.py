@@ -196,7 +196,8 @@ class RolloutConfig:
                             "CPU; always = on CPU too (~25 s more start-up, ~10% faster decoding on a 60M model); "
                             "never = eager everywhere")
     routing_replay: bool = knob(False, "MoE: the actor's training forward routes each sampled token to the experts "
-                                "the engine chose (router probabilities from the live router); vLLM on CUDA only")
+                                "the engine chose (router probabilities from the live router); the native engine, or "
+                                "vLLM on CUDA (its CPU build cannot return the routes)")
     guided_regex: str = knob("", "guided decoding: every sampled AND greedy response matches this regex (vLLM's "
                              "structured outputs, xgrammar); vLLM only")
     guided_json: str = knob("", "guided decoding: every sampled and greedy response is JSON matching this JSON "

@@ -3,9 +3,9 @@
     python -m remax_megatron.plan --config FILE --nodes 1 --gpus-per-node 8 --gpu-mem-gib 80 actor.tp=2
     python -m remax_megatron.plan --config FILE --nodes 2 --gpus-per-node 8 --json     # bytes, for scripts
 
-It runs the trainer's own layout and batch checks (Config.check_world,
-check_layout, rollout.tp vs KV heads, the batch divisibility of
-remax_megatron/train.py check_inputs) for world = nodes * gpus_per_node, then
+It runs the trainer's own layout and batch checks (Config.check_world with the
+batch divisibility, check_layout, rollout.tp vs KV heads: the owners
+remax_megatron/startup.py check_inputs calls) for world = nodes * gpus_per_node, then
 prints a per-GPU memory estimate of every pipeline stage; the heaviest stage's
 decides whether the job fits, and its rows are the ones printed. When it exceeds
 the GPU it warns and suggests up to three changes that fit by their heaviest stage:
@@ -172,65 +172,93 @@ def lora_adapter_params(arch, actor) -> int:
     return int(arch.num_layers * sum(per_target[t] for t in actor.lora_targets))
 
 
+def activation_elements(cfg, arch, seq: int) -> float:
+    """Activation elements one token keeps over the layers of one pipeline stage during the backward (the
+    module docstring's per_token: recompute none / selective / full; MoE's experts and dispatch)."""
+    a, tp, pp = cfg.actor, cfg.actor.tp, cfg.actor.pp
+    etp = a.etp or tp
+    d, hd, h, kv, f = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.ffn_hidden_size
+    s = sequence_multiple(tp, a.sequence_parallel)
+    mlp = (3 * arch.moe_ffn_hidden_size * arch.moe_top_k / etp + 2 * arch.moe_top_k * d) if arch.is_moe else 3 * f / tp
+    selective = 4 * d / s + (2 * h + 2 * kv) * hd / tp + mlp
+    layers = arch.num_layers // pp
+    if a.recompute == "none":
+        return layers * (selective + h * seq / tp)
+    if a.recompute == "selective":
+        return layers * selective
+    return layers * d / s + selective
+
+
+def rollout_memory(cfg, arch, sizes: dict, seq: int, nbytes: int) -> tuple[int, int, int, float, float]:
+    """(engines, prompts per engine, sequences per engine, KV-cache bytes, engine weight bytes) of one
+    rollout engine's rank."""
+    engines = sizes["rollout_world"] // cfg.rollout.tp
+    per_engine = ceil_div(cfg.trainer.prompts_per_step, engines)
+    kv, hd = arch.num_kv_heads, arch.head_dim
+    kv_cache = (2 * arch.num_layers * (kv / cfg.rollout.tp) * hd * per_engine * (cfg.rollout.n + 1) * seq * nbytes)
+    seqs = per_engine * (cfg.rollout.n + 1)
+    engine_weights = param_count(arch, arch.vocab_size) / cfg.rollout.tp * nbytes
+    return engines, per_engine, seqs, kv_cache, engine_weights
+
+
+def reward_model_bytes(cfg, rm_arch, nbytes: int) -> int:
+    """The reward model's weights on its heaviest pipeline stage at reward.tp x reward.pp (0 without one)."""
+    from remax_megatron.models.hf_config import check_layout, padded_vocab_size
+
+    if rm_arch is None:
+        return 0
+    check_layout(rm_arch, cfg.reward.tp, cfg.reward.pp, "reward")
+    rm_vocab = padded_vocab_size(rm_arch.vocab_size, cfg.reward.tp, cfg.actor.make_vocab_size_divisible_by)
+    return heaviest_stage_params(rm_arch, rm_vocab, cfg.reward.tp, cfg.reward.pp) * nbytes
+
+
+def _actor_rows(cfg, dense: int, expert: int, adapters: int, dp: int, expert_dp: int, nbytes: int) -> list[tuple]:
+    """The weights, gradients and optimizer rows (key, label, bytes, counted) of one rank of a stage holding
+    `dense` + `expert` parameters (LoRA: `adapters` per rank, the only trainable ones)."""
+    held = dense + expert
+    state = 12 if nbytes < 4 else 8
+    # LoRA: the adapters are the only trainable parameters (gradients, optimizer); the base stays as it is.
+    trained, dense_trained, expert_trained = (adapters, adapters, 0) if adapters else (held, dense, expert)
+    return [
+        ("weights", "actor weights" + (" (+ LoRA adapters)" if adapters else ""), (held + adapters) * nbytes, True),
+        ("gradients", "actor gradients (fp32)" + (", adapters only" if adapters else ""), trained * 4, True),
+        ("optimizer", "optimizer states", trained * state, not cfg.optim.distributed_optimizer),
+        ("optimizer_distributed", "optimizer states, distributed (/dp)",
+         (dense_trained / dp + expert_trained / expert_dp) * state, cfg.optim.distributed_optimizer),
+    ]
+
+
 def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
     """Per-GPU bytes of every row in the module docstring, on each pipeline stage; the rows and the total
     are the heaviest stage's (`counted` rows sum to the total): what decides whether the job fits."""
     a, tp, pp = cfg.actor, cfg.actor.tp, cfg.actor.pp
-    from remax_megatron.models.hf_config import check_layout, padded_vocab_size
+    from remax_megatron.models.hf_config import padded_vocab_size
 
     vocab = padded_vocab_size(arch.vocab_size, tp, a.make_vocab_size_divisible_by)
     params = param_count(arch, vocab)
     experts = expert_param_count(arch)
     ep, etp = a.ep, a.etp or tp
     nbytes = DTYPE_BYTES[a.dtype]
-    state = 12 if nbytes < 4 else 8
     expert_dp = tp * sizes["dp"] // (ep * etp)
 
-    d, hd, h, kv, f = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.ffn_hidden_size
     seq, _ = cfg.longest_sequence()
     tokens = cfg.trainer.micro_batch_size * seq
-    s = sequence_multiple(tp, a.sequence_parallel)
-    mlp = (3 * arch.moe_ffn_hidden_size * arch.moe_top_k / etp + 2 * arch.moe_top_k * d) if arch.is_moe else 3 * f / tp
-    selective = 4 * d / s + (2 * h + 2 * kv) * hd / tp + mlp
-    layers = arch.num_layers // pp
-    if a.recompute == "none":
-        per_token = layers * (selective + h * seq / tp)
-    elif a.recompute == "selective":
-        per_token = layers * selective
-    else:
-        per_token = layers * d / s + selective
+    per_token = activation_elements(cfg, arch, seq)
     v_local = vocab / tp
 
     separate = cfg.rollout.placement == "separate"   # the engines live on their own ranks, not beside the actor
-    engines = sizes["rollout_world"] // cfg.rollout.tp
-    per_engine = ceil_div(cfg.trainer.prompts_per_step, engines)
-    kv_cache = (2 * arch.num_layers * (kv / cfg.rollout.tp) * hd * per_engine * (cfg.rollout.n + 1) * seq * nbytes)
-
+    engines, per_engine, seqs, kv_cache, engine_weights = rollout_memory(cfg, arch, sizes, seq, nbytes)
     adapters = lora_adapter_params(arch, a) // pp  # per rank of a stage (layers split evenly)
     reference = cfg.reference.enabled and not a.lora_rank  # a LoRA actor is its own reference
-    rm_bytes = 0
-    if rm_arch is not None:
-        check_layout(rm_arch, cfg.reward.tp, cfg.reward.pp, "reward")
-        rm_vocab = padded_vocab_size(rm_arch.vocab_size, cfg.reward.tp, a.make_vocab_size_divisible_by)
-        rm_bytes = heaviest_stage_params(rm_arch, rm_vocab, cfg.reward.tp, cfg.reward.pp) * nbytes
-    seqs = per_engine * (cfg.rollout.n + 1)
-    engine_weights = param_count(arch, arch.vocab_size) / cfg.rollout.tp * nbytes
+    rm_bytes = reward_model_bytes(cfg, rm_arch, nbytes)
     stages = []
     for stage, (dense, expert) in enumerate(stage_params(arch, vocab, tp, pp, ep, etp)):
         held = dense + expert
-        # LoRA: the adapters are the only trainable parameters (gradients, optimizer); the base stays as it is.
-        trained, dense_trained, expert_trained = (adapters, adapters, 0) if adapters else (held, dense, expert)
         # 1F1B: stage k holds the activations of min(pp - k, micro-batches) micro-batches; the last holds the logits
         in_flight = min(pp - stage, sizes["micro_batches"])
         last = stage == pp - 1
         # (key, label, bytes, counted in the total)
-        rows = [
-            ("weights", "actor weights" + (" (+ LoRA adapters)" if adapters else ""), (held + adapters) * nbytes,
-             True),
-            ("gradients", "actor gradients (fp32)" + (", adapters only" if adapters else ""), trained * 4, True),
-            ("optimizer", "optimizer states", trained * state, not cfg.optim.distributed_optimizer),
-            ("optimizer_distributed", "optimizer states, distributed (/dp)",
-             (dense_trained / sizes["dp"] + expert_trained / expert_dp) * state, cfg.optim.distributed_optimizer),
+        rows = _actor_rows(cfg, dense, expert, adapters, sizes["dp"], expert_dp, nbytes) + [
             ("activations", f"activations (recompute={a.recompute}, x{in_flight} in flight)",
              nbytes * tokens * per_token * in_flight, True),
             ("logits_naive", "logits, naive (fp32 x3)", 4 * tokens * v_local * 3 if last else 0, False),
