@@ -42,6 +42,7 @@ estimate, not a measurement):
 
     seq        = data.max_prompt_tokens + rollout.max_new_tokens
     tokens     = trainer.micro_batch_size * seq                    per micro-batch
+                 (trainer.micro_batch_tokens when set: the budget, padding included)
     per-token, per-layer activation elements:
         none      : 4*D/s + ((2*H + 2*KV)*hd + 3*F)/tp + H*seq/tp  (softmax probs kept)
         selective : 4*D/s + ((2*H + 2*KV)*hd + 3*F)/tp             (core attention recomputed)
@@ -83,7 +84,7 @@ import os
 import sys
 import warnings
 
-from remax_megatron.sizes import ceil_div, sequence_multiple
+from remax_megatron.sizes import ceil_div, round_up, sequence_multiple
 
 GIB = 1 << 30
 TILE_ELEMS = 1 << 24  # remax_megatron/kernels/logprobs_torch.py DEFAULT_CHUNK_ELEMS
@@ -143,11 +144,15 @@ def heaviest_stage_params(arch, vocab: int, tp: int, pp: int, ep: int = 1, etp: 
 
 def validate(cfg, arch, world: int, max_tp: int | None = None) -> dict:
     """The trainer's layout and batch checks for `world` processes; returns the derived sizes."""
-    from remax_megatron.models.hf_config import check_layout
+    from remax_megatron.models.arch import expert_options
+    from remax_megatron.models.hf_config import check_layout, check_run_length
     from remax_megatron.rollout.factory import check_rollout
 
     cfg.check_world(world)
     check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor", ep=cfg.actor.ep)
+    expert_options(cfg, arch, this_machine=False)
+    longest, how = cfg.longest_sequence()
+    check_run_length(arch, longest, f"actor.model {cfg.actor.model}", how)
     check_rollout(cfg.rollout, arch, cfg.rollout_world(world), this_machine=False)
     if max_tp is not None and cfg.actor.tp > max_tp:
         # only for suggestions: TP across nodes is legal but far too slow to propose
@@ -156,8 +161,10 @@ def validate(cfg, arch, world: int, max_tp: int | None = None) -> dict:
     dp = train_world // (cfg.actor.tp * cfg.actor.pp)   # batch divisibility is checked in cfg.check_world
     t = cfg.trainer
     local = t.prompts_per_step // dp * cfg.rollout.n
+    # A token budget makes as many micro-batches as the lengths need: at most one row each (the bound used).
+    per_micro = 1 if t.micro_batch_tokens else t.micro_batch_size
     return dict(world=world, train_world=train_world, rollout_world=cfg.rollout_world(world), dp=dp,
-                seqs_per_rank=local, micro_batches=local // (t.mini_batches * t.micro_batch_size))
+                seqs_per_rank=local, micro_batches=local // (t.mini_batches * per_micro))
 
 
 def lora_adapter_params(arch, actor) -> int:
@@ -242,7 +249,7 @@ def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
     expert_dp = tp * sizes["dp"] // (ep * etp)
 
     seq, _ = cfg.longest_sequence()
-    tokens = cfg.trainer.micro_batch_size * seq
+    tokens = cfg.trainer.micro_batch_tokens or cfg.trainer.micro_batch_size * seq
     per_token = activation_elements(cfg, arch, seq)
     v_local = vocab / tp
 
@@ -306,12 +313,19 @@ def _choices(cfg, arch, gpus_per_node: int) -> list[tuple[str, list]]:
     while m > 1:
         m //= 2
         halves.append(m)
+    batch_key = "trainer.micro_batch_size"
+    if cfg.trainer.micro_batch_tokens:  # the budget sizes the micro-batch: halve it, down to one longest row
+        batch_key, halves, m = "trainer.micro_batch_tokens", [], cfg.trainer.micro_batch_tokens
+        row = round_up(cfg.longest_sequence()[0], sequence_multiple(cfg.actor.tp, cfg.actor.sequence_parallel))
+        while m // 2 >= row:
+            m //= 2
+            halves.append(m)
     recompute = ["selective", "full"] if cfg.actor.recompute == "none" else \
         ["full"] if cfg.actor.recompute == "selective" else []
     return [
         ("optim.distributed_optimizer", [] if cfg.optim.distributed_optimizer else [True]),
         ("actor.recompute", recompute),
-        ("trainer.micro_batch_size", halves),
+        (batch_key, halves),
         ("actor.tp", _doublings(cfg.actor.tp, gpus_per_node)),
         ("actor.pp", _doublings(cfg.actor.pp, arch.num_layers)),
         ("rollout.tp", _doublings(cfg.rollout.tp, min(gpus_per_node, arch.num_kv_heads))),
@@ -404,8 +418,10 @@ def render(cfg, arch, model_dir: str, nodes: int, gpn: int, gpu_bytes: int, size
         + (f"; reward model tp({cfg.reward.tp}) * pp({cfg.reward.pp}), {_rm_placement(cfg)}"
            if cfg.reward.model else ""),
         f"batch: {t.prompts_per_step} prompts/step -> {sizes['seqs_per_rank']} sequences per dp rank, "
-        f"{t.mini_batches} mini-batch(es) x {sizes['micro_batches']} micro-batches of {t.micro_batch_size}, "
-        f"seq {est['seq_len']} tokens",
+        + (f"{t.mini_batches} mini-batch(es) x up to {sizes['micro_batches']} micro-batches of <= "
+           f"{t.micro_batch_tokens} tokens, " if t.micro_batch_tokens else
+           f"{t.mini_batches} mini-batch(es) x {sizes['micro_batches']} micro-batches of {t.micro_batch_size}, ")
+        + f"seq {est['seq_len']} tokens",
         "",
         f"{heading:<58}{'GiB':>8}  counted",
     ]

@@ -287,7 +287,8 @@ def build(cfg, checked: CheckedInputs, bridge=None):
         engine = build_rollout_engine(cfg, checked, actor_dir)
     tok = checked.tokenizer
     scorer = RewardScorer(checked.functions, reward_model, cfg.reward.model_weight,
-                          micro_batch_size=cfg.trainer.micro_batch_size, rm_inputs=checked.rm_inputs)
+                          micro_batch_size=cfg.trainer.micro_batch_size, rm_inputs=checked.rm_inputs,
+                          micro_batch_tokens=cfg.trainer.micro_batch_tokens)
     return Components(cfg=cfg, groups=groups, actor=ddp, reference=reference, optimizer=optimizer,
                       scheduler=scheduler, engine=engine, scorer=scorer, tokenizer=tok,
                       sampler=PromptSampler(checked.train, cfg.trainer.seed, cfg.data.shuffle),
