@@ -20,6 +20,8 @@ from typing import Literal
 
 import yaml
 
+from remax_megatron.sizes import check_token_budget, round_up, sequence_multiple
+
 # Fixed choices: the type is the one source of the allowed values (checked on load, listed by --help).
 Recompute = Literal["none", "selective", "full"]
 KlMode = Literal["reward", "loss"]
@@ -194,7 +196,8 @@ class RolloutConfig:
                             "CPU; always = on CPU too (~25 s more start-up, ~10% faster decoding on a 60M model); "
                             "never = eager everywhere")
     routing_replay: bool = knob(False, "MoE: the actor's training forward routes each sampled token to the experts "
-                                "the engine chose (router probabilities from the live router); vLLM on CUDA only")
+                                "the engine chose (router probabilities from the live router); the native engine, or "
+                                "vLLM on CUDA (its CPU build cannot return the routes)")
     guided_regex: str = knob("", "guided decoding: every sampled AND greedy response matches this regex (vLLM's "
                              "structured outputs, xgrammar); vLLM only")
     guided_json: str = knob("", "guided decoding: every sampled and greedy response is JSON matching this JSON "
@@ -409,14 +412,18 @@ class Config:
                              "returns the untruncated log-probs)")
         budget = self.trainer.micro_batch_tokens
         if budget:
-            multiple = self.actor.tp if self.actor.sequence_parallel else 1
-            longest = -(-(self.data.max_prompt_tokens + self.rollout.max_new_tokens) // multiple) * multiple
-            if budget < longest:
-                raise ValueError(f"trainer.micro_batch_tokens={budget} is smaller than one row of the longest sequence "
-                                 f"this run can produce, data.max_prompt_tokens({self.data.max_prompt_tokens}) + "
-                                 f"rollout.max_new_tokens({self.rollout.max_new_tokens})"
-                                 f"{f' rounded up to a multiple of tp={multiple}' if multiple > 1 else ''} = {longest}: "
-                                 f"raise it to at least {longest}")
+            multiple = sequence_multiple(self.actor.tp, self.actor.sequence_parallel)
+            tokens, how = self.longest_sequence()
+            longest = round_up(tokens, multiple)
+            check_token_budget(budget, longest, f"the longest sequence this run can produce, {how}"
+                               f"{f' rounded up to a multiple of tp={multiple}' if multiple > 1 else ''} = {longest}")
+
+    def longest_sequence(self) -> tuple[int, str]:
+        """The longest prompt + completion this run can produce, in tokens, and how an error spells it out
+        (the one place the sum is written: config, start-up, the planner and the engine's length use it)."""
+        d, r = self.data, self.rollout
+        return (d.max_prompt_tokens + r.max_new_tokens,
+                f"data.max_prompt_tokens({d.max_prompt_tokens}) + rollout.max_new_tokens({r.max_new_tokens})")
 
     def start_warnings(self) -> list[str]:
         """Lines a run with this config prints at start (rank 0): settings that run but are likely a mistake."""

@@ -3,9 +3,9 @@
     python -m remax_megatron.plan --config FILE --nodes 1 --gpus-per-node 8 --gpu-mem-gib 80 actor.tp=2
     python -m remax_megatron.plan --config FILE --nodes 2 --gpus-per-node 8 --json     # bytes, for scripts
 
-It runs the trainer's own layout and batch checks (Config.check_world,
-check_layout, rollout.tp vs KV heads, the batch divisibility of
-remax_megatron/train.py check_inputs) for world = nodes * gpus_per_node, then
+It runs the trainer's own layout and batch checks (Config.check_world with the
+batch divisibility, check_layout, rollout.tp vs KV heads: the owners
+remax_megatron/startup.py check_inputs calls) for world = nodes * gpus_per_node, then
 prints a per-GPU memory estimate of every pipeline stage; the heaviest stage's
 decides whether the job fits, and its rows are the ones printed. When it exceeds
 the GPU it warns and suggests up to three changes that fit by their heaviest stage:
@@ -42,6 +42,7 @@ estimate, not a measurement):
 
     seq        = data.max_prompt_tokens + rollout.max_new_tokens
     tokens     = trainer.micro_batch_size * seq                    per micro-batch
+                 (trainer.micro_batch_tokens when set: the budget, padding included)
     per-token, per-layer activation elements:
         none      : 4*D/s + ((2*H + 2*KV)*hd + 3*F)/tp + H*seq/tp  (softmax probs kept)
         selective : 4*D/s + ((2*H + 2*KV)*hd + 3*F)/tp             (core attention recomputed)
@@ -82,6 +83,8 @@ import math
 import os
 import sys
 import warnings
+
+from remax_megatron.sizes import ceil_div, round_up, sequence_multiple
 
 GIB = 1 << 30
 TILE_ELEMS = 1 << 24  # remax_megatron/kernels/logprobs_torch.py DEFAULT_CHUNK_ELEMS
@@ -141,11 +144,15 @@ def heaviest_stage_params(arch, vocab: int, tp: int, pp: int, ep: int = 1, etp: 
 
 def validate(cfg, arch, world: int, max_tp: int | None = None) -> dict:
     """The trainer's layout and batch checks for `world` processes; returns the derived sizes."""
-    from remax_megatron.models.hf_config import check_layout
+    from remax_megatron.models.arch import expert_options
+    from remax_megatron.models.hf_config import check_layout, check_run_length
     from remax_megatron.rollout.factory import check_rollout
 
     cfg.check_world(world)
     check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor", ep=cfg.actor.ep)
+    expert_options(cfg, arch, this_machine=False)
+    longest, how = cfg.longest_sequence()
+    check_run_length(arch, longest, f"actor.model {cfg.actor.model}", how)
     check_rollout(cfg.rollout, arch, cfg.rollout_world(world), this_machine=False)
     if max_tp is not None and cfg.actor.tp > max_tp:
         # only for suggestions: TP across nodes is legal but far too slow to propose
@@ -154,8 +161,10 @@ def validate(cfg, arch, world: int, max_tp: int | None = None) -> dict:
     dp = train_world // (cfg.actor.tp * cfg.actor.pp)   # batch divisibility is checked in cfg.check_world
     t = cfg.trainer
     local = t.prompts_per_step // dp * cfg.rollout.n
+    # A token budget makes as many micro-batches as the lengths need: at most one row each (the bound used).
+    per_micro = 1 if t.micro_batch_tokens else t.micro_batch_size
     return dict(world=world, train_world=train_world, rollout_world=cfg.rollout_world(world), dp=dp,
-                seqs_per_rank=local, micro_batches=local // (t.mini_batches * t.micro_batch_size))
+                seqs_per_rank=local, micro_batches=local // (t.mini_batches * per_micro))
 
 
 def lora_adapter_params(arch, actor) -> int:
@@ -170,65 +179,93 @@ def lora_adapter_params(arch, actor) -> int:
     return int(arch.num_layers * sum(per_target[t] for t in actor.lora_targets))
 
 
+def activation_elements(cfg, arch, seq: int) -> float:
+    """Activation elements one token keeps over the layers of one pipeline stage during the backward (the
+    module docstring's per_token: recompute none / selective / full; MoE's experts and dispatch)."""
+    a, tp, pp = cfg.actor, cfg.actor.tp, cfg.actor.pp
+    etp = a.etp or tp
+    d, hd, h, kv, f = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.ffn_hidden_size
+    s = sequence_multiple(tp, a.sequence_parallel)
+    mlp = (3 * arch.moe_ffn_hidden_size * arch.moe_top_k / etp + 2 * arch.moe_top_k * d) if arch.is_moe else 3 * f / tp
+    selective = 4 * d / s + (2 * h + 2 * kv) * hd / tp + mlp
+    layers = arch.num_layers // pp
+    if a.recompute == "none":
+        return layers * (selective + h * seq / tp)
+    if a.recompute == "selective":
+        return layers * selective
+    return layers * d / s + selective
+
+
+def rollout_memory(cfg, arch, sizes: dict, seq: int, nbytes: int) -> tuple[int, int, int, float, float]:
+    """(engines, prompts per engine, sequences per engine, KV-cache bytes, engine weight bytes) of one
+    rollout engine's rank."""
+    engines = sizes["rollout_world"] // cfg.rollout.tp
+    per_engine = ceil_div(cfg.trainer.prompts_per_step, engines)
+    kv, hd = arch.num_kv_heads, arch.head_dim
+    kv_cache = (2 * arch.num_layers * (kv / cfg.rollout.tp) * hd * per_engine * (cfg.rollout.n + 1) * seq * nbytes)
+    seqs = per_engine * (cfg.rollout.n + 1)
+    engine_weights = param_count(arch, arch.vocab_size) / cfg.rollout.tp * nbytes
+    return engines, per_engine, seqs, kv_cache, engine_weights
+
+
+def reward_model_bytes(cfg, rm_arch, nbytes: int) -> int:
+    """The reward model's weights on its heaviest pipeline stage at reward.tp x reward.pp (0 without one)."""
+    from remax_megatron.models.hf_config import check_layout, padded_vocab_size
+
+    if rm_arch is None:
+        return 0
+    check_layout(rm_arch, cfg.reward.tp, cfg.reward.pp, "reward")
+    rm_vocab = padded_vocab_size(rm_arch.vocab_size, cfg.reward.tp, cfg.actor.make_vocab_size_divisible_by)
+    return heaviest_stage_params(rm_arch, rm_vocab, cfg.reward.tp, cfg.reward.pp) * nbytes
+
+
+def _actor_rows(cfg, dense: int, expert: int, adapters: int, dp: int, expert_dp: int, nbytes: int) -> list[tuple]:
+    """The weights, gradients and optimizer rows (key, label, bytes, counted) of one rank of a stage holding
+    `dense` + `expert` parameters (LoRA: `adapters` per rank, the only trainable ones)."""
+    held = dense + expert
+    state = 12 if nbytes < 4 else 8
+    # LoRA: the adapters are the only trainable parameters (gradients, optimizer); the base stays as it is.
+    trained, dense_trained, expert_trained = (adapters, adapters, 0) if adapters else (held, dense, expert)
+    return [
+        ("weights", "actor weights" + (" (+ LoRA adapters)" if adapters else ""), (held + adapters) * nbytes, True),
+        ("gradients", "actor gradients (fp32)" + (", adapters only" if adapters else ""), trained * 4, True),
+        ("optimizer", "optimizer states", trained * state, not cfg.optim.distributed_optimizer),
+        ("optimizer_distributed", "optimizer states, distributed (/dp)",
+         (dense_trained / dp + expert_trained / expert_dp) * state, cfg.optim.distributed_optimizer),
+    ]
+
+
 def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
     """Per-GPU bytes of every row in the module docstring, on each pipeline stage; the rows and the total
     are the heaviest stage's (`counted` rows sum to the total): what decides whether the job fits."""
     a, tp, pp = cfg.actor, cfg.actor.tp, cfg.actor.pp
-    from remax_megatron.models.hf_config import check_layout, padded_vocab_size
+    from remax_megatron.models.hf_config import padded_vocab_size
 
     vocab = padded_vocab_size(arch.vocab_size, tp, a.make_vocab_size_divisible_by)
     params = param_count(arch, vocab)
     experts = expert_param_count(arch)
     ep, etp = a.ep, a.etp or tp
     nbytes = DTYPE_BYTES[a.dtype]
-    state = 12 if nbytes < 4 else 8
     expert_dp = tp * sizes["dp"] // (ep * etp)
 
-    d, hd, h, kv, f = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.ffn_hidden_size
-    seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    tokens = cfg.trainer.micro_batch_size * seq
-    s = tp if a.sequence_parallel and tp > 1 else 1
-    mlp = (3 * arch.moe_ffn_hidden_size * arch.moe_top_k / etp + 2 * arch.moe_top_k * d) if arch.is_moe else 3 * f / tp
-    selective = 4 * d / s + (2 * h + 2 * kv) * hd / tp + mlp
-    layers = arch.num_layers // pp
-    if a.recompute == "none":
-        per_token = layers * (selective + h * seq / tp)
-    elif a.recompute == "selective":
-        per_token = layers * selective
-    else:
-        per_token = layers * d / s + selective
+    seq, _ = cfg.longest_sequence()
+    tokens = cfg.trainer.micro_batch_tokens or cfg.trainer.micro_batch_size * seq
+    per_token = activation_elements(cfg, arch, seq)
     v_local = vocab / tp
 
     separate = cfg.rollout.placement == "separate"   # the engines live on their own ranks, not beside the actor
-    engines = sizes["rollout_world"] // cfg.rollout.tp
-    per_engine = math.ceil(cfg.trainer.prompts_per_step / engines)
-    kv_cache = (2 * arch.num_layers * (kv / cfg.rollout.tp) * hd * per_engine * (cfg.rollout.n + 1) * seq * nbytes)
-
+    engines, per_engine, seqs, kv_cache, engine_weights = rollout_memory(cfg, arch, sizes, seq, nbytes)
     adapters = lora_adapter_params(arch, a) // pp  # per rank of a stage (layers split evenly)
     reference = cfg.reference.enabled and not a.lora_rank  # a LoRA actor is its own reference
-    rm_bytes = 0
-    if rm_arch is not None:
-        check_layout(rm_arch, cfg.reward.tp, cfg.reward.pp, "reward")
-        rm_vocab = padded_vocab_size(rm_arch.vocab_size, cfg.reward.tp, a.make_vocab_size_divisible_by)
-        rm_bytes = heaviest_stage_params(rm_arch, rm_vocab, cfg.reward.tp, cfg.reward.pp) * nbytes
-    seqs = per_engine * (cfg.rollout.n + 1)
-    engine_weights = param_count(arch, arch.vocab_size) / cfg.rollout.tp * nbytes
+    rm_bytes = reward_model_bytes(cfg, rm_arch, nbytes)
     stages = []
     for stage, (dense, expert) in enumerate(stage_params(arch, vocab, tp, pp, ep, etp)):
         held = dense + expert
-        # LoRA: the adapters are the only trainable parameters (gradients, optimizer); the base stays as it is.
-        trained, dense_trained, expert_trained = (adapters, adapters, 0) if adapters else (held, dense, expert)
         # 1F1B: stage k holds the activations of min(pp - k, micro-batches) micro-batches; the last holds the logits
         in_flight = min(pp - stage, sizes["micro_batches"])
         last = stage == pp - 1
         # (key, label, bytes, counted in the total)
-        rows = [
-            ("weights", "actor weights" + (" (+ LoRA adapters)" if adapters else ""), (held + adapters) * nbytes,
-             True),
-            ("gradients", "actor gradients (fp32)" + (", adapters only" if adapters else ""), trained * 4, True),
-            ("optimizer", "optimizer states", trained * state, not cfg.optim.distributed_optimizer),
-            ("optimizer_distributed", "optimizer states, distributed (/dp)",
-             (dense_trained / sizes["dp"] + expert_trained / expert_dp) * state, cfg.optim.distributed_optimizer),
+        rows = _actor_rows(cfg, dense, expert, adapters, sizes["dp"], expert_dp, nbytes) + [
             ("activations", f"activations (recompute={a.recompute}, x{in_flight} in flight)",
              nbytes * tokens * per_token * in_flight, True),
             ("logits_naive", "logits, naive (fp32 x3)", 4 * tokens * v_local * 3 if last else 0, False),
@@ -276,12 +313,19 @@ def _choices(cfg, arch, gpus_per_node: int) -> list[tuple[str, list]]:
     while m > 1:
         m //= 2
         halves.append(m)
+    batch_key = "trainer.micro_batch_size"
+    if cfg.trainer.micro_batch_tokens:  # the budget sizes the micro-batch: halve it, down to one longest row
+        batch_key, halves, m = "trainer.micro_batch_tokens", [], cfg.trainer.micro_batch_tokens
+        row = round_up(cfg.longest_sequence()[0], sequence_multiple(cfg.actor.tp, cfg.actor.sequence_parallel))
+        while m // 2 >= row:
+            m //= 2
+            halves.append(m)
     recompute = ["selective", "full"] if cfg.actor.recompute == "none" else \
         ["full"] if cfg.actor.recompute == "selective" else []
     return [
         ("optim.distributed_optimizer", [] if cfg.optim.distributed_optimizer else [True]),
         ("actor.recompute", recompute),
-        ("trainer.micro_batch_size", halves),
+        (batch_key, halves),
         ("actor.tp", _doublings(cfg.actor.tp, gpus_per_node)),
         ("actor.pp", _doublings(cfg.actor.pp, arch.num_layers)),
         ("rollout.tp", _doublings(cfg.rollout.tp, min(gpus_per_node, arch.num_kv_heads))),
@@ -374,8 +418,10 @@ def render(cfg, arch, model_dir: str, nodes: int, gpn: int, gpu_bytes: int, size
         + (f"; reward model tp({cfg.reward.tp}) * pp({cfg.reward.pp}), {_rm_placement(cfg)}"
            if cfg.reward.model else ""),
         f"batch: {t.prompts_per_step} prompts/step -> {sizes['seqs_per_rank']} sequences per dp rank, "
-        f"{t.mini_batches} mini-batch(es) x {sizes['micro_batches']} micro-batches of {t.micro_batch_size}, "
-        f"seq {est['seq_len']} tokens",
+        + (f"{t.mini_batches} mini-batch(es) x up to {sizes['micro_batches']} micro-batches of <= "
+           f"{t.micro_batch_tokens} tokens, " if t.micro_batch_tokens else
+           f"{t.mini_batches} mini-batch(es) x {sizes['micro_batches']} micro-batches of {t.micro_batch_size}, ")
+        + f"seq {est['seq_len']} tokens",
         "",
         f"{heading:<58}{'GiB':>8}  counted",
     ]

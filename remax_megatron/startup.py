@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from remax_megatron.builtin.models import resolve_model
 from remax_megatron.data.prompts import Prompt, load_prompts
-from remax_megatron.models.arch import DTYPES, ExpertOptions, LoraOptions, ModelArch, check_packing, \
+from remax_megatron.models.arch import DTYPES, ExpertOptions, LoraOptions, ModelArch, check_packing, expert_options, \
     transformer_engine_usable
 from remax_megatron.models.hf_config import check_layout, check_run_length, read_hf_config
 from remax_megatron.reward.functions import PLACEHOLDER, RewardBatch, RewardFunctions
@@ -90,8 +90,7 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     if beyond:
         raise ValueError(f"rollout.stop_token_ids: {beyond[:5]} are not tokens of actor.model {actor_dir} "
                          f"(vocab_size {arch.vocab_size}): use ids below it")
-    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    how = f"data.max_prompt_tokens({cfg.data.max_prompt_tokens}) + rollout.max_new_tokens({cfg.rollout.max_new_tokens})"
+    longest, how = cfg.longest_sequence()
     check_run_length(arch, longest, f"actor.model {actor_dir}", how)
     if arch.task != "causal_lm":
         raise ValueError(f"actor.model {actor_dir} is a {arch.architecture}: the actor must be a *ForCausalLM")
@@ -100,25 +99,11 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
         if cfg.reference.enabled and not cfg.actor.lora_rank else None
     if ref_dir and read_hf_config(ref_dir) != arch:
         raise ValueError(f"reference.model {ref_dir} has a different architecture than actor.model {actor_dir}")
-    rm_dir = rm_arch = None
-    if cfg.reward.model:
-        rm_dir = resolve_model(cfg.reward.model, "reward.model", build=False)
-        rm_arch = read_hf_config(rm_dir)
-        if rm_arch.task != "reward":
-            raise ValueError(f"reward.model {rm_dir} is a {rm_arch.architecture}: use a *ForSequenceClassification")
-        check_layout(rm_arch, cfg.reward.tp, cfg.reward.pp, "reward")
-        check_run_length(rm_arch, longest, f"reward.model {rm_dir}", how)
+    rm_dir, rm_arch = check_reward_model(cfg)
     functions = RewardFunctions(cfg.reward.functions, cfg.reward.weights, {
         "pattern": cfg.reward.format_pattern, "tolerance": cfg.reward.numeric_tolerance,
         "limit": cfg.reward.length_limit}) if cfg.reward.functions else None
-    for spec, path, what in ((cfg.actor.model, actor_dir, "actor.model"),
-                             (cfg.reference.model or cfg.actor.model, ref_dir, "reference.model"),
-                             (cfg.reward.model, rm_dir, "reward.model")):
-        if path and not spec.startswith("builtin:"):  # a built-in model gets its weights at build()
-            try:
-                HFCheckpointReader(path)  # headers only: every weight file there, readable, complete
-            except (FileNotFoundError, ValueError) as e:
-                raise type(e)(f"{what}: {e}") from None
+    check_weight_files(cfg, actor_dir, ref_dir, rm_dir)
     tokenizer = AutoTokenizer.from_pretrained(actor_dir)
     if len(tokenizer) > arch.vocab_size:
         raise ValueError(f"the tokenizer of actor.model {actor_dir} has {len(tokenizer)} tokens but the model's "
@@ -135,6 +120,34 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     return CheckedInputs(arch=arch, actor_dir=actor_dir, ref_dir=ref_dir, rm_dir=rm_dir, rm_arch=rm_arch,
                          rm_inputs=rm_inputs, functions=functions, tokenizer=tokenizer, train=train, eval=evals,
                          data_counts=counts, experts=experts)
+
+
+def check_reward_model(cfg) -> tuple[str | None, ModelArch | None]:
+    """reward.model's directory and architecture (None, None without one): a *ForSequenceClassification
+    that reward.tp x reward.pp can split and that holds the run's longest sequence."""
+    if not cfg.reward.model:
+        return None, None
+    rm_dir = resolve_model(cfg.reward.model, "reward.model", build=False)
+    rm_arch = read_hf_config(rm_dir)
+    if rm_arch.task != "reward":
+        raise ValueError(f"reward.model {rm_dir} is a {rm_arch.architecture}: use a *ForSequenceClassification")
+    check_layout(rm_arch, cfg.reward.tp, cfg.reward.pp, "reward")
+    longest, how = cfg.longest_sequence()
+    check_run_length(rm_arch, longest, f"reward.model {rm_dir}", how)
+    return rm_dir, rm_arch
+
+
+def check_weight_files(cfg, actor_dir: str, ref_dir: str | None, rm_dir: str | None) -> None:
+    """Every weight file of the models the run reads is there, readable and complete (headers only); a
+    built-in model gets its weights at build()."""
+    for spec, path, what in ((cfg.actor.model, actor_dir, "actor.model"),
+                             (cfg.reference.model or cfg.actor.model, ref_dir, "reference.model"),
+                             (cfg.reward.model, rm_dir, "reward.model")):
+        if path and not spec.startswith("builtin:"):
+            try:
+                HFCheckpointReader(path)
+            except (FileNotFoundError, ValueError) as e:
+                raise type(e)(f"{what}: {e}") from None
 
 
 def probe_reward_functions(functions: RewardFunctions, prompts: list[Prompt], source: str, tokenizer,
@@ -226,42 +239,6 @@ def lora_options(cfg) -> LoraOptions | None:
                        seed=cfg.trainer.seed)
 
 
-def expert_options(cfg, arch: ModelArch) -> ExpertOptions:
-    """How the actor's (and reference's) experts run; one-line errors for what cannot run here."""
-    a = cfg.actor
-    if not arch.is_moe:
-        if cfg.rollout.routing_replay:
-            raise ValueError(f"rollout.routing_replay=true but {arch.architecture} has no experts to route: "
-                             "set it to false")
-        return ExpertOptions()
-    if a.tp > 1 and not a.sequence_parallel:
-        raise ValueError(f"actor.tp={a.tp} with a mixture-of-experts model needs actor.sequence_parallel=true "
-                         "(megatron-core trains MoE layers under TP only with sequence parallelism)")
-    if cfg.rollout.routing_replay and cfg.actor.recompute == "full":
-        raise ValueError("rollout.routing_replay=true with actor.recompute=full: the recomputed forward would route "
-                         "on its own (megatron's REPLAY_BACKWARD is not driven by the schedule); use "
-                         "actor.recompute=selective or none")
-    if cfg.trainer.micro_batch_tokens and a.moe_dispatcher == "allgather":
-        raise ValueError("trainer.micro_batch_tokens with actor.moe_dispatcher=allgather: micro-batches of several "
-                         "shapes need megatron's variable_seq_lengths, which its allgather dispatcher refuses; use "
-                         "actor.moe_dispatcher=alltoall")
-    if cfg.trainer.pack_sequences and cfg.algo.moe_aux_loss == "seq_aux" and cfg.actor.recompute == "full":
-        raise ValueError("trainer.pack_sequences=true with algo.moe_aux_loss=seq_aux and actor.recompute=full: the "
-                         "recomputed routers would not know which packed sequence each token belongs to; use "
-                         "actor.recompute=selective, algo.moe_aux_loss=aux, or trainer.pack_sequences=false")
-    if cfg.rollout.routing_replay and cfg.trainer.mini_batches > 1:
-        raise ValueError(f"rollout.routing_replay=true with trainer.mini_batches={cfg.trainer.mini_batches}: the old "
-                         "log-prob pass does not replay routes yet; use trainer.mini_batches=1")
-    # A LoRA actor runs megatron's local spec (models/gpt.build_policy): its experts are SequentialMLP.
-    grouped = a.moe_experts == "grouped" or (a.moe_experts == "auto" and transformer_engine_usable()
-                                             and not a.lora_rank)
-    if grouped and not transformer_engine_usable():
-        raise ValueError("actor.moe_experts=grouped needs CUDA and Transformer Engine (TEGroupedMLP): use "
-                         "actor.moe_experts=sequential (megatron's SequentialMLP) or auto")
-    return ExpertOptions(ep=a.ep, etp=a.etp or a.tp, dispatcher=a.moe_dispatcher, grouped_gemm=grouped,
-                         routing_replay=cfg.rollout.routing_replay)
-
-
 def prepare_models(cfg, checked: CheckedInputs) -> None:
     """Build the built-in models the run names (on first use; a no-op for model directories and once
     cached). Before the process group exists: transformers saves a model only on rank 0 of an
@@ -281,13 +258,11 @@ def build(cfg, checked: CheckedInputs, bridge=None):
 
     from remax_megatron.algo.kl_controller import KLController
     from remax_megatron.data.prompts import PromptSampler
-    from remax_megatron.models import build_policy, build_reward_model
     from remax_megatron.models.gpt import params_dtype_of
     from remax_megatron.optimizer import attach_to_schedule, build_optimizer, build_scheduler, wrap_ddp
     from remax_megatron.parallel import ParallelLayout, init_distributed
     from remax_megatron.reward.scoring import RewardScorer
     from remax_megatron.trainer import Components
-    from remax_megatron.weights import load_hf_weights
 
     # Built already (prepare_models): the built models' directories, or the model directories as given.
     actor_dir = resolve_model(cfg.actor.model, "actor.model")
@@ -299,6 +274,38 @@ def build(cfg, checked: CheckedInputs, bridge=None):
                                                           timeout_minutes=cfg.trainer.dist_timeout_minutes)
     torch.manual_seed(cfg.trainer.seed)
     dtype = params_dtype_of(cfg.actor.dtype)
+    actor, reference, reward_model = build_models(cfg, checked, dtype, actor_dir, ref_dir, rm_dir)
+    ddp = wrap_ddp(actor, cfg.optim.distributed_optimizer)
+    optimizer = build_optimizer(ddp, cfg.optim, dtype, groups)
+    attach_to_schedule(ddp, optimizer)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.steps * cfg.trainer.mini_batches)
+    if cfg.rollout.placement == "separate":
+        from remax_megatron.rollout.remote import RemoteEngine
+
+        engine = RemoteEngine(bridge, dtype=dtype, seed=cfg.trainer.seed)
+    else:
+        engine = build_rollout_engine(cfg, checked, actor_dir)
+    tok = checked.tokenizer
+    scorer = RewardScorer(checked.functions, reward_model, cfg.reward.model_weight,
+                          micro_batch_size=cfg.trainer.micro_batch_size, rm_inputs=checked.rm_inputs,
+                          micro_batch_tokens=cfg.trainer.micro_batch_tokens)
+    return Components(cfg=cfg, groups=groups, actor=ddp, reference=reference, optimizer=optimizer,
+                      scheduler=scheduler, engine=engine, scorer=scorer, tokenizer=tok,
+                      sampler=PromptSampler(checked.train, cfg.trainer.seed, cfg.data.shuffle),
+                      eval_prompts=checked.eval, kl=KLController(cfg.algo.kl_coef, cfg.algo.kl_target,
+                                                                    cfg.algo.kl_horizon),
+                      hf_dir=actor_dir)
+
+
+def build_models(cfg, checked: CheckedInputs, dtype: torch.dtype, actor_dir: str, ref_dir: str | None,
+                 rm_dir: str | None):
+    """The actor (with its LoRA adapters), the reference and the reward model (None when not used), their
+    weights loaded from their directories; after ParallelLayout.initialize."""
+    import torch
+
+    from remax_megatron.models import build_policy, build_reward_model
+    from remax_megatron.weights import load_hf_weights
+
     recompute = None if cfg.actor.recompute == "none" else cfg.actor.recompute
     common = dict(tp=cfg.actor.tp, pp=cfg.actor.pp, params_dtype=dtype, sequence_parallel=cfg.actor.sequence_parallel,
                   make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by, init_weights=False)
@@ -320,25 +327,7 @@ def build(cfg, checked: CheckedInputs, bridge=None):
                                           sequence_parallel=cfg.actor.sequence_parallel, init_weights=False,
                                           make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by)
         load_hf_weights(reward_model, rm_dir)
-    ddp = wrap_ddp(actor, cfg.optim.distributed_optimizer)
-    optimizer = build_optimizer(ddp, cfg.optim, dtype, groups)
-    attach_to_schedule(ddp, optimizer)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.steps * cfg.trainer.mini_batches)
-    if cfg.rollout.placement == "separate":
-        from remax_megatron.rollout.remote import RemoteEngine
-
-        engine = RemoteEngine(bridge, dtype=dtype, seed=cfg.trainer.seed)
-    else:
-        engine = build_rollout_engine(cfg, checked, actor_dir)
-    tok = checked.tokenizer
-    scorer = RewardScorer(checked.functions, reward_model, cfg.reward.model_weight,
-                          micro_batch_size=cfg.trainer.micro_batch_size, rm_inputs=checked.rm_inputs)
-    return Components(cfg=cfg, groups=groups, actor=ddp, reference=reference, optimizer=optimizer,
-                      scheduler=scheduler, engine=engine, scorer=scorer, tokenizer=tok,
-                      sampler=PromptSampler(checked.train, cfg.trainer.seed, cfg.data.shuffle),
-                      eval_prompts=checked.eval, kl=KLController(cfg.algo.kl_coef, cfg.algo.kl_target,
-                                                                    cfg.algo.kl_horizon),
-                      hf_dir=actor_dir)
+    return actor, reference, reward_model
 
 
 def build_rollout_engine(cfg, checked: CheckedInputs, actor_dir: str | None = None):
@@ -349,4 +338,4 @@ def build_rollout_engine(cfg, checked: CheckedInputs, actor_dir: str | None = No
 
     return build_engine(cfg.rollout, hf_dir=actor_dir or resolve_model(cfg.actor.model, "actor.model"),
                         arch=checked.arch, seed=cfg.trainer.seed, dtype=params_dtype_of(cfg.actor.dtype),
-                        max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+                        max_model_len=cfg.longest_sequence()[0])

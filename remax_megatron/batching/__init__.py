@@ -17,7 +17,8 @@ from remax_megatron.batching.micro_batches import (
     to_rows,
     to_sequences,
 )
-from remax_megatron.batching.padding import pad_routes, pad_sequences, round_up
+from remax_megatron.batching.padding import pad_routes, pad_sequences
+from remax_megatron.sizes import round_up
 
 __all__ = [
     "MicroBatch",

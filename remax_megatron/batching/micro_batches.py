@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from remax_megatron.batching.padding import round_up
 from remax_megatron.kernels import IGNORE_INDEX
 from remax_megatron.parallel.layout import comm_device
+from remax_megatron.sizes import check_token_budget, round_up
 
 PATHS = ("mask", "thd")
 # Fill of each per-token key beyond a row's length (anything else: 0).
@@ -107,9 +107,7 @@ def plan_micro_batches(lengths: list[int], budget: int, multiple: int = 1, pack:
     if not rows:
         return []
     longest = round_up(max(lengths), multiple)
-    if budget < longest:
-        raise ValueError(f"trainer.micro_batch_tokens={budget} is smaller than one row of {longest} tokens: "
-                         f"raise it to at least {longest}")
+    check_token_budget(budget, longest)
     order = sorted(range(len(rows)), key=lambda j: (-lengths[j], rows[j]))
     if pack:
         return _packed(order, lengths, rows, longest, budget // longest)

@@ -21,11 +21,7 @@ from __future__ import annotations
 import torch
 
 from remax_megatron.kernels import IGNORE_INDEX
-
-
-def round_up(value: int, multiple: int) -> int:
-    """`value` rounded up to a multiple of `multiple` (a sequence width under sequence parallel)."""
-    return -(-value // multiple) * multiple
+from remax_megatron.sizes import round_up
 
 
 def pad_sequences(prompt_ids: list[list[int]], completions: list, pad_id: int,

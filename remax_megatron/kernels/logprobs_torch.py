@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from remax_megatron.sizes import round_up
+
 # 16M elements = 64 MiB per fp32 tile; two or three tiles are live at a time. A micro-batch of 512
 # labelled rows x a 32k vocab is one row tile: the weight-grad GEMM then runs once with K = 512 rather
 # than twice with K = 256 (10% faster here; the whole fused pass 5%).
@@ -248,7 +250,7 @@ def _logits(x, w):
     64 bytes: BLAS writes rows of an odd width (a vocab of 32003) about 1.3x slower (the 60M benchmark's
     261 x 512 x 32003 tile: 83 ms against 107 ms)."""
     rows, cols = x.shape[0], w.shape[0]
-    width = -(-cols // _ROW_ALIGN) * _ROW_ALIGN
+    width = round_up(cols, _ROW_ALIGN)
     if width == cols:
         return torch.matmul(x, w.T)
     return torch.matmul(x, w.T, out=torch.empty(rows, width, dtype=x.dtype, device=x.device)[:, :cols])

@@ -51,8 +51,7 @@ def remax_loss(
     logprobs [B, T] (differentiable), advantages [B] or [B, T], mask [B, T],
     old_logprobs / ref_logprobs / entropy / is_weights [B, T] optional (is_weights: the
     rollout correction's per-token weights of the policy-gradient term, no gradient through
-    them). ``clip_eps`` is the
-    lower clip and also the upper one unless ``clip_eps_high`` is given.
+    them). ``clip_eps`` is the lower clip and also the upper one unless ``clip_eps_high`` is given.
     Returns ``(loss, stats)``. Every stat (``pg_loss``, ``kl``, ``entropy``,
     ``clip_frac``, ``ratio``, ``adv``) is aggregated like the loss, so it sums
     over micro-batches (and DP ranks) to the step's value; stats are 0-dim
@@ -68,17 +67,7 @@ def remax_loss(
     agg = dict(mode=loss_agg_mode, global_num_tokens=global_num_tokens,
                global_num_seqs=global_num_seqs)
     stats = {}
-    if old_logprobs is None:
-        pg = -adv * lp  # [B, T]
-        ratio = torch.ones_like(lp)
-        clipped = torch.zeros_like(lp)
-    else:
-        ratio = torch.exp(lp - old_logprobs.to(lp.dtype))  # [B, T]
-        hi = clip_eps if clip_eps_high is None else clip_eps_high
-        unclipped = -adv * ratio
-        clipped_pg = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + hi)
-        pg = torch.maximum(unclipped, clipped_pg)
-        clipped = (clipped_pg > unclipped).to(lp.dtype)
+    pg, ratio, clipped = _policy_gradient_term(lp, adv, old_logprobs, clip_eps, clip_eps_high)
     if is_weights is not None:
         pg = pg * is_weights.detach().to(lp.dtype)
     per_token = pg
@@ -99,6 +88,24 @@ def remax_loss(
     stats["adv"] = aggregate(adv.detach(), mask, **agg)
     stats["loss"] = loss.detach()
     return loss, stats
+
+
+def _policy_gradient_term(lp: torch.Tensor, adv: torch.Tensor, old_logprobs: torch.Tensor | None, clip_eps: float,
+                          clip_eps_high: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token policy-gradient loss, ratio and clipped flag, all [B, T]: -A * logprob on-policy (no
+    old log-probs), else the clipped-ratio (PPO-style) term with clip range [1 - clip_eps, 1 + high]."""
+    if old_logprobs is None:
+        pg = -adv * lp  # [B, T]
+        ratio = torch.ones_like(lp)
+        clipped = torch.zeros_like(lp)
+    else:
+        ratio = torch.exp(lp - old_logprobs.to(lp.dtype))  # [B, T]
+        hi = clip_eps if clip_eps_high is None else clip_eps_high
+        unclipped = -adv * ratio
+        clipped_pg = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + hi)
+        pg = torch.maximum(unclipped, clipped_pg)
+        clipped = (clipped_pg > unclipped).to(lp.dtype)
+    return pg, ratio, clipped
 
 
 def logprob_gradient(advantages: torch.Tensor, mask: torch.Tensor, *, loss_agg_mode: str = "token-mean",

@@ -115,3 +115,41 @@ class LoraOptions:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+
+def expert_options(cfg, arch: ModelArch, this_machine: bool = True) -> ExpertOptions:
+    """How the actor's (and reference's) experts run (actor.ep, actor.etp, actor.moe_*, rollout.routing_replay);
+    one-line errors for what cannot run. The one owner of the expert rules: start-up and the planner call it
+    (the planner with this_machine=False: no check of this machine's CUDA / Transformer Engine)."""
+    a = cfg.actor
+    if not arch.is_moe:
+        if cfg.rollout.routing_replay:
+            raise ValueError(f"rollout.routing_replay=true but {arch.architecture} has no experts to route: "
+                             "set it to false")
+        return ExpertOptions()
+    if a.tp > 1 and not a.sequence_parallel:
+        raise ValueError(f"actor.tp={a.tp} with a mixture-of-experts model needs actor.sequence_parallel=true "
+                         "(megatron-core trains MoE layers under TP only with sequence parallelism)")
+    if cfg.rollout.routing_replay and cfg.actor.recompute == "full":
+        raise ValueError("rollout.routing_replay=true with actor.recompute=full: the recomputed forward would route "
+                         "on its own (megatron's REPLAY_BACKWARD is not driven by the schedule); use "
+                         "actor.recompute=selective or none")
+    if cfg.trainer.micro_batch_tokens and a.moe_dispatcher == "allgather":
+        raise ValueError("trainer.micro_batch_tokens with actor.moe_dispatcher=allgather: micro-batches of several "
+                         "shapes need megatron's variable_seq_lengths, which its allgather dispatcher refuses; use "
+                         "actor.moe_dispatcher=alltoall")
+    if cfg.trainer.pack_sequences and cfg.algo.moe_aux_loss == "seq_aux" and cfg.actor.recompute == "full":
+        raise ValueError("trainer.pack_sequences=true with algo.moe_aux_loss=seq_aux and actor.recompute=full: the "
+                         "recomputed routers would not know which packed sequence each token belongs to; use "
+                         "actor.recompute=selective, algo.moe_aux_loss=aux, or trainer.pack_sequences=false")
+    if cfg.rollout.routing_replay and cfg.trainer.mini_batches > 1:
+        raise ValueError(f"rollout.routing_replay=true with trainer.mini_batches={cfg.trainer.mini_batches}: the old "
+                         "log-prob pass does not replay routes yet; use trainer.mini_batches=1")
+    # A LoRA actor runs megatron's local spec (models/gpt.build_policy): its experts are SequentialMLP.
+    grouped = a.moe_experts == "grouped" or (a.moe_experts == "auto" and transformer_engine_usable()
+                                             and not a.lora_rank)
+    if grouped and this_machine and not transformer_engine_usable():
+        raise ValueError("actor.moe_experts=grouped needs CUDA and Transformer Engine (TEGroupedMLP): use "
+                         "actor.moe_experts=sequential (megatron's SequentialMLP) or auto")
+    return ExpertOptions(ep=a.ep, etp=a.etp or a.tp, dispatcher=a.moe_dispatcher, grouped_gemm=grouped,
+                         routing_replay=cfg.rollout.routing_replay)

@@ -22,6 +22,7 @@ from megatron.core.models.gpt import GPTModel, gpt_layer_specs
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from torch import nn
 
+from remax_megatron import sizes
 from remax_megatron.kernels import fused_logprobs
 from remax_megatron.models.arch import DTYPES, ExpertOptions, LoraOptions, ModelArch, transformer_engine_usable
 from remax_megatron.models.hf_config import padded_vocab_size, transformer_config
@@ -305,7 +306,7 @@ def build_reward_model(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch
 def sequence_multiple(model) -> int:
     """Batches for `model` need a sequence length that is a multiple of this (TP with sequence parallel)."""
     config = model.config
-    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return sizes.sequence_multiple(config.tensor_model_parallel_size, config.sequence_parallel)
 
 
 def check_sequence_length(model, seq_length: int) -> None:

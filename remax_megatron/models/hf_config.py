@@ -19,6 +19,7 @@ from transformers import AutoConfig
 
 from remax_megatron.models import families
 from remax_megatron.models.arch import ExpertOptions, ModelArch
+from remax_megatron.sizes import round_up
 
 
 def read_hf_config(model_dir: str) -> ModelArch:
@@ -115,21 +116,25 @@ def check_layout(arch: ModelArch, tp: int, pp: int, what: str = "actor", ep: int
     if arch.is_moe and arch.num_experts % ep:
         raise ValueError(f"{ep_name}={ep} does not divide the {arch.num_experts} experts of {arch.architecture}: "
                          f"choose ep from the divisors of {arch.num_experts}")
-    if arch.num_heads % tp:
-        raise ValueError(f"{tp_name}={tp} does not divide num_attention_heads={arch.num_heads}: "
-                         f"choose tp from the divisors of {arch.num_heads}")
-    if arch.num_kv_heads % tp:
-        raise ValueError(f"{tp_name}={tp} does not divide num_key_value_heads={arch.num_kv_heads}: "
-                         f"choose tp from the divisors of {arch.num_kv_heads}")
+    check_tp_heads(arch, tp, tp_name)
     if arch.num_layers % pp:
         raise ValueError(f"{pp_name}={pp} does not divide num_hidden_layers={arch.num_layers}: "
                          f"choose pp from the divisors of {arch.num_layers}")
 
 
+def check_tp_heads(arch: ModelArch, tp: int, tp_name: str) -> None:
+    """Tensor parallelism `tp` (the setting `tp_name`: actor.tp, rollout.tp, --tp) splits whole attention heads
+    and whole KV heads (query groups): tp divides both."""
+    for what, heads in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads)):
+        if heads % tp:
+            raise ValueError(f"{tp_name}={tp} does not divide {what}={heads}: choose {tp_name.lstrip('-')} from "
+                             f"the divisors of {heads}")
+
+
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     """Megatron's padded vocab: a multiple of divisible_by * tp (rows past vocab_size are padding)."""
     multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
+    return round_up(vocab_size, multiple)
 
 
 def transformer_config(

@@ -166,6 +166,18 @@ class ProcessGroups:
         )
 
 
+def check_rollout_tp(tp: int, ranks: int, separate: bool = False) -> None:
+    """rollout.tp divides the ranks that run engines (one engine per rollout.tp consecutive ranks): the world,
+    or rollout.ranks with rollout.placement=separate (`separate`). One line naming both."""
+    if ranks % tp == 0:
+        return
+    if separate:
+        raise ValueError(f"rollout.tp({tp}) does not divide rollout.ranks({ranks}): the rollout ranks run "
+                         f"rollout.ranks / rollout.tp engines; choose rollout.tp from the divisors of {ranks}")
+    raise ValueError(f"rollout.tp={tp} does not divide the world size {ranks}: choose rollout.tp from the divisors "
+                     f"of {ranks}")
+
+
 def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
     """Init torch.distributed from torchrun's environment; (rank, world_size).
 

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from remax_megatron.sizes import ceil_div
+
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -52,7 +54,7 @@ class NestedGroups:
 
     def share(self, count: int) -> range:
         """The items (of `count`, the same list on every rank of `outer`) this rank's replica handles."""
-        per = -(-count // self.replicas)
+        per = ceil_div(count, self.replicas)
         return range(min(count, self.replica * per), min(count, (self.replica + 1) * per))
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from remax_megatron.parallel import cpu_compat
+from remax_megatron.parallel.layout import check_rollout_tp
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,7 @@ def check_split(world: int, rollout_ranks: int, rollout_tp: int) -> None:
     if rollout_ranks < 1 or rollout_ranks >= world:
         raise ValueError(f"rollout.ranks({rollout_ranks}) with rollout.placement=separate must be in [1, world({world})"
                          f" - 1]: the rest, world({world}) - rollout.ranks, are the training ranks")
-    if rollout_ranks % rollout_tp:
-        raise ValueError(f"rollout.tp({rollout_tp}) does not divide rollout.ranks({rollout_ranks}): the rollout ranks "
-                         f"run rollout.ranks / rollout.tp engines; choose rollout.tp from the divisors of "
-                         f"{rollout_ranks}")
+    check_rollout_tp(rollout_tp, rollout_ranks, separate=True)
 
 
 def split_world(rollout_ranks: int, timeout_minutes: int = 30) -> WorldSplit:

@@ -7,33 +7,52 @@ sample equal to the greedy one) is scored once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
+from remax_megatron.batching.micro_batches import plan_micro_batches
 from remax_megatron.models.forward import forward_only
 from remax_megatron.models.gpt import RewardModel, sequence_multiple
 from remax_megatron.parallel import all_reduce_cpu
 from remax_megatron.reward.functions import RewardBatch, RewardError, RewardFunctions
 from remax_megatron.reward.rm_inputs import RewardModelInputs
+from remax_megatron.sizes import round_up
 
-if TYPE_CHECKING:
-    from remax_megatron.data.prompts import Prompt
+
+class ScoredPrompt(Protocol):
+    """What the scorer reads of a prompt (data.prompts.Prompt is one; reward does not import data, which
+    imports reward's functions)."""
+
+    text: str
+    token_ids: list[int]
+    columns: dict
+    index: int
+    raw: object
+    messages: list[dict] | None
+
+    @property
+    def is_chat(self) -> bool: ...
+
 
 class RewardScorer:
     """reward = sum_k w_k * f_k(response) + model_weight * RM(prompt + response)."""
 
     def __init__(self, functions: RewardFunctions | None, reward_model: RewardModel | None = None,
-                 model_weight: float = 1.0, micro_batch_size: int = 8, rm_inputs: RewardModelInputs | None = None):
+                 model_weight: float = 1.0, micro_batch_size: int = 8, rm_inputs: RewardModelInputs | None = None,
+                 micro_batch_tokens: int = 0):
         """rm_inputs maps the actor's prompt + response to the RM's token ids; None: the actor's ids as they are
-        (the reward model shares the actor's tokenizer)."""
+        (the reward model shares the actor's tokenizer). micro_batch_tokens (trainer.micro_batch_tokens): > 0
+        groups the reward model's rows under that token budget as the training forward does
+        (batching.plan_micro_batches); 0: micro_batch_size rows per micro-batch, all as wide as the longest."""
         if functions is None and reward_model is None:
             raise ValueError("no reward: configure reward.functions and/or reward.model")
         self.functions, self.reward_model, self.rm_inputs = functions, reward_model, rm_inputs
         self.model_weight, self.micro_batch_size = model_weight, micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
 
-    def score(self, prompts: Sequence[Prompt], responses: list[list[tuple[list[int], str]]]
+    def score(self, prompts: Sequence[ScoredPrompt], responses: list[list[tuple[list[int], str]]]
               ) -> tuple[list[list[float]], dict]:
         """responses[i] = [(token_ids, text), ...] for prompts[i] (samples then greedy) -> rewards, same shape.
 
@@ -79,6 +98,31 @@ class RewardScorer:
             metrics["reward/model_mean"] = sum(scores) / max(1, len(scores))
         return [[total[j] for j in row] for row in where], metrics
 
+    def _fixed_batches(self, mine: list[list[int]]) -> list[dict]:
+        """micro_batch_size rows per micro-batch, all as wide as the longest (rounded up to the sequence
+        multiple: sequence parallel splits it); the last one filled up with filler rows."""
+        model, mbs = self.reward_model, self.micro_batch_size
+        padded_count = round_up(len(mine), mbs)
+        width = round_up(max(len(s) for s in mine), sequence_multiple(model))
+        whole = _padded_rows(model, mine, padded_count, width)
+        return [{"input_ids": whole["input_ids"][s : s + mbs], "positions": whole["positions"][s : s + mbs]}
+                for s in range(0, padded_count, mbs)]
+
+    def _budget_batches(self, mine: list[list[int]]) -> tuple[list[int], list[dict]]:
+        """The rows grouped under trainer.micro_batch_tokens by the training forward's own grouping
+        (batching.plan_micro_batches: longest first, each micro-batch as wide as its longest row); returns
+        the rows in the order the micro-batches hold them, and the micro-batches. A row longer than the
+        budget (the reward model's own tokenizer can make a longer one) runs alone."""
+        model, budget = self.reward_model, self.micro_batch_tokens
+        multiple = sequence_multiple(model)
+        over = sorted((j for j, s in enumerate(mine) if round_up(len(s), multiple) > budget),
+                      key=lambda j: (-len(mine[j]), j))
+        rest = sorted(set(range(len(mine))) - set(over))
+        micro = [([j], round_up(len(mine[j]), multiple)) for j in over] + [
+            (m.rows, m.width) for m in plan_micro_batches([len(mine[j]) for j in rest], budget, multiple, rows=rest)]
+        order = [j for rows, _ in micro for j in rows]
+        return order, [_padded_rows(model, [mine[j] for j in rows], len(rows), width) for rows, width in micro]
+
     @torch.no_grad()
     def _model_scores(self, sequences: list[list[int]]) -> list[float]:
         """Reward-model score of each sequence at the token HF reads.
@@ -100,27 +144,31 @@ class RewardScorer:
         share = layout.share(len(sequences))
         scores = torch.zeros(len(sequences), dtype=torch.float64)
         if len(share):
-            pad = model.arch.pad_token_id
             mine = [sequences[i] for i in share]
-            mbs = self.micro_batch_size
-            padded_count = -(-len(mine) // mbs) * mbs
-            multiple = sequence_multiple(model)
-            width = -(-max(len(s) for s in mine) // multiple) * multiple  # sequence parallel splits it
-            # Past each length: filler that no score reads (causal attention, positions < length).
-            ids = torch.full((padded_count, width), pad if pad is not None else 0, dtype=torch.long)
-            lengths = torch.ones(padded_count, dtype=torch.long)
-            for i, seq in enumerate(mine):
-                ids[i, : len(seq)] = torch.tensor(seq)
-                lengths[i] = len(seq)
-            positions = model.score_positions(ids, lengths, pad)
-            batches = [{"input_ids": ids[s : s + mbs], "positions": positions[s : s + mbs]}
-                       for s in range(0, padded_count, mbs)]
+            if self.micro_batch_tokens:
+                order, batches = self._budget_batches(mine)
+            else:
+                order, batches = list(range(len(mine))), self._fixed_batches(mine)
             out = forward_only(model, batches, lambda m, values, b: m.scores(values, b["positions"]))
             if layout.is_last_stage and layout.tp_rank == 0:  # one contributor per item: the sum is exact
-                scores[share.start : share.stop] = torch.cat(out)[: len(mine)].double().cpu()
+                got = torch.cat(out)[: len(mine)].double().cpu()
+                scores[[share.start + j for j in order]] = got
         if layout.outer.size() > 1:
             scores = all_reduce_cpu(scores, group=layout.outer)
         return scores[first : first + count].tolist()
+
+
+def _padded_rows(model, rows: list[list[int]], count: int, width: int) -> dict:
+    """One micro-batch of the reward model: `rows` right-padded to [count, width] (rows past len(rows): one
+    filler token each) and the position each score is read at. Past each length: filler that no score reads
+    (causal attention, positions < length)."""
+    pad = model.arch.pad_token_id
+    ids = torch.full((count, width), pad if pad is not None else 0, dtype=torch.long)
+    lengths = torch.ones(count, dtype=torch.long)
+    for i, seq in enumerate(rows):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        lengths[i] = len(seq)
+    return {"input_ids": ids, "positions": model.score_positions(ids, lengths, pad)}
 
 
 def _stop_together(error: RewardError | None) -> None:

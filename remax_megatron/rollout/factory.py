@@ -18,6 +18,8 @@ import importlib
 import torch
 
 from remax_megatron.models import read_hf_config
+from remax_megatron.models.hf_config import check_tp_heads
+from remax_megatron.parallel.layout import check_rollout_tp
 from remax_megatron.rollout.engine import RolloutEngine, world_size_and_rank
 
 # name -> "module:Class" (imported on use) or the class itself
@@ -53,14 +55,9 @@ def check_rollout(cfg, arch, world_size: int, this_machine: bool = True) -> None
     cls = engine_class(cfg.engine)
     if cfg.tp < 1:
         raise ValueError(f"rollout.tp={cfg.tp!r} must be >= 1")
-    if world_size % cfg.tp:
-        raise ValueError(f"rollout.tp={cfg.tp} does not divide the world size {world_size}: choose "
-                         f"rollout.tp from the divisors of {world_size}")
+    check_rollout_tp(cfg.tp, world_size)
     if arch is not None:
-        for what, heads in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads)):
-            if heads % cfg.tp:
-                raise ValueError(f"rollout.tp={cfg.tp} does not divide {what}={heads}: choose rollout.tp "
-                                 f"from the divisors of {heads}")
+        check_tp_heads(arch, cfg.tp, "rollout.tp")
     check = getattr(cls, "check_config", None)
     if check is not None and this_machine:
         check(cfg, arch, world_size)

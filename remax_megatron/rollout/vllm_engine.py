@@ -49,6 +49,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from remax_megatron.parallel.layout import check_rollout_tp
 from remax_megatron.rollout.engine import Completion, PromptRollout, RolloutEngine, SamplingParams, \
     world_size_and_rank
 
@@ -302,8 +303,7 @@ class VllmEngine(RolloutEngine):
         if dtype not in _DTYPE_NAMES:
             raise ValueError(f"engine dtype {dtype} is not supported: use one of {sorted(map(str, _DTYPE_NAMES))}")
         world, rank = world_size_and_rank()
-        if world % cfg.tp:
-            raise ValueError(f"rollout.tp={cfg.tp} does not divide the world size {world}")
+        check_rollout_tp(cfg.tp, world)
         # vLLM's external launcher reads the torchrun variables; a plain `python -m` run is rank 0 of 1.
         for key, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world)):
             os.environ.setdefault(key, str(value))

@@ -25,6 +25,7 @@ from typing import Iterable, Iterator
 import torch
 
 from remax_megatron.rollout.engine import RolloutEngine
+from remax_megatron.sizes import round_up
 from remax_megatron.weights.export import HFExporter
 
 _ALIGN_BYTES = 256  # each view starts on a 256-byte boundary (vectorised copies on GPU)
@@ -51,7 +52,7 @@ class BucketPacker:
         self._used = 0  # elements, aligned
 
     def _padded(self, numel: int) -> int:
-        return -(-numel // self.align) * self.align
+        return round_up(numel, self.align)
 
     def fits(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` joins the current bucket (always true for an empty bucket)."""

@@ -387,3 +387,24 @@ def test_planner_names_the_largest_shipped_model_with_and_without_lora(config, c
     plan.main([*argv, "--gpu-mem-gib", "24"])
     assert "largest shipped model that fits per GPU at this layout: full fine-tuning none, LoRA r=16" in \
         capsys.readouterr().out
+
+
+def test_token_budget_sizes_the_activations_and_the_suggestions():
+    """trainer.micro_batch_tokens set: a micro-batch holds the budget's tokens (padding included), not
+    micro_batch_size * seq; the suggestions halve the budget (down to one longest row)."""
+    from remax_megatron.config import load_config
+    from remax_megatron.models.hf_config import read_hf_config
+    from remax_megatron.plan import _choices, estimate, validate
+
+    arch = read_hf_config(os.path.join(REPO, "configs", "models", "qwen3-8b"))
+    base = ["reward.functions=[exact_match]", "data.max_prompt_tokens=100", "rollout.max_new_tokens=28",
+            "rollout.engine=native", "trainer.micro_batch_size=4", "actor.recompute=selective"]
+    acts = {}
+    for name, extra in (("fixed", []), ("budget", ["trainer.micro_batch_tokens=1024"])):
+        cfg = load_config(None, [*base, *extra])
+        est = estimate(cfg, arch, None, validate(cfg, arch, 1))
+        acts[name] = next(r["bytes"] for r in est["rows"] if r["key"] == "activations")
+    # selective recompute: bytes proportional to the tokens, 1024 against 4 * 128
+    assert abs(acts["budget"] * 4 * 128 - acts["fixed"] * 1024) <= 1024, acts
+    keys = dict(_choices(cfg, arch, 8))
+    assert "trainer.micro_batch_size" not in keys and keys["trainer.micro_batch_tokens"] == [512, 256, 128]

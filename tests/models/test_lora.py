@@ -502,7 +502,10 @@ def test_what_transformer_engine_would_run_is_refused_or_avoided(monkeypatch):
     from remax_megatron import startup
     from remax_megatron.config import load_config
 
+    from remax_megatron.models import arch
+
     monkeypatch.setattr(startup, "transformer_engine_usable", lambda: True)
+    monkeypatch.setattr(arch, "transformer_engine_usable", lambda: True)   # expert_options' (its owner's)
     base = ["reward.functions=[exact_match]", "actor.lora_rank=4"]
     dense = SimpleNamespace(is_moe=False, architecture="LlamaForCausalLM")
     moe = SimpleNamespace(is_moe=True, architecture="MixtralForCausalLM")

@@ -266,3 +266,46 @@ def test_reward_model_layout_independent_of_actor(layout_runs, actor_tp, actor_p
         assert err < 1e-5, f"{case} rank {rank}: max |score - transformers| = {err}"
         # One item: the other RM replicas have nothing to score and still join the sum.
         assert abs(r["single"] - expected[mine[-1]]) < 1e-5, (case, rank, r["single"], expected[mine[-1]])
+
+
+def _budget_body(rank, world, model_dir, sequences, out_path):
+    """The same items scored with fixed-count micro-batches and under a token budget (trainer.micro_batch_tokens),
+    and the micro-batch shapes the budget made."""
+    from remax_megatron.models import build_reward_model, read_hf_config
+    from remax_megatron.parallel import ParallelLayout
+    from remax_megatron.reward import RewardScorer
+    from remax_megatron.weights import load_hf_weights
+
+    ParallelLayout(tp=1, pp=1, world_size=world).initialize()
+    model = build_reward_model(read_hf_config(model_dir), tp=1, pp=1, init_weights=False)
+    load_hf_weights(model, model_dir)
+    from remax_megatron.data.prompts import Prompt
+
+    empty = [Prompt(index=0, text="", token_ids=[])]
+    items = [[(s, "") for s in sequences]]
+    fixed, _ = RewardScorer(None, model, micro_batch_size=2).score(empty, items)
+    budgeted = RewardScorer(None, model, micro_batch_size=2, micro_batch_tokens=24)
+    shapes = [tuple(b["input_ids"].shape) for b in budgeted._budget_batches(sequences)[1]]
+    scored, _ = budgeted.score(empty, items)
+    with open(out_path, "w") as f:
+        json.dump({"fixed": fixed[0], "budget": scored[0], "shapes": shapes}, f)
+
+
+def test_reward_model_honours_the_token_budget(dirs, tmp_path):
+    """trainer.micro_batch_tokens groups the RM's rows as the training forward does (longest first, each
+    micro-batch as wide as its longest row, rows x width <= budget; a row over the budget alone); the scores
+    equal the fixed-count ones to fp32 rounding."""
+    from tests._dist import run_distributed
+
+    g = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(4, 60, (n,), generator=g).tolist() for n in [5, 9, 3, 12, 7, 4, 10, 30]]
+    out = str(tmp_path / "scores.json")
+    run_distributed(_budget_body, 1, (dirs["eos_rm"], sequences, out))
+    with open(out) as f:
+        r = json.load(f)
+    # longest first: [30] alone (over the budget: it runs alone), then 12+10 (2 x 12), 9+7 (2 x 9), 5+4+3 (3 x 5)
+    assert [tuple(s) for s in r["shapes"]] == [(1, 30), (2, 12), (2, 9), (3, 5)]
+    # Not bitwise: other shapes, other GEMM blockings (fp32 CPU: ~1e-7 apart); each equals transformers' too.
+    err = max(abs(a - b) for a, b in zip(r["budget"], r["fixed"]))
+    print(f"max |budget - fixed| = {err:.3g}")
+    assert err < 1e-5, (r["budget"], r["fixed"])
