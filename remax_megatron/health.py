@@ -18,7 +18,7 @@ finding is said once, on stderr.
 - Exploding update. A grad norm over 10x the largest of the last 20 finite ones: warned.
 - A NaN/inf loss or grad norm needs nothing here: the optimizer skips that update (counted in
   optim/skipped_updates, printed), so the weights stay the last finite ones and may be saved; the
-  trainer refuses a save of non-finite weights by itself (Trainer._save_refusal).
+  trainer refuses a save of non-finite weights by itself (RunControl.save_if_sound).
 """
 
 from __future__ import annotations

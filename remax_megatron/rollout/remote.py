@@ -145,7 +145,7 @@ class RemoteEngine(RolloutEngine):
 
     def generate(self, prompt_token_ids, n, sampling, seeds=None):
         if seeds is None:
-            raise ValueError("the remote engine needs one seed per prompt (Trainer._generate gives them)")
+            raise ValueError("the remote engine needs one seed per prompt (RolloutDispatch.submit gives them)")
         return self._generate(prompt_token_ids, n, sampling, seeds)
 
     def _settle(self) -> None:

@@ -35,7 +35,7 @@ def _batch():
 
 
 def _trainer(world, model_dir, tp, pp, overrides, **build_kw):
-    """A Trainer over a megatron DDP actor and the interface's optimizer (no engine: _train_on only)."""
+    """A Trainer over a megatron DDP actor and the interface's optimizer (no engine: Updater.train_on only)."""
     from types import SimpleNamespace
 
     from remax_megatron.config import load_config
