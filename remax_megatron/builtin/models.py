@@ -48,6 +48,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -285,17 +286,20 @@ def _upcycle(out: str, dense_dir: str, recipe: dict):
     """The dense model's weights into the MoE model at `out`: attention, norms and embeddings as they are,
     every expert's gate / up / down a copy of the dense MLP's times (1 + expert_noise * N(0, 1)), and the
     router N(0, router_std)."""
+    from remax_megatron.models.families import DENSE_MLP, family_named
+
     model, tok = _load(out, "actor")
     dense = transformers.AutoModelForCausalLM.from_pretrained(dense_dir).state_dict()
-    noise = recipe["expert_noise"]
+    noise, moe, (gate, up, down) = recipe["expert_noise"], family_named(recipe["arch"]["family"]).moe, DENSE_MLP
     for name, param in model.named_parameters():  # transformers' in-memory names (fused experts [E, ...])
-        if ".mlp.gate." in name:
+        layer = re.match(r"^(.*\.layers\.\d+)\.", name)
+        inside = name[len(layer.group(1)) + 1:] if layer else None  # the name inside its decoder layer
+        if inside == f"{moe.model_router}.weight":
             param.normal_(0.0, recipe["router_std"])
-        elif ".mlp.experts." in name:
-            layer = name.split(".mlp.")[0]
-            source = {"gate_up_proj": torch.cat([dense[f"{layer}.mlp.gate_proj.weight"],
-                                                 dense[f"{layer}.mlp.up_proj.weight"]]),
-                      "down_proj": dense[f"{layer}.mlp.down_proj.weight"]}[name.rsplit(".", 1)[-1]]
+        elif inside in (moe.model_gate_up, moe.model_down):
+            at = layer.group(1)
+            source = torch.cat([dense[f"{at}.{gate}"], dense[f"{at}.{up}"]]) if inside == moe.model_gate_up \
+                else dense[f"{at}.{down}"]
             param.copy_(source.expand_as(param) * (1 + noise * torch.randn(param.shape)))
         else:
             param.copy_(dense[name])

@@ -12,7 +12,8 @@ engine's expert, router and routing-replay names all read it.
 
 from __future__ import annotations
 
-from remax_megatron.models.families.base import CAUSAL_LM, REWARD, EngineTensor, Family, MoeNames, TensorRule
+from remax_megatron.models.families.base import CAUSAL_LM, DENSE_MLP, REWARD, EngineTensor, Family, MoeNames, \
+    TensorRule
 
 _BY_NAME: dict[str, Family] = {}
 _BY_ARCHITECTURE: dict[str, Family] = {}
@@ -80,5 +81,5 @@ def _register_builtin() -> None:
 
 _register_builtin()
 
-__all__ = ["CAUSAL_LM", "REWARD", "EngineTensor", "Family", "MoeNames", "TensorRule", "families", "family_named",
-           "lookup", "register", "supported_architectures", "unregister"]
+__all__ = ["CAUSAL_LM", "DENSE_MLP", "REWARD", "EngineTensor", "Family", "MoeNames", "TensorRule", "families",
+           "family_named", "lookup", "register", "supported_architectures", "unregister"]

@@ -187,13 +187,18 @@ def attention_rules(arch: ModelArch, *, qkv_bias: bool, qk_norm: bool) -> list[T
     return rules
 
 
+# A dense decoder layer's SwiGLU MLP in HF checkpoints and transformers' models: gate, up, down [ffn|hidden, ...]
+DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
 def dense_mlp_rules(arch: ModelArch) -> list[TensorRule]:
     """Pre-norm SwiGLU MLP: post-attention norm, fused gate/up, down."""
     d, f = arch.hidden_size, arch.ffn_hidden_size
+    gate, up, down = DENSE_MLP
     return [
         TensorRule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), REPLICATED, ((d,),)),
-        TensorRule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), FC1, ((f, d), (f, d))),
-        TensorRule("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), ROW, ((d, f),)),
+        TensorRule("mlp.linear_fc1.weight", (gate, up), FC1, ((f, d), (f, d))),
+        TensorRule("mlp.linear_fc2.weight", (down,), ROW, ((d, f),)),
     ]
 
 
