@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from remax_megatron.parallel.layout import all_reduce_cpu
+from remax_megatron.sizes import sequence_multiple
 
 AUX_KINDS = ("aux", "seq_aux", "none")
 
@@ -280,7 +281,7 @@ def own_routes(model, batch: dict) -> torch.Tensor:
     device = next(model.parameters()).device                                       # the groups' device (NCCL)
     routes = torch.zeros((b, s, model.config.num_layers, model.config.moe_router_topk), dtype=torch.long,
                          device=device)
-    tp = model.tp_group.size() if model.config.sequence_parallel else 1
+    tp = sequence_multiple(model.tp_group.size(), model.config.sequence_parallel)  # sequence shards
     for router in routers(model):  # this stage's layers, stored + 1 so that the other stages' stay 0
         recorded = router.router_replay.get_recorded_indices().view(s // tp, b, -1)   # [s / tp, b, top_k]
         if tp > 1:  # sequence parallel: each TP rank routed its shard of the sequence
