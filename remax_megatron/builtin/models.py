@@ -48,7 +48,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -290,16 +289,18 @@ def _upcycle(out: str, dense_dir: str, recipe: dict):
 
     model, tok = _load(out, "actor")
     dense = transformers.AutoModelForCausalLM.from_pretrained(dense_dir).state_dict()
-    noise, moe, (gate, up, down) = recipe["expert_noise"], family_named(recipe["arch"]["family"]).moe, DENSE_MLP
-    for name, param in model.named_parameters():  # transformers' in-memory names (fused experts [E, ...])
-        layer = re.match(r"^(.*\.layers\.\d+)\.", name)
-        inside = name[len(layer.group(1)) + 1:] if layer else None  # the name inside its decoder layer
-        if inside == f"{moe.model_router}.weight":
+    noise, (gate, up, down) = recipe["expert_noise"], DENSE_MLP
+    family = family_named(recipe["arch"]["family"])
+    moe, prefixes = family.moe, [family.hf_layer(i) for i in range(model.config.num_hidden_layers)]
+    routers = {f"{p}{moe.model_router}.weight" for p in prefixes}
+    # transformers' fused experts [E, ...] of each layer <- the dense layer's [gate; up] and down
+    experts = {**{f"{p}{moe.model_gate_up}": (f"{p}{gate}", f"{p}{up}") for p in prefixes},
+               **{f"{p}{moe.model_down}": (f"{p}{down}",) for p in prefixes}}
+    for name, param in model.named_parameters():
+        if name in routers:
             param.normal_(0.0, recipe["router_std"])
-        elif inside in (moe.model_gate_up, moe.model_down):
-            at = layer.group(1)
-            source = torch.cat([dense[f"{at}.{gate}"], dense[f"{at}.{up}"]]) if inside == moe.model_gate_up \
-                else dense[f"{at}.{down}"]
+        elif name in experts:
+            source = torch.cat([dense[k] for k in experts[name]])
             param.copy_(source.expand_as(param) * (1 + noise * torch.randn(param.shape)))
         else:
             param.copy_(dense[name])
