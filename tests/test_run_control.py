@@ -47,7 +47,8 @@ def _body(rank, world):
     assert not run.after_step(1, lambda: {"at": 1}) and events == [("save", 1, {"at": 1})]
     # ... unless plain torchrun would kill the save half-way: then nothing is saved
     os.environ.update(TORCHELASTIC_RUN_ID="x", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1")
-    os.environ.pop("REMAX_LAUNCHER", None), os.environ.pop("REMAX_LAUNCHER_PID", None)
+    for name in ("REMAX_LAUNCHER", "REMAX_LAUNCHER_PID"):
+        os.environ.pop(name, None)
     run, events, actor, log = _control()
     run.preempt.signum, run.preempt.signal_name, run._save_seconds = int(signal.SIGTERM), "SIGTERM", 60.0
     assert not run.after_step(1, lambda: {}) and events == []
