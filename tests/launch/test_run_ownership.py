@@ -79,7 +79,10 @@ def test_a_second_run_into_the_same_directory_is_refused_and_the_first_finishes(
             after = _snapshot(out)
         finally:
             for pid in job:
-                os.kill(pid, signal.SIGCONT)
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:  # it was exiting when frozen (a CI run saw one gone): nothing to resume
+                    pass
         stdout, stderr = first.communicate(timeout=300)
     assert second.returncode == 2, (second.stdout + second.stderr)[-3000:]
     assert second.stderr.splitlines() == [
