@@ -98,8 +98,10 @@ def test_a_second_run_into_the_same_directory_is_refused_and_the_first_finishes(
 
 
 def _freeze(pid):
-    """SIGSTOP the process `pid` and its descendants, over again until no new one appears (one may
-    fork meanwhile); returns their pids."""
+    """SIGSTOP the process `pid` and its descendants, over again until a look at the children of the
+    stopped ones, taken once all of them are stopped, finds no new one (one may fork between our look
+    and its stop: a CI run saw a checkpoint writer forked then write into the frozen run); returns
+    their pids."""
     stopped = []
     while True:
         fresh = [pid] if not stopped else []
@@ -109,17 +111,17 @@ def _freeze(pid):
             except psutil.NoSuchProcess:
                 pass
         fresh = [q for q in dict.fromkeys(fresh) if q not in stopped]
-        if not fresh:
-            # kill() returns before the process stops: wait until each one is stopped (state T)
-            while any(_running(q) for q in stopped):
-                time.sleep(0.01)
-            return stopped
+        if not fresh and stopped:
+            return stopped  # every one was stopped before this look: none can fork any more
         for q in fresh:
             try:
                 os.kill(q, signal.SIGSTOP)
                 stopped.append(q)
             except ProcessLookupError:
                 pass
+        # kill() returns before the process stops: wait until each one is stopped (state T)
+        while any(_running(q) for q in stopped):
+            time.sleep(0.01)
 
 
 def _forked_writer(child, rank):
