@@ -9,7 +9,7 @@
   tensors change, base weights stay bitwise; A stays equal on the TP ranks that replicate it
 - the reference from the disabled adapters equals a separately built reference model (1e-6), TP2 and PP2
 - the native and vLLM CPU engines after a sync from a TP2 LoRA actor give the actor's log-probs (1e-5, fp32)
-- a checkpoint of adapters + optimizer at TP2 resumes exactly at TP2 and to 1e-5 at TP1 x DP2; the
+- a checkpoint of adapters + optimizer at TP2 resumes exactly at TP2 and to 1e-5 at TP1 x DP2 and PP2; the
   converter writes its merged weights at TP2 and TP1
 """
 
@@ -230,15 +230,15 @@ def _resume_body(rank, world, model_dir, top, out_path):
     torch.distributed.barrier()  # resume-tp1 reads it next
 
 
-def _resume_tp1_body(rank, world, model_dir, saved_path, out_path):
-    """The TP2 save of _resume_body loaded at TP1 x DP2: the same second update (adapters, Adam state and
-    fc1's gate / up split resharded)."""
+def _resume_other_layout_body(rank, world, model_dir, saved_path, out_path, tp, pp):
+    """The TP2 save of _resume_body loaded at TP1 x DP2 or PP2: the same second update (adapters, Adam
+    state and fc1's gate / up split resharded; at PP2 each stage loads its own layers' adapters)."""
     saved = torch.load(saved_path)
     from remax_megatron.checkpoint import load_checkpoint
 
     batch = _batch()
     second = batch | {"rewards": batch["rewards"].flip(0)}
-    trainer, actor, opt = _trainer(world, model_dir, 1, 1, ["trainer.seed=5"])
+    trainer, actor, opt = _trainer(world, model_dir, tp, pp, ["trainer.seed=5"])
     load_checkpoint(saved["path"], actor, opt)
     got = trainer.updater.train_on(_local_rows(trainer, second), None, None).stats
     if rank == 0:
@@ -381,7 +381,8 @@ def launched(model_dir, tmp_path_factory):
         cases[2][f"reference-{tp}{pp}"] = (_reference_body, (model_dir, tp, pp, out(f"reference-{tp}{pp}")))
     cases[2]["engine"] = (_engine_body, (model_dir, out("engine")))
     cases[2]["resume"] = (_resume_body, (model_dir, top, out("resume")))
-    cases[2]["resume-tp1"] = (_resume_tp1_body, (model_dir, out("resume"), out("resume-tp1")))  # after "resume"
+    for name, tp, pp in (("resume-tp1", 1, 1), ("resume-pp2", 1, 2)):  # after "resume", which saves
+        cases[2][name] = (_resume_other_layout_body, (model_dir, out("resume"), out(name), tp, pp))
     cases[2]["convert"] = (_convert_body, (model_dir, top, out("convert")))
     cases[4]["peft"] = (_peft_body, (model_dir, top, out("peft")))
     launches = SharedLaunches(cases, top)
@@ -454,9 +455,10 @@ def test_checkpoint_resume_is_exact_at_tp2(launched):
 
 
 @pytest.mark.slow
-def test_tp2_checkpoint_resumes_at_tp1(launched):
-    out = launched("resume-tp1")
-    print(f"lora resume-tp1: {out}")
+@pytest.mark.parametrize("layout", ["tp1", "pp2"])
+def test_tp2_checkpoint_resumes_at_another_layout(launched, layout):
+    out = launched(f"resume-{layout}")
+    print(f"lora resume-{layout}: {out}")
     for key in ("loss", "grad_norm"):
         assert abs(out["got"][key] - out["want"][key]) < 1e-5, (key, out)
 
