@@ -515,11 +515,9 @@ def plan(args) -> tuple[int, str]:
         arch = read_hf_config(model_dir)
         if arch.task != "causal_lm":
             raise ValueError(f"actor.model {model_dir} is a {arch.architecture}: the actor must be a *ForCausalLM")
-        rm_dir = resolve_model(cfg.reward.model, "reward.model", build=False) if cfg.reward.model else None
-        rm_arch = read_hf_config(rm_dir) if rm_dir else None
-    if rm_arch is not None and rm_arch.task != "reward":
-        raise ValueError(f"reward.model {cfg.reward.model} is a {rm_arch.architecture}: "
-                         "use a *ForSequenceClassification")
+        from remax_megatron.startup import check_reward_model
+
+        _, rm_arch = check_reward_model(cfg)  # start-up's checks: its task, layout and run length
     sizes = validate(cfg, arch, world)
     est = estimate(cfg, arch, rm_arch, sizes)
     gpu_bytes = int(args.gpu_mem_gib * GIB)

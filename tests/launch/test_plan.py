@@ -186,6 +186,22 @@ def test_reward_model_layout_must_nest_in_the_actor(rm_config):
     assert r.stderr.count("\n") == 1
 
 
+def test_reward_model_shorter_than_the_run_is_refused_as_at_start_up(rm_config, tmp_path):
+    """The planner runs start-up's reward-model checks: an RM that cannot attend over prompt + completion
+    (256 + 512 tokens here) is refused in one line, as train would refuse it."""
+    rm_dir = str(tmp_path / "rm")
+    with open(os.path.join(rm_dir, "config.json")) as f:
+        raw = json.load(f)
+    with open(os.path.join(rm_dir, "config.json"), "w") as f:
+        json.dump(dict(raw, max_position_embeddings=512), f)
+    r = _run_cli("--config", rm_config)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        f"error: data.max_prompt_tokens(256) + rollout.max_new_tokens(512) = 768 exceeds reward.model {rm_dir}'s "
+        "max_position_embeddings=512: lower one of them"], r.stderr
+    assert r.stdout == ""
+
+
 def test_reward_model_larger_than_the_actor_group(rm_config, capsys):
     """actor TP=2 x dp 4 on 8 GPUs with the RM at TP=4: one RM replica spans two actor groups."""
     code, est = _plan_json(capsys, "--config", rm_config, "--gpus-per-node", "8", "reward.tp=4")
