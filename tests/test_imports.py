@@ -1,5 +1,6 @@
 """The house's layers: every import of remax_megatron (module-level, function-level and TYPE_CHECKING
-ones alike, parsed with ast) points down or sideways, never up, and no two packages import each
+ones alike, parsed with ast, and the module names a dict holds as strings: lazy exports, the engine
+registry's "module:Class") points down or sideways, never up, and no two packages import each
 other, directly or round a circle. A new top-level module or package must be given a layer here.
 
 Units are the subpackages (remax_megatron/models/, ...) and the top-level modules (config.py, ...);
@@ -8,8 +9,11 @@ an import inside one unit is not counted.
 
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "remax_megatron"
+# a string that names a module: "remax_megatron.models.hf_config", "remax_megatron.rollout.native:NativeEngine"
+MODULE_STRING = re.compile(r"(remax_megatron(?:\.\w+)+)(?::\w+)?")
 
 # Bottom to top: a unit imports units of its own layer or below.
 LAYERS = [
@@ -50,6 +54,9 @@ def _targets(path: pathlib.Path, module: str) -> list[tuple[str, int]]:
                 out += [(f"{source}.{a.name}", node.lineno) for a in node.names]
             else:
                 out.append((source, node.lineno))
+        elif isinstance(node, ast.Dict):  # {name: "remax_megatron.x.y"}: imported by name later
+            out += [(MODULE_STRING.fullmatch(v.value).group(1), v.lineno) for v in node.values
+                    if isinstance(v, ast.Constant) and isinstance(v.value, str) and MODULE_STRING.fullmatch(v.value)]
     return [(t, line) for t, line in out if t.startswith("remax_megatron.")]
 
 
