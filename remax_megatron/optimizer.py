@@ -164,6 +164,7 @@ class CpuAdamW:
                 self.optimizer.state[main] = {"step": torch.zeros(()), "exp_avg": torch.zeros_like(main),
                                               "exp_avg_sq": torch.zeros_like(main)}
         state = self.optimizer.state_dict()
+        state["state"] = {i: dict(s) for i, s in state["state"].items()}  # torch's are the live dicts
         steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
         assert len(steps) <= 1, "Adam steps differ between parameters"
         for i, (p, main) in enumerate(zip(self.params, self.main_params)):

@@ -156,3 +156,21 @@ def test_a_resume_takes_the_schedule_and_adam_settings_from_its_config():
                        "optim.lr 0.002 (checkpoint: 0.001)", "trainer.steps * trainer.mini_batches 8 (checkpoint: 4)"]
     schedule.step(increment=1)
     assert resumed.param_groups[0]["lr"] == pytest.approx(2e-3 * (1 - 5 / 8))
+
+
+def test_saving_leaves_the_live_adam_state_as_it_was(monkeypatch):
+    """sharded_state_dict adds the fp32 main weights of bf16 parameters to what it saves, not to torch's
+    own per-parameter state (whose dicts torch's state_dict() returns as they are)."""
+    import types
+
+    from remax_megatron import optimizer as optimizer_module
+    from remax_megatron.config import OptimConfig
+
+    monkeypatch.setattr(optimizer_module, "get_param_id_to_sharded_param_map", lambda *a: {})
+    monkeypatch.setattr(optimizer_module, "optim_state_to_sharding_state", lambda *a, **k: None)
+    module = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    ddp = types.SimpleNamespace(module=module, zero_grad_buffer=lambda: None)
+    opt = optimizer_module.CpuAdamW(ddp, OptimConfig(), process_groups=types.SimpleNamespace(mp=None))
+    saved = opt.sharded_state_dict({})
+    assert all("fp32_param" in saved["state"][i] for i in range(2))  # both parameters are bf16
+    assert [sorted(s) for s in opt.optimizer.state.values()] == [["exp_avg", "exp_avg_sq", "step"]] * 2
