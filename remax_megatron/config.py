@@ -239,9 +239,6 @@ class RolloutConfig:
             raise ValueError("rollout.behaviour_logprobs=true needs rollout.placement=separate with "
                              "rollout.max_staleness=1 (otherwise the batch's policy is the actor's: "
                              "logprob/engine_vs_actor_max_diff says it already)")
-        if self.placement == "separate" and self.routing_replay:
-            raise ValueError("rollout.routing_replay=true with rollout.placement=separate is not supported yet: use "
-                             "rollout.placement=colocated")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"rollout.stop_token_ids={self.stop_token_ids} holds a negative id: token ids are >= 0")
         _positive("rollout.sync_bucket_mb", self.sync_bucket_mb)

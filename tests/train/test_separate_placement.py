@@ -2,6 +2,8 @@
 
 - staleness 0, world 3 = 1 rollout rank + 2 training ranks at actor tp2: every metric of every step equals the
   colocated run at world 2 (same seed, same samples), with the native engine and with vLLM's CPU build
+- routing replay (the MoE default, native engine): the routes travel with their batch; staleness 0 equals
+  colocated, staleness 1 replays the generating version's routes
 - staleness 1: the tiny default learns (greedy eval 0.0 -> >= 0.8 in 30 steps) with token-tis; from step 2 on
   each batch is one policy version old (rollout/staleness = 1, the engine-vs-actor gap shows the policy's
   change) while the engine agrees with the version that generated it to 1e-5 (engine_vs_behaviour)
@@ -89,6 +91,28 @@ def test_a_resumed_run_loses_and_repeats_no_batch(env, tmp_path, staleness):  # 
         assert [r["rollout/staleness"] for r in records] == [0, 1, 1, 0, 1, 1]
     else:
         _assert_same(records, whole, tol=1e-6)
+
+
+MOE_REPLAY = ("trainer.eval_every=0", "checkpoint.save_every=0", *NATIVE, "rollout.routing_replay=true")
+
+
+@pytest.mark.slow
+def test_routing_replay_travels_with_its_batch_from_the_rollout_ranks(env, tmp_path):  # noqa: F811
+    """The MoE default with the native engine's routes replayed (ep2 on the training ranks): with staleness 0
+    every metric equals the colocated run's; with staleness 1 the routes of the version that generated a batch
+    are replayed (its log-probs agree with the engine's to 1e-5) while the live, one update newer router
+    would route some tokens elsewhere."""
+    colocated = _train(env, "configs/tiny_cpu_moe.yaml", str(tmp_path / "colocated"), "trainer.steps=3", *MOE_REPLAY,
+                       nproc=2)
+    separate = _train(env, "configs/tiny_cpu_moe.yaml", str(tmp_path / "separate"), "trainer.steps=3", *MOE_REPLAY,
+                      *SEPARATE, "rollout.max_staleness=0", nproc=3)
+    _assert_same(separate, colocated)
+    assert all(r["moe/route_mismatch_frac"] == 0.0 for r in separate)
+    ahead = _train(env, "configs/tiny_cpu_moe.yaml", str(tmp_path / "ahead"), "trainer.steps=4", *MOE_REPLAY,
+                   *SEPARATE, "rollout.behaviour_logprobs=true", "algo.rollout_correction=token-tis", nproc=3)
+    assert [r["rollout/staleness"] for r in ahead] == [0, 1, 1, 1]
+    assert max(r["logprob/engine_vs_behaviour_max_diff"] for r in ahead) <= 1e-5, ahead
+    assert max(r["moe/route_mismatch_frac"] for r in ahead[1:]) > 0, ahead
 
 
 def _rank_pid(launcher_pid: int, rank: int) -> int:
