@@ -158,6 +158,26 @@ class StepMetrics:
             out["perf/mfu_train"] = out["perf/train_tflops_per_device"] / peak
         return out
 
+    def bookkeeping(self, step_time: float, tokens: float, update, sync: dict, sampler: dict, staleness: int,
+                    skipped_updates: int) -> dict:
+        """The step's time and throughput, what the training forward ran, the weight sync, the optimizer and
+        where the run stands (`sampler`: the data loader's state a checkpoint records; `staleness`: updates
+        between the weights that generated the batch and the ones it trains)."""
+        parts = self.parts
+        return {
+            "time/step_s": step_time, "throughput/tokens_per_s": tokens / step_time,
+            # What the training forward ran: every row's tokens, and with the padding it computed.
+            "batch/real_tokens": tokens, "batch/computed_tokens": update.computed_tokens,
+            "sync/bytes": sync["bytes"], "sync/buckets": sync["buckets"], "kl/coef": parts.kl.coef,
+            "lr": parts.optimizer.param_groups[0]["lr"], "optim/skipped_updates": skipped_updates,
+            # This rank's optimizer state (Adam moments, fp32 main weights): adapter-sized with LoRA.
+            "optim/state_mib": optimizer_state_mib(parts.optimizer),
+            # Where the data loader stands after this step (resume must continue exactly here).
+            "data/epoch": sampler["epoch"], "data/position": sampler["position"],
+            # updates between the weights that generated this batch and the ones it trains (separate placement)
+            "rollout/staleness": staleness,
+        }
+
     def rollout_work(self, rollouts, decoded_tokens: int) -> dict:
         """Tokens the engines decoded this step (`decoded_tokens`: this rank's engine) over the tokens of the
         global batch's completions: 1.0 when no rank decodes a prompt that another rank (or engine) also decodes."""

@@ -45,7 +45,7 @@ from remax_megatron.reward.scoring import RewardScorer
 from remax_megatron.rollout import RolloutEngine, WeightSync
 from remax_megatron.rollout.dispatch import RolloutDispatch
 from remax_megatron.run_control import RunControl
-from remax_megatron.step_metrics import BehaviourCheck, DpReduce, StepMetrics, optimizer_state_mib
+from remax_megatron.step_metrics import BehaviourCheck, DpReduce, StepMetrics
 from remax_megatron.update import Updater
 
 
@@ -179,19 +179,8 @@ class Trainer:
         record.update(times)
         record.update(self.metrics.perf(prompts, rollouts, batch, step_time, times["time/train_s"],
                                         updater.has_reference))
-        record.update({
-            "time/step_s": step_time, "throughput/tokens_per_s": tokens / step_time,
-            # What the training forward ran: every row's tokens, and with the padding it computed.
-            "batch/real_tokens": tokens, "batch/computed_tokens": update.computed_tokens,
-            "sync/bytes": sync["bytes"], "sync/buckets": sync["buckets"], "kl/coef": parts.kl.coef,
-            "lr": parts.optimizer.param_groups[0]["lr"], "optim/skipped_updates": updater.skipped_updates,
-            # This rank's optimizer state (Adam moments, fp32 main weights): adapter-sized with LoRA.
-            "optim/state_mib": optimizer_state_mib(parts.optimizer),
-            # Where the data loader stands after this step (resume must continue exactly here).
-            "data/epoch": self._sampler_state()["epoch"], "data/position": self._sampler_state()["position"],
-            # updates between the weights that generated this batch and the ones it trains (separate placement)
-            "rollout/staleness": self.step - version,
-        })
+        record.update(self.metrics.bookkeeping(step_time, tokens, update, sync, self._sampler_state(),
+                                               staleness=self.step - version, skipped_updates=updater.skipped_updates))
         return record
 
     def _rollout(self, times: dict) -> tuple[list, list, dict, int]:
