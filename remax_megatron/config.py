@@ -37,6 +37,7 @@ MoeAuxLoss = Literal["aux", "seq_aux", "none"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 RolloutCorrection = Literal["none", "token-tis", "seq-mis"]  # algo/rollout_correction.py
 Placement = Literal["colocated", "separate"]  # parallel/split.py, rollout/remote.py
+SkipMode = Literal["auto", "on", "off"]  # algo/zero_advantage.py
 # megatron's names of the linears LoRA may adapt: attention q/k/v (fused) and output, MLP fc1 (gate; up) and fc2
 LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 DTYPE_NAMES = typing.get_args(Dtype)
@@ -81,8 +82,16 @@ class TrainerConfig:
     peak_tflops: float = knob(0.0, "device peak for perf/mfu; 0: from the GPU's name (H100/H200/A100/L40S)")
     no_signal_steps: int = knob(10, "warn once when every sample tied with its greedy reward (no learning signal) "
                                 "this many steps in a row (0: never)")
+    skip_zero_advantage: SkipMode = knob("auto", "leave rows with advantage 0 at every token (reward equal to the "
+                                         "greedy one) out of the update's forward and backward; the loss's global "
+                                         "token count still counts them, so the update is unchanged. auto: on "
+                                         "exactly when nothing else gives those rows a gradient (KL, a MoE "
+                                         "load-balancing loss, LoRA dropout), else off and said at start")
+    mask_truncated: bool = knob(False, "a sample cut at rollout.max_new_tokens is left out of the loss (and its "
+                                "token count); still scored, logged and used as a baseline")
 
     def __post_init__(self):
+        _check_choices("trainer", self)
         for key in ("steps", "prompts_per_step", "micro_batch_size", "mini_batches"):
             _positive(f"trainer.{key}", getattr(self, key))
         for key in ("eval_every", "eval_prompts"):
@@ -163,6 +172,10 @@ class RewardConfig:
     format_pattern: str = knob(r"^\s*-?\d+\s*$", "regex of the built-in `format` reward")
     numeric_tolerance: float = knob(1e-6, "relative tolerance of the built-in `numeric_match`")
     length_limit: int = knob(256, "chars before the built-in `length_penalty` starts")
+    overlong_buffer: int = knob(0, "DAPO's overlong shaping: the last this many tokens before rollout.max_new_tokens "
+                                "get a linear penalty, 0 at the buffer's start to -reward.overlong_penalty at the "
+                                "limit, added to samples and greedy alike (0: off)")
+    overlong_penalty: float = knob(1.0, "the overlong shaping's penalty at the length limit (reward.overlong_buffer)")
 
     def __post_init__(self):
         if self.weights and len(self.weights) != len(self.functions):
@@ -172,6 +185,8 @@ class RewardConfig:
         _positive("reward.pp", self.pp)
         _positive("reward.numeric_tolerance", self.numeric_tolerance, zero_ok=True)
         _positive("reward.length_limit", self.length_limit)
+        _positive("reward.overlong_buffer", self.overlong_buffer, zero_ok=True)
+        _positive("reward.overlong_penalty", self.overlong_penalty, zero_ok=True)
 
 
 @dataclass
@@ -407,6 +422,10 @@ class Config:
                              "renormalised over the kept tokens, so the ratio would measure the truncation, not the "
                              "mismatch; set rollout.top_k=0 and rollout.top_p=1, or use rollout.engine=native (it "
                              "returns the untruncated log-probs)")
+        if self.reward.overlong_buffer > self.rollout.max_new_tokens:
+            raise ValueError(f"reward.overlong_buffer={self.reward.overlong_buffer} is longer than rollout."
+                             f"max_new_tokens={self.rollout.max_new_tokens}: the buffer is the last tokens before "
+                             "that limit; use a buffer <= max_new_tokens (e.g. a quarter of it)")
         budget = self.trainer.micro_batch_tokens
         if budget:
             multiple = sequence_multiple(self.actor.tp, self.actor.sequence_parallel)
@@ -477,6 +496,8 @@ def _convert(key: str, value, hint):
     origin = typing.get_origin(hint)
     if origin is Literal:
         allowed = typing.get_args(hint)
+        if isinstance(value, bool) and "on" in allowed:  # YAML 1.1 reads a bare on / off as a boolean
+            value = "on" if value else "off"
         value = _convert(key, value, type(allowed[0]))
         if value not in allowed:
             raise ValueError(f"{key}={value!r} is not one of {', '.join(allowed)}")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from remax_megatron.algo.zero_advantage import skips_zero_advantage
 from remax_megatron.builtin.models import resolve_model
 from remax_megatron.data.prompts import Prompt, load_prompts
 from remax_megatron.models.arch import DTYPES, ExpertOptions, LoraOptions, ModelArch, check_packing, expert_options, \
@@ -82,6 +83,7 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     arch = read_hf_config(actor_dir)
     check_layout(arch, cfg.actor.tp, cfg.actor.pp, "actor", ep=cfg.actor.ep)
     check_lora(cfg, arch)
+    skips_zero_advantage(cfg, arch.is_moe)  # trainer.skip_zero_advantage=on where it would change the update
     experts = expert_options(cfg, arch)
     if cfg.trainer.pack_sequences:
         check_packing(DTYPES[cfg.actor.dtype])

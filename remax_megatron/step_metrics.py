@@ -74,7 +74,7 @@ class StepMetrics:
         warned about (the behaviour gap is, when computed)."""
         stats, reduce, n = update.stats, self.reduce, self.cfg.rollout.n
         totals = self._token_totals(batch, update, ref_lp, stale)
-        n_tok = max(totals["adv_n"], 1.0)
+        n_tok, n_ran = max(totals["adv_n"], 1.0), max(totals["ran_n"], 1.0)
         adv_mean = totals["adv_sum"] / n_tok
         lengths = [len(c.token_ids) for r in rollouts for c in r.sampled]
         # For health.py: how many samples tie with their greedy reward (advantage 0: no signal), are the
@@ -89,18 +89,22 @@ class StepMetrics:
             "reward/greedy_mean": reduce.dp_mean(r_greedy),
             "advantage/mean": adv_mean,
             "advantage/std": math.sqrt(max(totals["adv_sq"] / n_tok - adv_mean ** 2, 0.0)),
-            "kl/mean": totals["kl_sum"] / n_tok,
+            "kl/mean": totals["kl_sum"] / n_ran,
             "loss": stats["loss"], "pg_loss": stats["pg_loss"], "entropy/mean": stats["entropy"],
             "clip_frac": stats["clip_frac"], "grad_norm": stats["grad_norm"],
             "response/length_mean": reduce.dp_mean(lengths),
             "response/clipped_frac": reduce.dp_mean([float(c.finish_reason == "length")
                                                      for r in rollouts for c in r.sampled]),
             "logprob/engine_vs_actor_max_diff": totals["gap_max"],
-            "logprob/engine_vs_actor_mean_diff": totals["gap_sum"] / n_tok,
+            "logprob/engine_vs_actor_mean_diff": totals["gap_sum"] / n_ran,
             # how far the engine's log-probs fall below the actor's (under guided decoding, the one that counts)
             "logprob/engine_below_actor_max_diff": totals["gap_below"],
             "reward/tie_frac": reduce.dp_mean(ties), "rollout/same_as_greedy_frac": reduce.dp_mean(same),
             "reward/min": -extremes["neg_min"], "reward/max": extremes["max"],
+            # trainer.skip_zero_advantage: the rows without signal, and those the forward left out. kl/mean,
+            # entropy/mean and logprob/* are taken over the rows the forward ran (batch/computed_rows).
+            "batch/zero_advantage_frac": totals["zero_rows"] / max(totals["rows"], 1.0),
+            "batch/skipped_rows": update.skipped_rows, "batch/computed_rows": totals["rows"] - update.skipped_rows,
         }
         record.update({k: stats[k] for k in MOE_STATS + REPLAY_STATS if k in stats})
         record.update(reduce.reward_metrics(reward_metrics))
@@ -109,17 +113,23 @@ class StepMetrics:
 
     def _token_totals(self, batch, update, ref_lp, stale: bool) -> dict[str, float]:
         """The advantages', KL's and engine gap's sums over the step's response tokens (every DP rank's)."""
-        keys = ("adv_sum", "adv_sq", "adv_n", "kl_sum", "gap_max", "gap_sum", "gap_below")
+        keys = ("adv_sum", "adv_sq", "adv_n", "kl_sum", "gap_max", "gap_sum", "gap_below", "ran_n", "rows",
+                "zero_rows")
         local = None
         if self.groups.is_last_stage:  # token statistics live on the last stage: reduce there, then broadcast
             mask, old_lp = batch["response_mask"].bool(), update.logprobs
             a = update.advantages[mask].double()
-            kl = (old_lp - ref_lp)[mask].double().sum() if ref_lp is not None else 0.0
-            gap = logprob_mismatch(old_lp, batch["engine_logprobs"], mask,
+            ran = forward_mask(batch)  # the log-probs exist only where the forward ran
+            kl = (old_lp - ref_lp)[ran].double().sum() if ref_lp is not None else 0.0
+            gap = logprob_mismatch(old_lp, batch["engine_logprobs"], ran,
                                    threshold=None if stale else self.cfg.rollout.logprob_warn_threshold,
                                    constrained=SamplingParams.from_config(self.cfg.rollout).guided is not None)
+            ran_n = int(ran.sum())
+            # rows whose advantage is 0 at every token (skipped or not)
+            zero_rows = int(((update.advantages != 0) & mask).sum(dim=1).eq(0).sum())
             local = dict(adv_sum=a.sum(), adv_sq=a.pow(2).sum(), adv_n=a.numel(), kl_sum=kl, gap_max=gap["max"],
-                         gap_sum=gap["mean"] * a.numel(), gap_below=gap["below"])
+                         gap_sum=gap["mean"] * ran_n, gap_below=gap["below"], ran_n=ran_n, rows=mask.shape[0],
+                         zero_rows=zero_rows)
         return self.reduce.totals(self.reduce.from_last_stage(local, keys), maximum=("gap_max", "gap_below"))
 
     def correction(self, batch: dict, behaviour: torch.Tensor | None) -> dict:
@@ -131,7 +141,7 @@ class StepMetrics:
             return {}
         local = None
         if self.groups.is_last_stage:
-            _, local = correction_weights(behaviour, batch["engine_logprobs"], batch["response_mask"], mode,
+            _, local = correction_weights(behaviour, batch["engine_logprobs"], forward_mask(batch), mode,
                                           self.cfg.algo.rollout_is_cap)
         totals = self.reduce.totals(self.reduce.from_last_stage(local, IS_STAT_KEYS), maximum=("ratio_max",))
         return correction_metrics(totals, mode)
@@ -216,11 +226,18 @@ class BehaviourCheck:
             swap_data(params, snapshot)
         local = None
         if self.reduce.groups.is_last_stage:
-            gap = logprob_mismatch(behaviour, batch["engine_logprobs"], batch["response_mask"].bool(),
+            gap = logprob_mismatch(behaviour, batch["engine_logprobs"], forward_mask(batch),
                                    threshold=self.cfg.rollout.logprob_warn_threshold)
             local = {"max": gap["max"]}
         totals = self.reduce.totals(self.reduce.from_last_stage(local, ("max",)), maximum=("max",))
         return {"logprob/engine_vs_behaviour_max_diff": totals["max"]}
+
+
+def forward_mask(batch: dict) -> torch.Tensor:
+    """[B, S] bool: the response tokens of the rows the training forward ran (trainer.skip_zero_advantage
+    leaves the `skipped` rows out: no log-probs there)."""
+    mask = batch["response_mask"].bool()
+    return mask & ~batch["skipped"][:, None] if "skipped" in batch else mask
 
 
 def optimizer_state_mib(optimizer) -> float:

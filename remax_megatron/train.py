@@ -162,6 +162,11 @@ def _print_banner(cfg, checked, world: int) -> None:
           f"{checked.data_counts}", flush=True)
     for line in cfg.start_warnings():
         print(line, file=sys.stderr, flush=True)
+    from remax_megatron.algo.zero_advantage import skip_start_line
+
+    skip = skip_start_line(cfg, checked.arch.is_moe)
+    if skip:
+        print(skip, flush=True)
 
 
 def _serve_rollouts(cfg, checked, split) -> None:

@@ -41,6 +41,7 @@ from remax_megatron.metrics import MetricsLogger
 from remax_megatron.models.gpt import PolicyModel, sequence_multiple
 from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer
 from remax_megatron.parallel import ProcessGroups
+from remax_megatron.reward.overlong import shape_rewards
 from remax_megatron.reward.scoring import RewardScorer
 from remax_megatron.rollout import RolloutEngine, WeightSync
 from remax_megatron.rollout.dispatch import RolloutDispatch
@@ -251,6 +252,11 @@ class Trainer:
         responses = [[(c.token_ids, tokenizer.decode(c.token_ids, skip_special_tokens=True))
                       for c in r.sampled + [r.greedy]] for r in rollouts]
         scores, metrics = self.parts.scorer.score(prompts, responses)
+        r = self.cfg.reward
+        if r.overlong_buffer:  # DAPO's soft overlong penalty, on samples and greedy alike
+            scores, penalties = shape_rewards(scores, [[len(ids) for ids, _ in row] for row in responses],
+                                              self.cfg.rollout.max_new_tokens, r.overlong_buffer, r.overlong_penalty)
+            metrics["reward/overlong_penalty_mean"] = sum(penalties) / len(penalties)
         n = self.cfg.rollout.n
         return [s for row in scores for s in row[:n]], [row[n] for row in scores], metrics
 
@@ -262,6 +268,9 @@ class Trainer:
         rows = [q.token_ids for q in prompts for _ in range(n)], [c for r in rollouts for c in r.sampled]
         batch = pad_sequences(*rows, pad_id=pad_id, pad_to_multiple=sequence_multiple(self.actor_module),
                               routes=self.cfg.rollout.routing_replay)  # the engine's experts, replayed in the update
+        if self.cfg.trainer.mask_truncated:  # a sample cut at the length limit leaves the loss (still logged)
+            cut = torch.tensor([c.finish_reason == "length" for r in rollouts for c in r.sampled])
+            batch["response_mask"] = batch["response_mask"] & ~cut[:, None]
         batch["rewards"] = torch.tensor(r_sampled, dtype=torch.float32)                      # [B]
         batch["baseline"] = torch.tensor(r_greedy, dtype=torch.float32).repeat_interleave(n)  # [B]
         return batch

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from remax_megatron.algo.rollout_correction import correction_weights
+from remax_megatron.algo.zero_advantage import rows_without_signal, skips_zero_advantage
 from remax_megatron.batching import MicroBatch, assemble, exchange_rows, fixed_micro_batches, model_inputs, \
     model_labels, plan_step, take_rows, to_rows, to_sequences
 from remax_megatron.kernels import compute_advantages, logprob_gradient, remax_loss
@@ -39,6 +40,7 @@ class Update:
     logprobs: torch.Tensor | None
     advantages: torch.Tensor | None
     computed_tokens: float = 0.0  # tokens the training forward ran, padding included, over DP
+    skipped_rows: float = 0.0     # rows left out of the forward (trainer.skip_zero_advantage), over DP
 
 
 class Updater:
@@ -49,6 +51,7 @@ class Updater:
         self.balance = LoadBalancing(model, cfg.algo.moe_aux_loss, cfg.algo.moe_aux_loss_coef, self.groups.tp,
                                      self.groups.dp, self.groups.pp) if model.arch.is_moe else None
         self.skipped_updates = 0
+        self.skip_zero_advantage = skips_zero_advantage(cfg, model.arch.is_moe)
 
     def micro_batch_plan(self, batch: dict) -> tuple[dict, list[list[MicroBatch]]]:
         """This rank's rows and its micro-batches per update (remax_megatron.batching).
@@ -56,23 +59,42 @@ class Updater:
         trainer.micro_batch_tokens = 0: the rows stay, micro_batch_size rows per micro-batch, all as wide as
         the batch. Otherwise each update's rows are balanced over DP by tokens (a row carries its reward and
         its prompt's greedy reward) and grouped under the token budget, packed with trainer.pack_sequences;
-        every DP rank runs as many micro-batches."""
+        every DP rank runs as many micro-batches.
+
+        The returned batch adds per row `update_index` (the update that trains it) and `skipped` (left out
+        of the forward: trainer.skip_zero_advantage, algo/zero_advantage.py); skipped rows stay in the batch
+        (metrics, the loss's global counts) but join no micro-batch."""
         t = self.cfg.trainer
         rows, width = batch["input_ids"].shape
         per_update = rows // t.mini_batches
+        skipped = rows_without_signal(batch["rewards"], batch["baseline"], batch["response_mask"]) \
+            if self.skip_zero_advantage else torch.zeros(rows, dtype=torch.bool)
+        batch = dict(batch, update_index=torch.arange(rows) // per_update, skipped=skipped)
         if not t.micro_batch_tokens:
-            return batch, [fixed_micro_batches(per_update, t.micro_batch_size, width, start=u * per_update)
-                           for u in range(t.mini_batches)]
-        shapes = [(batch["lengths"].tolist(), width)]  # every DP rank's row lengths and batch width
+            plan = [fixed_micro_batches([r for r in range(u * per_update, (u + 1) * per_update) if not skipped[r]],
+                                        t.micro_batch_size, width) for u in range(t.mini_batches)]
+            return batch, self._same_count(plan, width) if self.skip_zero_advantage else plan
+        shapes = [(batch["lengths"].tolist(), width, skipped.tolist())]  # every DP rank's rows and batch width
         if self.groups.dp_size > 1:
             mine, shapes = shapes[0], [None] * self.groups.dp_size
             dist.all_gather_object(shapes, mine, group=self.groups.dp)
-        plan = plan_step([lengths for lengths, _ in shapes], t.mini_batches, t.micro_batch_tokens,
-                         sequence_multiple(self.actor_module), t.pack_sequences)
+        plan = plan_step([lengths for lengths, _, _ in shapes], t.mini_batches, t.micro_batch_tokens,
+                         sequence_multiple(self.actor_module), t.pack_sequences,
+                         skipped_by_rank=[skips for _, _, skips in shapes])
         if self.groups.dp_size == 1:
             return take_rows([batch], plan.sources[0]), plan.updates[0]
-        me, widest = self.groups.dp_rank, max(w for _, w in shapes)
+        me, widest = self.groups.dp_rank, max(w for _, w, _ in shapes)
         return exchange_rows(batch, plan.sources, me, widest, self.groups.dp), plan.updates[me]
+
+    def _same_count(self, plan: list[list[MicroBatch]], width: int) -> list[list[MicroBatch]]:
+        """Fixed-count micro-batches with rows skipped: every DP rank (and so every pipeline stage) runs as
+        many micro-batches per update as the busiest rank, at least one; the others run empty "ghost"
+        micro-batches (one row of padding, no label), so a rank whose rows all tie still joins every
+        collective of the schedule, the gradient sync and the optimizer step."""
+        counts = {f"u{u}": float(len(m)) for u, m in enumerate(plan)}
+        most = self.reduce.totals(counts, maximum=tuple(counts))
+        return [m + [MicroBatch([], width) for _ in range(max(1, int(most[f"u{u}"])) - len(m))]
+                for u, m in enumerate(plan)]
 
     def micro_batches(self, batch: dict, micro: list[MicroBatch], extra: dict | None = None) -> list[dict]:
         """The micro-batches' tensors (batching.assemble)."""
@@ -122,15 +144,24 @@ class Updater:
         summed = {k: 0.0 for k in LOSS_STATS + (MOE_STATS if self.balance else ())
                   + (REPLAY_STATS if self.balance and cfg.rollout.routing_replay else ())}
         grad_norms, behaviour, advantages, computed = [], [], [], 0
-        for update in plan:
+        for u, update in enumerate(plan):
             rows = torch.tensor([r for m in update for r in m.rows], dtype=torch.long)
-            num_tokens = self.reduce.dp_sum(batch["response_mask"][rows].sum().double()).item()
-            num_seqs = self.reduce.dp_sum(torch.tensor(float(len(rows)), dtype=torch.float64)).item()
+            # The loss's denominators count the update's skipped rows too (algo/zero_advantage.py).
+            counted = torch.cat([rows, _skipped_rows(batch, u)])
+            # A sequence counts when it has a response token in the loss (trainer.mask_truncated empties some).
+            mask = batch["response_mask"]
+            num_tokens, num_seqs, run_tokens, run_seqs = self.reduce.dp_sum(torch.tensor(
+                [mask[counted].sum(), mask[counted].any(dim=1).sum(), mask[rows].sum(), mask[rows].any(dim=1).sum()],
+                dtype=torch.float64)).tolist()
             micro = self.micro_batches(batch, update, {"old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs})
             computed += sum(mb["input_ids"].numel() for mb in micro)
             if self.balance:  # normalised by every token the routers see (prompt and response, no padding)
                 self.balance.begin_update(self.reduce.dp_sum(batch["lengths"][rows].sum().double()).item(), num_seqs)
             stats = self._forward_backward(micro, num_tokens, num_seqs, behaviour, advantages)
+            # entropy/mean is taken over the rows the forward ran: renormalised from the update's counts to theirs
+            token_mean = cfg.algo.loss_agg == "token-mean"
+            ran, counted_all = (run_tokens, num_tokens) if token_mean else (run_seqs, num_seqs)
+            stats["entropy"] *= counted_all / ran if ran else 0.0
             if self.balance:
                 stats.update(self.balance.end_update())
                 stats["loss"] += self.balance.total_loss(stats)
@@ -144,7 +175,9 @@ class Updater:
         # The step's bookkeeping stays on the CPU: one transfer each, not a host sync per micro-batch.
         return Update(stats=summed, logprobs=scatter_rows(behaviour, micro, shape) if last else None,
                       advantages=scatter_rows(advantages, micro, shape) if last else None,
-                      computed_tokens=self.reduce.global_sum(float(computed)))
+                      computed_tokens=self.reduce.global_sum(float(computed)),
+                      skipped_rows=self.reduce.global_sum(float(batch["skipped"].sum())) if "skipped" in batch
+                      else 0.0)
 
     def _optimizer_step(self, step: int) -> float:
         """The optimizer and schedule step (a non-finite gradient skips the update); the gradient norm."""
@@ -240,6 +273,13 @@ def scatter_rows(outputs: list[torch.Tensor], micro: list[MicroBatch], shape) ->
             out[torch.tensor(m.rows)] = rows[at:at + count]
         at += count
     return out
+
+
+def _skipped_rows(batch: dict, update: int) -> torch.Tensor:
+    """The rows of update `update` left out of its forward (none when the batch has no `skipped`)."""
+    if "skipped" not in batch:
+        return torch.zeros(0, dtype=torch.long)
+    return ((batch["update_index"] == update) & batch["skipped"]).nonzero().flatten()
 
 
 def _positions(input_ids: torch.Tensor) -> torch.Tensor:

@@ -78,10 +78,9 @@ class StepPlan:
     updates: list[list[list[MicroBatch]]] = field(default_factory=list)
 
 
-def fixed_micro_batches(rows: int, micro_batch_size: int, width: int, start: int = 0) -> list[MicroBatch]:
-    """Today's micro-batches: `micro_batch_size` consecutive rows each, all `width` wide."""
-    return [MicroBatch(list(range(start + s, start + min(s + micro_batch_size, rows))), width)
-            for s in range(0, rows, micro_batch_size)]
+def fixed_micro_batches(rows: list[int], micro_batch_size: int, width: int) -> list[MicroBatch]:
+    """Fixed-count micro-batches: `rows` in order, `micro_batch_size` of them each, all `width` wide."""
+    return [MicroBatch(rows[s:s + micro_batch_size], width) for s in range(0, len(rows), micro_batch_size)]
 
 
 def balance_rows(lengths_by_rank: list[list[int]]) -> list[list[tuple[int, int]]]:
@@ -166,27 +165,31 @@ def equalize(micro: list[MicroBatch], count: int, lengths: dict[int, int], multi
 
 
 def plan_step(lengths_by_rank: list[list[int]], mini_batches: int, budget: int, multiple: int = 1,
-              pack: bool = False) -> StepPlan:
+              pack: bool = False, skipped_by_rank: list[list[bool]] | None = None) -> StepPlan:
     """The whole step's plan, the same on every rank: per update (each rank's u-th contiguous share of
     its rows), the rows balanced over the DP ranks by tokens, then grouped into micro-batches under
-    `budget`; every rank gets as many micro-batches as the busiest one."""
+    `budget`; every rank gets as many micro-batches as the busiest one (at least one).
+
+    `skipped_by_rank`: rows the forward leaves out (trainer.skip_zero_advantage). They are still dealt to a
+    rank (the step's metrics and the loss's counts read them there) but weigh nothing in the balance and
+    join no micro-batch."""
     ranks = len(lengths_by_rank)
+    skipped_by_rank = skipped_by_rank or [[False] * len(lengths) for lengths in lengths_by_rank]
     plan = StepPlan(sources=[[] for _ in range(ranks)], updates=[[] for _ in range(ranks)])
     for u in range(mini_batches):
         shares = []
-        for lengths in lengths_by_rank:
+        for lengths, skipped in zip(lengths_by_rank, skipped_by_rank):
             per = len(lengths) // mini_batches
-            shares.append([(i, lengths[i]) for i in range(u * per, (u + 1) * per)])
-        dealt = balance_rows([[length for _, length in share] for share in shares])
+            shares.append([(i, lengths[i], skipped[i]) for i in range(u * per, (u + 1) * per)])
+        dealt = balance_rows([[0 if skip else length for _, length, skip in share] for share in shares])
         micro, lengths_of = [], []
         for r in range(ranks):
             start = len(plan.sources[r])
-            mine = [(src, shares[src][i][0]) for src, i in dealt[r]]
-            plan.sources[r].extend(mine)
-            lens = {start + p: shares[src][i][1] for p, (src, i) in enumerate(dealt[r])}
+            plan.sources[r].extend((src, shares[src][i][0]) for src, i in dealt[r])
+            lens = {start + p: shares[src][i][1] for p, (src, i) in enumerate(dealt[r]) if not shares[src][i][2]}
             lengths_of.append(lens)
             micro.append(plan_micro_batches(list(lens.values()), budget, multiple, pack, rows=list(lens)))
-        count = max(len(m) for m in micro)
+        count = max(1, max(len(m) for m in micro))
         for r in range(ranks):
             plan.updates[r].append(equalize(micro[r], count, lengths_of[r], multiple))
     return plan

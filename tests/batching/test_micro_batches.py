@@ -201,7 +201,7 @@ def test_block_causal_mask_keeps_each_sequence_to_itself():
 
 
 def test_fixed_micro_batches_are_todays():
-    micro = fixed_micro_batches(8, 3, width=12, start=8)
+    micro = fixed_micro_batches(list(range(8, 16)), 3, width=12)
     assert [m.rows for m in micro] == [[8, 9, 10], [11, 12, 13], [14, 15]] and {m.width for m in micro} == {12}
 
 
