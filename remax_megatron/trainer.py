@@ -267,10 +267,8 @@ class Trainer:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         rows = [q.token_ids for q in prompts for _ in range(n)], [c for r in rollouts for c in r.sampled]
         batch = pad_sequences(*rows, pad_id=pad_id, pad_to_multiple=sequence_multiple(self.actor_module),
-                              routes=self.cfg.rollout.routing_replay)  # the engine's experts, replayed in the update
-        if self.cfg.trainer.mask_truncated:  # a sample cut at the length limit leaves the loss (still logged)
-            cut = torch.tensor([c.finish_reason == "length" for r in rollouts for c in r.sampled])
-            batch["response_mask"] = batch["response_mask"] & ~cut[:, None]
+                              routes=self.cfg.rollout.routing_replay,  # the engine's experts, replayed in the update
+                              mask_truncated=self.cfg.trainer.mask_truncated)  # cut samples leave the loss
         batch["rewards"] = torch.tensor(r_sampled, dtype=torch.float32)                      # [B]
         batch["baseline"] = torch.tensor(r_greedy, dtype=torch.float32).repeat_interleave(n)  # [B]
         return batch

@@ -25,7 +25,8 @@ from remax_megatron.sizes import round_up
 
 
 def pad_sequences(prompt_ids: list[list[int]], completions: list, pad_id: int,
-                  pad_to_multiple: int = 1, routes: bool = False) -> dict[str, torch.Tensor]:
+                  pad_to_multiple: int = 1, routes: bool = False, mask_truncated: bool = False
+                  ) -> dict[str, torch.Tensor]:
     """Rows of prompt + response, right-padded, with labels and masks for the loss.
 
     prompt_ids:  B prompts (one per row; repeat a prompt for each of its completions)
@@ -33,11 +34,13 @@ def pad_sequences(prompt_ids: list[list[int]], completions: list, pad_id: int,
     pad_to_multiple: round S up to a multiple of this (e.g. TP for sequence parallel)
     routes:      rollout.routing_replay: every completion carries the engine's routed experts (refused
                  in one line when one does not), and the batch holds them; False: the batch holds none
+    mask_truncated: trainer.mask_truncated: a completion cut at the length limit (finish_reason "length")
+                 gets no response token in response_mask (it leaves the loss and its counts; labels stay)
 
     Returns (all on CPU):
         input_ids       [B, S] long, right-padded with pad_id
         labels          [B, S] long, next-token targets; -100 on prompt and padding
-        response_mask   [B, S] bool, labels != -100
+        response_mask   [B, S] bool, labels != -100 (and not truncated, with mask_truncated)
         engine_logprobs [B, S] float32, the engine's log-prob of labels[b, t]; 0 elsewhere
         lengths         [B] long, prompt + response tokens
         prompt_lengths  [B] long
@@ -64,10 +67,13 @@ def pad_sequences(prompt_ids: list[list[int]], completions: list, pad_id: int,
             # The token at position p + i is predicted at position p + i - 1.
             labels[b, p - 1:p - 1 + r] = response
             engine_logprobs[b, p - 1:p - 1 + r] = torch.tensor(list(comp.logprobs), dtype=torch.float32)
+    response_mask = labels != IGNORE_INDEX
+    if mask_truncated:
+        response_mask[[c.finish_reason == "length" for c in completions]] = False
     batch = dict(
         input_ids=input_ids,
         labels=labels,
-        response_mask=labels != IGNORE_INDEX,
+        response_mask=response_mask,
         engine_logprobs=engine_logprobs,
         lengths=torch.tensor(total, dtype=torch.long),
         prompt_lengths=torch.tensor(prompt_len, dtype=torch.long),

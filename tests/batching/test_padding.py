@@ -56,3 +56,26 @@ def test_routes_follow_the_one_switch_and_a_missing_route_is_refused():
     unrouted = [[1], [2]], [_routed(2, 5), Completion([3], [-1.0], "stop")]
     with pytest.raises(ValueError, match=r"^row 1 has no routed experts but rollout.routing_replay=true"):
         pad_sequences(*unrouted, pad_id=0, routes=True)
+
+
+def test_mask_truncated_leaves_the_cut_sample_out_of_the_loss_and_its_counts():
+    """trainer.mask_truncated: the sample cut at the length limit has no token in response_mask, so the
+    token-mean loss over the batch is the hand-computed one over the other rows (fp64), and the global
+    token count (what the update divides by) excludes it; its labels and engine log-probs stay."""
+    from remax_megatron.kernels import remax_loss
+
+    prompts = [[11, 12], [21, 22], [31]]
+    comps = [Completion([1, 2, 3], [-0.1, -0.2, -0.3], "stop"), Completion([4, 5, 6, 7], [-1, -2, -3, -4], "length"),
+             Completion([8], [-0.5], "stop")]
+    plain = pad_sequences(prompts, comps, pad_id=0)
+    out = pad_sequences(prompts, comps, pad_id=0, mask_truncated=True)
+    assert out["response_mask"][1].sum() == 0 and out["response_mask"][[0, 2]].equal(plain["response_mask"][[0, 2]])
+    assert out["labels"].equal(plain["labels"]) and out["engine_logprobs"].equal(plain["engine_logprobs"])
+    logprobs = -torch.arange(1, 1 + out["labels"].numel(), dtype=torch.float64).view(out["labels"].shape) / 10
+    adv = torch.tensor([0.5, 2.0, -1.0], dtype=torch.float64)
+    mask = out["response_mask"]
+    loss, _ = remax_loss(logprobs, adv, mask, global_num_tokens=float(mask.sum()))
+    # by hand: rows 0 (3 tokens, A = 0.5) and 2 (1 token, A = -1) over their 4 tokens; row 1 is out
+    lp = logprobs.tolist()
+    want = -(0.5 * (lp[0][1] + lp[0][2] + lp[0][3]) + -1.0 * lp[2][0]) / 4
+    assert float(mask.sum()) == 4 and abs(loss.item() - want) < 1e-12
