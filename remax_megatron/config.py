@@ -295,6 +295,12 @@ class AlgoConfig:
                                                  "mean ratio leaves [1/cap, cap] is masked out (still counted in the "
                                                  "loss's denominator); none")
     rollout_is_cap: float = knob(2.0, "the ratio cap of algo.rollout_correction (>= 1)")
+    dynamic_sampling: bool = knob(False, "DAPO's dynamic sampling: a prompt whose samples all tie its greedy reward "
+                                  "is dropped and more prompts are drawn and rolled out until the step holds "
+                                  "trainer.prompts_per_step prompts with signal")
+    dynamic_sampling_max_rounds: int = knob(4, "algo.dynamic_sampling: at most this many rollout rounds a step; "
+                                            "then the step is topped up with dropped prompts "
+                                            "(sampling/short_prompts)")
 
     def __post_init__(self):
         _positive("algo.kl_coef", self.kl_coef, zero_ok=True)
@@ -307,6 +313,7 @@ class AlgoConfig:
         _positive("algo.clip_ratio", self.clip_ratio)
         _positive("algo.advantage_clip", self.advantage_clip, zero_ok=True)
         _positive("algo.moe_aux_loss_coef", self.moe_aux_loss_coef, zero_ok=True)
+        _positive("algo.dynamic_sampling_max_rounds", self.dynamic_sampling_max_rounds)
         if not 1.0 <= self.rollout_is_cap < float("inf"):
             raise ValueError(f"algo.rollout_is_cap={self.rollout_is_cap!r} must be a finite number >= 1 (a ratio "
                              "cap; 2.0 is the usual value)")
@@ -422,6 +429,10 @@ class Config:
                              "renormalised over the kept tokens, so the ratio would measure the truncation, not the "
                              "mismatch; set rollout.top_k=0 and rollout.top_p=1, or use rollout.engine=native (it "
                              "returns the untruncated log-probs)")
+        if self.algo.dynamic_sampling and self.rollout.placement == "separate" and self.rollout.max_staleness:
+            raise ValueError("algo.dynamic_sampling=true with rollout.placement=separate and rollout.max_staleness=1 "
+                             "is not supported (the next step's prompts are drawn before this step knows how many "
+                             "it needs): set rollout.max_staleness=0 or algo.dynamic_sampling=false")
         if self.reward.overlong_buffer > self.rollout.max_new_tokens:
             raise ValueError(f"reward.overlong_buffer={self.reward.overlong_buffer} is longer than rollout."
                              f"max_new_tokens={self.rollout.max_new_tokens}: the buffer is the last tokens before "

@@ -3,6 +3,7 @@
     sync      actor TP/PP shards -> full HF tensors -> rollout engine (buckets)
     rollout   per prompt: n sampled responses + 1 greedy response, one engine request (rollout.dispatch)
     reward    score samples and greedy responses with the same reward
+    resample  algo.dynamic_sampling: prompts whose samples all tie their greedy reward out, more drawn in
     pack      samples -> one right-padded batch with rewards and greedy baselines (batching.pad_sequences);
               with a token budget the rows are balanced over DP by tokens and packed into micro-batches
     logprobs  reference log-probs (when KL is on); the actor's own only for several mini-batches,
@@ -41,10 +42,11 @@ from remax_megatron.metrics import MetricsLogger
 from remax_megatron.models.gpt import PolicyModel, sequence_multiple
 from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer
 from remax_megatron.parallel import ProcessGroups
-from remax_megatron.reward.overlong import shape_rewards
+from remax_megatron.reward.overlong import shape_overlong
 from remax_megatron.reward.scoring import RewardScorer
 from remax_megatron.rollout import RolloutEngine, WeightSync
 from remax_megatron.rollout.dispatch import RolloutDispatch
+from remax_megatron.rollout.dynamic_sampling import DynamicSampling, Scored
 from remax_megatron.run_control import RunControl
 from remax_megatron.step_metrics import BehaviourCheck, DpReduce, StepMetrics
 from remax_megatron.update import Updater
@@ -84,6 +86,7 @@ class Trainer:
         self.behaviour = BehaviourCheck(self.cfg, self.actor_module, self.reduce,
                                         enabled=self.cfg.rollout.behaviour_logprobs and self._ahead)
         self.run = RunControl(self.cfg, parts, self.groups, logger, self.health)
+        self.sampling = DynamicSampling(self.cfg, self.groups, self.reduce) if self.cfg.algo.dynamic_sampling else None
 
     @functools.cached_property
     def dispatch(self) -> RolloutDispatch:
@@ -107,8 +110,7 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------
     def fit(self, resume: str | None = None) -> bool:
-        """Train up to trainer.steps, first resuming checkpoint `resume` when given; returns False when
-        stopped early by a preemption signal."""
+        """Train up to trainer.steps (after resuming checkpoint `resume`); False when a stop signal ended it."""
         cfg = self.cfg
         if resume is not None:
             with self._stage("resume", {}, step=0):
@@ -151,6 +153,11 @@ class Trainer:
 
         with self._stage("reward", times):
             r_sampled, r_greedy, reward_metrics = self._rewards(prompts, rollouts)
+        if self.sampling:  # prompts without signal dropped, more drawn, rolled out and scored until the step is full
+            with self._stage("resample", times), self.offload.offloaded():
+                (prompts, rollouts, r_sampled, r_greedy), sampling = self.sampling.refill(
+                    self.step, Scored(prompts, rollouts, r_sampled, r_greedy), self.dispatch, parts.sampler,
+                    self._rewards)
 
         with self._stage("pack", times):
             batch = self._batch(prompts, rollouts, r_sampled, r_greedy)
@@ -178,6 +185,7 @@ class Trainer:
         step_time = time.perf_counter() - t_step
         times["time/train_s"] = times["time/pack_s"] + times["time/logprobs_s"] + times["time/update_s"]
         record.update(times)
+        record.update(sampling if self.sampling else {})
         record.update(self.metrics.perf(prompts, rollouts, batch, step_time, times["time/train_s"],
                                         updater.has_reference))
         record.update(self.metrics.bookkeeping(step_time, tokens, update, sync, self._sampler_state(),
@@ -252,11 +260,7 @@ class Trainer:
         responses = [[(c.token_ids, tokenizer.decode(c.token_ids, skip_special_tokens=True))
                       for c in r.sampled + [r.greedy]] for r in rollouts]
         scores, metrics = self.parts.scorer.score(prompts, responses)
-        r = self.cfg.reward
-        if r.overlong_buffer:  # DAPO's soft overlong penalty, on samples and greedy alike
-            scores, penalties = shape_rewards(scores, [[len(ids) for ids, _ in row] for row in responses],
-                                              self.cfg.rollout.max_new_tokens, r.overlong_buffer, r.overlong_penalty)
-            metrics["reward/overlong_penalty_mean"] = sum(penalties) / len(penalties)
+        scores = shape_overlong(scores, responses, self.cfg, metrics)  # reward.overlong_buffer: samples and greedy
         n = self.cfg.rollout.n
         return [s for row in scores for s in row[:n]], [row[n] for row in scores], metrics
 

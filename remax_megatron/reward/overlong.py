@@ -30,3 +30,14 @@ def shape_rewards(scores: list[list[float]], lengths: list[list[int]], max_new_t
         shaped.append([s + c for s, c in zip(row, cuts)])
         penalties.extend(cuts)
     return shaped, penalties
+
+
+def shape_overlong(scores: list[list[float]], responses: list[list[tuple]], cfg, metrics: dict) -> list[list[float]]:
+    """The trainer's scores with reward.overlong_buffer's shaping (unchanged when it is 0); adds
+    reward/overlong_penalty_mean to `metrics`. responses[i][j] = (token_ids, text) of scores[i][j]."""
+    if not cfg.reward.overlong_buffer:
+        return scores
+    shaped, penalties = shape_rewards(scores, [[len(ids) for ids, _ in row] for row in responses],
+                                      cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
+    metrics["reward/overlong_penalty_mean"] = sum(penalties) / len(penalties)
+    return shaped

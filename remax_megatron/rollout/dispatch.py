@@ -32,13 +32,15 @@ class RolloutDispatch:
         model-parallel group."""
         return self.collect(self.submit(prompts, n, step))
 
-    def submit(self, prompts: list, n: int, step: int):
+    def submit(self, prompts: list, n: int, step: int, first_index: int = 0):
         """Start generating `prompts` (this replica's, of step `step`); `collect` gives the rollouts.
         Each rank of the model-parallel group decodes a distinct contiguous share of the replica's
-        prompts (no rollout is computed twice)."""
+        prompts (no rollout is computed twice). `first_index`: the global batch's place among the step's
+        drawn prompts (algo.dynamic_sampling draws more than one batch a step)."""
         groups = self.groups
         lo, hi = contiguous_share(len(prompts), groups.mp_size, groups.mp_rank)
-        first = groups.dp_rank * len(prompts)  # index of this replica's first prompt in the global batch
+        # index of this replica's first prompt among the step's prompts
+        first = first_index + groups.dp_rank * len(prompts)
         seeds = [stream_seed(self.seed, step, first + i) for i in range(lo, hi)]
         return self.engine.submit([q.token_ids for q in prompts[lo:hi]], n=n,
                                   sampling=SamplingParams.from_config(self.rollout_cfg), seeds=seeds)
