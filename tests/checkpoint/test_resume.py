@@ -244,3 +244,24 @@ def test_checkpoint_keeps_fp32_main_weights_of_bf16_params(model_dir, tmp_path):
     from tests._dist import run_distributed
 
     run_distributed(_main_weights_body, world_size=2, args=(model_dir, str(tmp_path / "ckpt")))
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_resumes_drawing_exactly_what_the_straight_run_drew(model_dir, tmp_path):
+    """algo.dynamic_sampling at dp2 with a reward under which every prompt with an odd answer ties: the
+    steps draw more prompts than they train (rounds > 1 at some step), each step still trains
+    prompts_per_step prompts, and a run stopped at step 2 and resumed draws and trains exactly what the
+    straight run did (every metric of steps 1-4 bitwise, the data position included)."""
+    common = ("actor.tp=1", "algo.dynamic_sampling=true", "reward.functions=[tests.rollout.tie_rewards:ties_on_odd_answers]",
+              "checkpoint.save_every=2")
+    straight, out = str(tmp_path / "straight"), str(tmp_path / "run")
+    _train(_args(model_dir, straight, "trainer.steps=4", *common))
+    _train(_args(model_dir, out, "trainer.steps=2", *common))
+    _train(_args(model_dir, out, "trainer.steps=4", "checkpoint.resume=auto", *common))
+    full, resumed = _strip(_metrics(straight)), _strip(_metrics(out))
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4] and resumed == full
+    assert max(r["sampling/rounds"] for r in full) > 1 and sum(r["sampling/dropped_prompts"] for r in full) > 0
+    for r in full:
+        assert r["sampling/prompts_drawn"] == 4 * r["sampling/rounds"] and r["batch/real_tokens"] > 0
+        assert r["batch/computed_rows"] + r["batch/skipped_rows"] == 4 * 2  # prompts_per_step x rollout.n rows
+        assert r["data/position"] >= r["sampling/prompts_drawn"] or r["data/epoch"] > 0
