@@ -27,8 +27,12 @@ def _global_step():
                     for p in range(prompts)]
         r_sampled = torch.randint(0, 3, (rows,), generator=gen).double().tolist()
         r_greedy = torch.randint(0, 3, (prompts,), generator=gen).double().tolist()
-        logprobs = -torch.rand(rows, width, generator=gen) * mask
-        advantages = torch.randn(rows, width, generator=gen) * mask
+        # trainer.skip_zero_advantage: skipped rows have advantage 0 and no log-probs (0 where the forward
+        # did not run), so kl/mean and the engine gap must be taken over the other rows
+        batch["skipped"] = torch.rand(rows, generator=gen) > 0.6
+        ran = mask & ~batch["skipped"][:, None]
+        logprobs = -torch.rand(rows, width, generator=gen) * ran
+        advantages = torch.randn(rows, width, generator=gen) * ran
         ref = -torch.rand(rows, width, generator=gen) * mask
         out.append((batch, rollouts, r_sampled, r_greedy, logprobs, advantages, ref))
     return out
@@ -45,12 +49,18 @@ def _record_body(rank, world):
     everything = _global_step()
     batch, rollouts, r_sampled, r_greedy, logprobs, advantages, ref = everything[rank]
     update = SimpleNamespace(stats={"loss": 1.0, "pg_loss": 2.0, "entropy": 3.0, "clip_frac": 0.0, "grad_norm": 4.0},
-                             logprobs=logprobs, advantages=advantages)
+                             logprobs=logprobs, advantages=advantages,
+                             skipped_rows=float(sum(int(e[0]["skipped"].sum()) for e in everything)))
     record = StepMetrics(cfg, parts, DpReduce(groups)).record(5, batch, rollouts, r_sampled, r_greedy, update, ref, {})
 
     # the same statistics over the global batch, in fp64, without any reduction
     mask = torch.cat([e[0]["response_mask"] for e in everything])
-    adv = torch.cat([e[5] for e in everything])[mask].double()
+    skipped = torch.cat([e[0]["skipped"] for e in everything])
+    all_adv = torch.cat([e[5] for e in everything])
+    adv = all_adv[mask].double()
+    zero_rows = ((all_adv != 0) & mask).sum(1).eq(0)
+    assert zero_rows.any() and zero_rows.sum() < len(zero_rows)
+    mask_all, mask = mask, mask & ~skipped[:, None]  # kl, gap: over the rows the forward ran
     kl = (torch.cat([e[4] for e in everything]) - torch.cat([e[6] for e in everything]))[mask].double()
     gap = (torch.cat([e[4] for e in everything]) - torch.cat([e[0]["engine_logprobs"] for e in everything])).abs()
     sampled = [r for e in everything for r in e[2]]
@@ -62,7 +72,10 @@ def _record_body(rank, world):
             "reward/greedy_mean": sum(greedy) / len(greedy), "reward/tie_frac": sum(ties) / len(ties),
             "response/length_mean": sum(lengths) / len(lengths), "reward/min": min(sampled + greedy),
             "reward/max": max(sampled + greedy), "logprob/engine_vs_actor_max_diff": gap[mask].max().item(),
-            "logprob/engine_vs_actor_mean_diff": gap[mask].double().mean().item(), "loss": 1.0, "grad_norm": 4.0}
+            "logprob/engine_vs_actor_mean_diff": gap[mask].double().mean().item(), "loss": 1.0, "grad_norm": 4.0,
+            "batch/zero_advantage_frac": zero_rows.double().mean().item(),
+            "batch/skipped_rows": float(skipped.sum()), "batch/computed_rows": float((~skipped).sum())}
+    assert mask_all.sum() > mask.sum()
     for key, value in want.items():
         assert abs(record[key] - value) < 1e-6, (key, record[key], value)
 

@@ -49,7 +49,7 @@ class SpyScorer:
                 for i, row in zip(indices, responses)], {}
 
 
-def _step_body(rank, world, model_dir, out_dir, result_path):
+def _step_body(rank, world, model_dir, out_dir, result_path, skip="off"):
     import remax_megatron.trainer as trainer_module
     import remax_megatron.update as update_module
     from remax_megatron.config import load_config
@@ -59,7 +59,9 @@ def _step_body(rank, world, model_dir, out_dir, result_path):
         f"actor.model={model_dir}", "rollout.engine=native", f"rollout.n={N}", "rollout.max_new_tokens=6",
         "reward.functions=[exact_match]", "trainer.prompts_per_step=4", "trainer.micro_batch_size=4",
         "trainer.eval_every=0", f"trainer.output_dir={out_dir}", "data.max_prompt_tokens=64",
-        "logging.tensorboard=false", "logging.progress_bar=false", "optim.lr=1e-2"])
+        "logging.tensorboard=false", "logging.progress_bar=false", "optim.lr=1e-2",
+        # off: every row reaches the loss, so the spies see each pairing (on: test_skipped_rows_are_...)
+        f"trainer.skip_zero_advantage={skip}"])
     parts = build(cfg, check_inputs(cfg, world))
     parts.scorer = SpyScorer(OFFSETS)
     generated = []
@@ -104,6 +106,28 @@ def run(model_dir, tmp_path_factory):
     path = tmp / "step.pt"
     run_distributed(_step_body, world_size=1, args=(model_dir, str(tmp / "out"), str(path)))
     return torch.load(path, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def run_skipping(model_dir, tmp_path_factory):
+    """The same two steps with trainer.skip_zero_advantage=on."""
+    tmp = tmp_path_factory.mktemp("skip")
+    path = tmp / "step.pt"
+    run_distributed(_step_body, world_size=1, args=(model_dir, str(tmp / "out"), str(path), "on"))
+    return torch.load(path, weights_only=False)
+
+
+def test_skipped_rows_are_exactly_the_ties_and_the_rest_keep_their_pairing(run_skipping):
+    """trainer.skip_zero_advantage=on: sample 1 of each prompt ties its greedy reward and never reaches the
+    loss; every row that does is still paired with its own prompt's greedy reward, advantage OFFSETS[j]."""
+    for step in run_skipping["steps"]:
+        trained = [(i, j) for i, j, _ in _rows(step) if OFFSETS[j] != 0]
+        assert step["baseline"].shape[0] == len(trained) == 4 * (N - 1), step["baseline"]
+        seen = sorted(zip(step["baseline"].tolist(), step["rewards"].tolist()))
+        assert seen == sorted((10.0 * i, 10.0 * i + OFFSETS[j]) for i, j in trained)
+        adv = step["advantages"]  # each row: r - r_greedy on its response tokens, 0 elsewhere
+        assert torch.equal(adv.amax(1) + adv.amin(1), step["rewards"] - step["baseline"])
+        assert step["record"]["batch/skipped_rows"] == 4 and step["record"]["batch/zero_advantage_frac"] == 1 / 3
 
 
 def _rows(step):

@@ -188,6 +188,20 @@ def test_same_seed_same_metrics_and_layouts_agree(env, tmp_path):
     sp = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "sp"), *short, "actor.sequence_parallel=true")
     assert abs(sp[0]["loss"] - a[0]["loss"]) < 1e-5, (sp[0]["loss"], a[0]["loss"])
     assert sp[0]["reward/sampled_mean"] == a[0]["reward/sampled_mean"]
+    # trainer.skip_zero_advantage: auto (on here, no KL) skips exactly the tied rows; off trains every row:
+    # the same first update to fp32 rounding (later steps sample from weights equal to rounding only)
+    full = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "full"), *short, "trainer.skip_zero_advantage=off")
+    assert all(r["batch/skipped_rows"] == r["batch/zero_advantage_frac"] * 16 > 0 for r in a)  # 8 prompts x n=2
+    assert all(r["batch/skipped_rows"] == 0 for r in full)
+    assert a[0]["batch/zero_advantage_frac"] == full[0]["batch/zero_advantage_frac"]
+    assert a[0]["batch/computed_tokens"] < full[0]["batch/computed_tokens"]
+    for key in ("loss", "grad_norm"):
+        assert abs(a[0][key] - full[0][key]) <= 1e-6 * abs(full[0][key]), (key, a[0][key], full[0][key])
+    # with KL in the reward every sampled token has an advantage: auto is off and says why at start
+    records, stdout, _ = _train_logged(env, "configs/tiny_cpu.yaml", str(tmp_path / "kl"), *short,
+                                       "reference.enabled=true", "algo.kl_coef=0.05")
+    assert "trainer.skip_zero_advantage=auto: off" in stdout and "KL penalty in the reward" in stdout
+    assert all(r["batch/skipped_rows"] == 0 for r in records)
 
 
 @pytest.mark.slow
