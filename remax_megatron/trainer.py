@@ -47,6 +47,7 @@ from remax_megatron.reward.scoring import RewardScorer
 from remax_megatron.rollout import RolloutEngine, WeightSync
 from remax_megatron.rollout.dispatch import RolloutDispatch
 from remax_megatron.rollout.dynamic_sampling import DynamicSampling, Scored
+from remax_megatron.rollout.schedule import SyncThenGenerate, make_schedule, one_step_ahead
 from remax_megatron.run_control import RunControl
 from remax_megatron.step_metrics import BehaviourCheck, DpReduce, StepMetrics
 from remax_megatron.update import Updater
@@ -76,15 +77,12 @@ class Trainer:
         self.parts, self.cfg, self.groups, self.log = parts, parts.cfg, parts.groups, logger
         self.actor_module = parts.actor.module
         self.step = 0
-        self._pending = None  # separate placement, staleness 1: (prompts, ticket, version) generating meanwhile
-        self._sampler_before_pending = None  # the sampler's state before the pending batch was drawn
-        self._synced_step: int | None = None  # the policy version (updates applied) of the weights last synced
         self.health = TrainingHealth(self.cfg, self.actor_module.arch.vocab_size)
         self.reduce = DpReduce(self.groups)
         self.updater = Updater(self.cfg, parts, self.reduce)
         self.metrics = StepMetrics(self.cfg, parts, self.reduce)
         self.behaviour = BehaviourCheck(self.cfg, self.actor_module, self.reduce,
-                                        enabled=self.cfg.rollout.behaviour_logprobs and self._ahead)
+                                        enabled=self.cfg.rollout.behaviour_logprobs and one_step_ahead(self.cfg))
         self.run = RunControl(self.cfg, parts, self.groups, logger, self.health)
         self.sampling = DynamicSampling(self.cfg, self.groups, self.reduce) if self.cfg.algo.dynamic_sampling else None
 
@@ -92,6 +90,12 @@ class Trainer:
     def dispatch(self) -> RolloutDispatch:
         """Built on first use, as what else needs the engine (a test of the update alone builds none)."""
         return RolloutDispatch(self.parts.engine, self.groups, self.cfg.rollout, seed=self.cfg.trainer.seed)
+
+    @functools.cached_property
+    def schedule(self) -> SyncThenGenerate:
+        """When each step's batch is generated: synced then generated, or one step ahead (rollout/schedule.py)."""
+        return make_schedule(self.cfg, self.parts.sampler, lambda: self.dispatch, lambda: self.weight_sync,
+                             lambda: self.offload, self.behaviour, self._stage)
 
     @functools.cached_property
     def evaluator(self) -> Evaluator:
@@ -139,7 +143,7 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """What a checkpoint holds besides the weights and the optimizer (resume continues exactly here)."""
-        return {"sampler": self._sampler_state(), "scheduler": self.parts.scheduler.state_dict(),
+        return {"sampler": self.schedule.sampler_state(), "scheduler": self.parts.scheduler.state_dict(),
                 "kl": self.parts.kl.state_dict(), "skipped_updates": self.updater.skipped_updates,
                 "model": self.run.model_fingerprint}
 
@@ -149,7 +153,7 @@ class Trainer:
         times, t_step = {}, time.perf_counter()  # times: time/<stage>_s
 
         # sync + rollout: this step's prompts and their rollouts, and the policy version that generated them
-        prompts, rollouts, sync, version = self._rollout(times)
+        prompts, rollouts, sync, version = self.schedule.rollout(self.step, times)
 
         with self._stage("reward", times):
             r_sampled, r_greedy, reward_metrics = self._rewards(prompts, rollouts)
@@ -188,69 +192,13 @@ class Trainer:
         record.update(sampling if self.sampling else {})
         record.update(self.metrics.perf(prompts, rollouts, batch, step_time, times["time/train_s"],
                                         updater.has_reference))
-        record.update(self.metrics.bookkeeping(step_time, tokens, update, sync, self._sampler_state(),
+        record.update(self.metrics.bookkeeping(step_time, tokens, update, sync, self.schedule.sampler_state(),
                                                staleness=self.step - version, skipped_updates=updater.skipped_updates))
         return record
 
-    def _rollout(self, times: dict) -> tuple[list, list, dict, int]:
-        """This step's prompts (this DP rank's), their rollouts, the weight sync's stats and the policy
-        version (updates applied to the engine's weights) that generated them.
-
-        Colocated, or separate with rollout.max_staleness=0: sync the current weights, then generate.
-        Separate with staleness 1: the batch submitted during the last step's update (generated with the
-        weights that update started from) is collected, the current weights are synced, and the next
-        step's batch is submitted, to be generated on the rollout ranks while this one trains."""
-        sync = {"bytes": 0, "buckets": 0}
-        fresh = self._pending is None  # nothing generated ahead: this step's batch from the current weights
-        if fresh:
-            with self._stage("sync", times):
-                # The sync wakes only the engine's weights; generate wakes its KV cache after the offload.
-                sync = self._sync()
-        with self._stage("rollout", times), self.offload.offloaded():
-            if fresh:  # a local engine decodes here
-                self._pending = self._submit_step(self.step)
-            prompts, ticket, version = self._pending
-            self._pending, self._sampler_before_pending = None, None
-            rollouts = self.dispatch.collect(ticket)
-        if self._ahead and self.step + 1 < self.cfg.trainer.steps:
-            with self._stage("sync", times):
-                sync = self._sync()
-            self._pending = self._submit_step(self.step + 1)
-        times.setdefault("time/sync_s", 0.0)  # the last step of a run ahead has nothing to sync
-        return prompts, rollouts, sync, version
-
-    @property
-    def _ahead(self) -> bool:
-        """Whether the next step's batch is generated during this step's update (rollout.max_staleness=1)."""
-        return self.cfg.rollout.placement == "separate" and self.cfg.rollout.max_staleness == 1
-
-    def _sync(self) -> dict:
-        """Weights -> engine. Separate placement: only when the engine's weights are older than the actor's."""
-        if self.cfg.rollout.placement == "separate" and self._synced_step == self.step:
-            return {"bytes": 0, "buckets": 0}
-        stats = self.weight_sync()
-        self._synced_step = self.step
-        self.behaviour.keep(self.step)
-        return stats
-
-    def _submit_step(self, step: int) -> tuple[list, object, int]:
-        """Draw step `step`'s prompts and submit this DP rank's share to the engine: (prompts, ticket, version).
-        A batch drawn ahead keeps the sampler's state from before it: a checkpoint saved while it is in flight
-        resumes from there, so a stopped run draws those prompts again (the in-flight batch is dropped, never
-        trained twice or lost)."""
-        before = self.parts.sampler.state_dict()
-        prompts = self.dispatch.share(self.parts.sampler.next(self.cfg.trainer.prompts_per_step))
-        if step > self.step:
-            self._sampler_before_pending = before
-        return prompts, self.dispatch.submit(prompts, self.cfg.rollout.n, step), self._synced_step
-
-    def _sampler_state(self) -> dict:
-        """The data loader's position as a checkpoint must record it (before a batch drawn ahead)."""
-        return self._sampler_before_pending or self.parts.sampler.state_dict()
-
     def _eval_rollouts(self, prompts: list) -> list:
         """Greedy responses of the current weights for eval (this replica's `prompts`)."""
-        self._sync()
+        self.schedule.sync(self.step)
         with self.offload.offloaded():
             return self.dispatch.generate(prompts, 0, self.step)
 
