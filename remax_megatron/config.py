@@ -390,12 +390,16 @@ class LoggingConfig:
     wandb_project: str = knob("", "non-empty: also log to Weights & Biases")
     progress_bar: bool = knob(True, "tqdm bar on rank 0")
     sample_completions: int = knob(3, "completions printed at each eval")
+    rollouts_every: int = knob(0, "every N steps (and evals) write the step's rollouts to <output_dir>/rollouts/"
+                               "step_NNNNNN.jsonl (eval_step_...): prompt, response, tokens, finish reason, reward, "
+                               "baseline, advantage per response (0: never)")
     level: LogLevel = knob("warning", "libraries' log level on rank 0 (vLLM, transformers, torch's C++ log one level "
                            "higher); other ranks show errors only; debug also shows the vLLM notices "
                            "remax_megatron/console.py drops")
 
     def __post_init__(self):
         _check_choices("logging", self)
+        _positive("logging.rollouts_every", self.rollouts_every, zero_ok=True)
 
 
 @dataclass

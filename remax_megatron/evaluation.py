@@ -12,12 +12,14 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from remax_megatron.data.prompts import Prompt
+from remax_megatron.rollout.dump import RolloutDump
 
 
 class Evaluator:
     def __init__(self, cfg, parts, dispatch, reduce, log):
         self.cfg, self.parts, self.dispatch, self.reduce, self.log = cfg, parts, dispatch, reduce, log
         self.groups = reduce.groups
+        self.dump = RolloutDump(cfg.logging.rollouts_every, cfg.trainer.output_dir, self.groups, parts.tokenizer)
 
     def evaluate(self, step: int, generate) -> dict:
         """The eval record at step `step` ({} without enough held-out prompts for every DP rank);
@@ -33,6 +35,7 @@ class Evaluator:
         scores, metrics = self.parts.scorer.score(prompts, responses)
         rewards = [row[0] for row in scores]
         self._print_samples(step, prompts, [resp[1] for (resp,) in responses], rewards)
+        self.dump.write(step, prompts, rollouts, [], rewards, kind="eval")  # logging.rollouts_every
         record = {"step": step, "eval/reward_mean": self.reduce.dp_mean(rewards)}
         record.update({f"eval/{k}": v for k, v in self.reduce.reward_metrics(metrics).items()
                        if k != "reward/unique_scored"})

@@ -46,6 +46,7 @@ from remax_megatron.reward.overlong import shape_overlong
 from remax_megatron.reward.scoring import RewardScorer
 from remax_megatron.rollout import RolloutEngine, WeightSync
 from remax_megatron.rollout.dispatch import RolloutDispatch
+from remax_megatron.rollout.dump import RolloutDump
 from remax_megatron.rollout.dynamic_sampling import DynamicSampling, Scored
 from remax_megatron.rollout.schedule import SyncThenGenerate, make_schedule, one_step_ahead
 from remax_megatron.run_control import RunControl
@@ -96,6 +97,12 @@ class Trainer:
         """When each step's batch is generated: synced then generated, or one step ahead (rollout/schedule.py)."""
         return make_schedule(self.cfg, self.parts.sampler, lambda: self.dispatch, lambda: self.weight_sync,
                              lambda: self.offload, self.behaviour, self._stage)
+
+    @functools.cached_property
+    def dump(self) -> RolloutDump:
+        """logging.rollouts_every: the step's rollouts as JSONL."""
+        return RolloutDump(self.cfg.logging.rollouts_every, self.cfg.trainer.output_dir, self.groups,
+                           self.parts.tokenizer)
 
     @functools.cached_property
     def evaluator(self) -> Evaluator:
@@ -181,6 +188,7 @@ class Trainer:
             record = self.metrics.record(self.step + 1, batch, rollouts, r_sampled, r_greedy, update, ref_logprobs,
                                          reward_metrics, stale=version < self.step)
             record.update(behaviour_gap)
+            self.dump.write(self.step + 1, prompts, rollouts, r_sampled, r_greedy)  # logging.rollouts_every
             record.update(self.metrics.rollout_work(rollouts, self.dispatch.decoded_tokens))
             tokens = self.reduce.global_sum(float(batch["lengths"].sum()))
             num_sequences = int(self.reduce.global_sum(len(r_sampled)))

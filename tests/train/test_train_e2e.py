@@ -190,7 +190,14 @@ def test_same_seed_same_metrics_and_layouts_agree(env, tmp_path):
     assert sp[0]["reward/sampled_mean"] == a[0]["reward/sampled_mean"]
     # trainer.skip_zero_advantage: auto (on here, no KL) skips exactly the tied rows; off trains every row:
     # the same first update to fp32 rounding (later steps sample from weights equal to rounding only)
-    full = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "full"), *short, "trainer.skip_zero_advantage=off")
+    full = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "full"), *short, "trainer.skip_zero_advantage=off",
+                  "logging.rollouts_every=1")
+    for record in full:  # the rollout dump holds the step's samples and their ties (logging.rollouts_every)
+        with open(tmp_path / "full" / "rollouts" / f"step_{record['step']:06d}.jsonl") as f:
+            rows = [json.loads(line) for line in f]
+        samples = [row for row in rows if row["sample"] != "greedy"]
+        assert len(samples) == 16 and len(rows) == 24
+        assert sum(row["advantage"] == 0 for row in samples) == record["batch/zero_advantage_frac"] * 16
     assert all(r["batch/skipped_rows"] == r["batch/zero_advantage_frac"] * 16 > 0 for r in a)  # 8 prompts x n=2
     assert all(r["batch/skipped_rows"] == 0 for r in full)
     assert a[0]["batch/zero_advantage_frac"] == full[0]["batch/zero_advantage_frac"]
