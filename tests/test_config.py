@@ -44,6 +44,10 @@ def test_saved_config_reloads_identically(tmp_path):
     ("algo.kl_coef=0.1", "needs a reference model"),
     ("checkpoint.resume=/no/such/ckpt", "no such path"),
     ("trainer.steps", "is not key=value"),
+    ("trainer.skip_zero_advantage=maybe", "trainer.skip_zero_advantage='maybe' is not one of auto, on, off"),
+    ("algo.dynamic_sampling_max_rounds=0", "algo.dynamic_sampling_max_rounds=0 must be > 0"),
+    ("reward.overlong_buffer=-1", "reward.overlong_buffer=-1 must be >= 0"),
+    ("logging.rollouts_every=-2", "logging.rollouts_every=-2 must be >= 0"),
 ])
 def test_bad_values_give_one_line_errors(override, message):
     with pytest.raises(ValueError) as e:
@@ -186,3 +190,20 @@ def test_separate_placement_refusals_are_one_line():
     with pytest.raises(ValueError, match=r"actor layout: tp\(2\) \* pp\(1\) = 2 does not divide world\(3\)"):
         cfg.check_world(4)
     assert (cfg.train_world(3), cfg.rollout_world(3)) == (2, 1)
+
+
+def test_on_and_off_read_as_words_in_yaml(tmp_path):
+    """YAML 1.1 reads a bare on / off as a boolean: a Literal with those words takes them back."""
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  skip_zero_advantage: off\n")
+    assert load_config(str(path), [R]).trainer.skip_zero_advantage == "off"
+    assert load_config(None, [R, "trainer.skip_zero_advantage=on"]).trainer.skip_zero_advantage == "on"
+
+
+def test_dynamic_sampling_one_step_ahead_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="algo.dynamic_sampling=true with rollout.placement=separate and "
+                                         "rollout.max_staleness=1 is not supported") as e:
+        load_config(None, [R, "rollout.placement=separate", "rollout.ranks=1", "algo.dynamic_sampling=true"])
+    assert "\n" not in str(e.value)
+    load_config(None, [R, "rollout.placement=separate", "rollout.ranks=1", "rollout.max_staleness=0",
+                       "algo.dynamic_sampling=true"])
