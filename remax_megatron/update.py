@@ -69,6 +69,9 @@ class Updater:
         per_update = rows // t.mini_batches
         skipped = rows_without_signal(batch["rewards"], batch["baseline"], batch["response_mask"]) \
             if self.skip_zero_advantage else torch.zeros(rows, dtype=torch.bool)
+        # A rank whose rows all tie still runs its first one (no gradient: exact): the step's entropy, engine gap
+        # and health checks keep a forward to read, where a padding-only micro-batch would cost as much.
+        skipped[0] = skipped[0] & ~skipped.all()
         batch = dict(batch, update_index=torch.arange(rows) // per_update, skipped=skipped)
         if not t.micro_batch_tokens:
             plan = [fixed_micro_batches([r for r in range(u * per_update, (u + 1) * per_update) if not skipped[r]],

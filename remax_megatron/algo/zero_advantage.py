@@ -7,6 +7,9 @@ truncated sample under trainer.mask_truncated) adds nothing either. The update l
 its micro-batches while the loss's GLOBAL token and sequence counts still count them, so the update
 equals the full one to fp32 rounding (tests/train/test_skip_zero_advantage.py).
 
+A DP rank whose rows all tie still runs its first row (no gradient either), so every step keeps a forward
+for the metrics read from it (entropy, the engine-vs-actor gap) and the health checks built on them.
+
 That holds only while nothing else gives those rows a gradient; `skip_blocker` names what does.
 """
 

@@ -4,8 +4,8 @@ are left out of the update's forward and backward, and the update is unchanged.
 - on vs off, the same batch with half its rows tied: loss, grad norm and the updated weights equal (1e-6
   relative) at tp1 (fixed micro-batches, two mini-batches, token budget, packed), tp2, pp2, dp2 (fixed and
   token budget); the skipped rows are exactly the tied ones and the forward computes fewer tokens
-- a DP rank whose rows all tie (dp2, and pp2 x dp2) runs ghost micro-batches, joins every collective and
-  still gives the full update
+- a DP rank whose rows all tie (dp2, and pp2 x dp2) runs its first row only (or ghosts), joins every
+  collective and still gives the full update
 - a row with a nonzero advantage skipped on purpose changes the weights (the comparison catches it)
 - auto: off with KL (in the reward or the loss), a MoE load-balancing loss or LoRA dropout, and says why;
   on is refused there in one line
@@ -116,7 +116,9 @@ def test_skipping_tied_rows_leaves_the_update_unchanged(launched, layout):
     for variant in variants:
         off, on = runs[variant, "off"], runs[variant, "on"]
         assert _worst_difference(off, on) < 1e-6, (layout, variant, off["stats"], on["stats"])
-        assert off["skipped_rows"] == 0 and on["skipped_rows"] == len(tied), (layout, variant)
+        # a DP rank whose rows all tie runs its first one anyway (its metrics need a forward)
+        expected = len(tied) - (tied == ALL_OF_RANK0)
+        assert off["skipped_rows"] == 0 and on["skipped_rows"] == expected, (layout, variant, on["skipped_rows"])
         assert on["computed"] < off["computed"], (layout, variant, on["computed"], off["computed"])
 
 

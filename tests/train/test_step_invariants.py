@@ -204,7 +204,8 @@ def _paths_body(rank, world, model_dir, ref_dir, out_dir, result_path):
     common = [f"actor.model={model_dir}", "rollout.engine=native", f"rollout.n={N}", "rollout.max_new_tokens=6",
               "reward.functions=[exact_match]", "trainer.prompts_per_step=4", "trainer.micro_batch_size=2",
               "trainer.eval_every=0", "data.max_prompt_tokens=64", "logging.tensorboard=false",
-              "logging.progress_bar=false", "optim.lr=1e-3"]
+              "logging.progress_bar=false", "optim.lr=1e-3",
+              "trainer.skip_zero_advantage=off"]  # the spies count every row's loss call (sample 0 ties)
     kl = ["reference.enabled=true", f"reference.model={ref_dir}", "algo.kl_coef=0.5"]
     runs = {"kl_reward": kl + ["algo.kl_mode=reward"], "kl_loss": kl + ["algo.kl_mode=loss"],
             "mini_batches": ["trainer.mini_batches=2"]}

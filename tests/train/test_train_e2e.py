@@ -198,7 +198,8 @@ def test_same_seed_same_metrics_and_layouts_agree(env, tmp_path):
         samples = [row for row in rows if row["sample"] != "greedy"]
         assert len(samples) == 16 and len(rows) == 24
         assert sum(row["advantage"] == 0 for row in samples) == record["batch/zero_advantage_frac"] * 16
-    assert all(r["batch/skipped_rows"] == r["batch/zero_advantage_frac"] * 16 > 0 for r in a)  # 8 prompts x n=2
+    # 8 prompts x n=2 on one DP rank; a rank whose 16 rows all tie runs its first one anyway
+    assert all(r["batch/skipped_rows"] == min(r["batch/zero_advantage_frac"] * 16, 15) > 0 for r in a)
     assert all(r["batch/skipped_rows"] == 0 for r in full)
     assert a[0]["batch/zero_advantage_frac"] == full[0]["batch/zero_advantage_frac"]
     assert a[0]["batch/computed_tokens"] < full[0]["batch/computed_tokens"]
