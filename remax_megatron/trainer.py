@@ -11,7 +11,8 @@
               A = r(sample) - r(greedy) (+ per-token KL in the reward), loss / global token count, optimizer step
     metrics   global statistics of the step (step_metrics.py); rank 0 writes metrics.jsonl, TensorBoard, progress
 
-Each stage is timed as time/<stage>_s; time/train_s = pack + logprobs + update. Eval is evaluation.py's;
+Each stage is timed as time/<stage>_s; time/train_s = pack + logprobs + update; time/wait_s is the reward
+stage's wait for the other ranks (not in time/reward_s). Eval is evaluation.py's;
 checkpoints, exports, resume and stop signals are run_control.py's. ReMax (Li et al., 2024): the greedy
 response's reward is the baseline, so no value model is trained and no normalisation is needed.
 """
@@ -149,7 +150,8 @@ class Trainer:
         prompts, rollouts, sync, version = self._rollout(times)
 
         with self._stage("reward", times):
-            r_sampled, r_greedy, reward_metrics = self._rewards(prompts, rollouts)
+            r_sampled, r_greedy, reward_metrics = self._rewards(prompts, rollouts, times)
+        times["time/reward_s"] -= times.setdefault("time/wait_s", 0.0)  # this rank's own scoring
 
         with self._stage("pack", times):
             batch = self._batch(prompts, rollouts, r_sampled, r_greedy)
@@ -256,12 +258,13 @@ class Trainer:
         with self.offload.offloaded():
             return self.dispatch.generate(prompts, 0, self.step)
 
-    def _rewards(self, prompts, rollouts):
-        """r(sample) [P * n] and r(greedy) [P * 1], one scoring call over both."""
+    def _rewards(self, prompts, rollouts, times: dict):
+        """r(sample) [P * n] and r(greedy) [P * 1], one scoring call over both. The scorer's wait for the other
+        ranks (their rollouts and scoring) is the stage time/wait_s."""
         tokenizer = self.parts.tokenizer
         responses = [[(c.token_ids, tokenizer.decode(c.token_ids, skip_special_tokens=True))
                       for c in r.sampled + [r.greedy]] for r in rollouts]
-        scores, metrics = self.parts.scorer.score(prompts, responses)
+        scores, metrics = self.parts.scorer.score(prompts, responses, wait=lambda: self._stage("wait", times))
         n = self.cfg.rollout.n
         return [s for row in scores for s in row[:n]], [row[n] for row in scores], metrics
 
