@@ -1,0 +1,163 @@
+"""Reward functions in worker processes (reward/workers.py, reward.workers > 0): a call that hangs or kills
+its process costs only its response (timeout_value, counted in reward/timeouts), within timeout_s and a few
+seconds; every other response scores exactly what the in-process path gives; a function that raises still
+fails as in-process; no worker outlives the pool, or the process that ran it."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from multiprocessing import resource_tracker
+
+import psutil
+import pytest
+
+from remax_megatron.config import RewardConfig
+from remax_megatron.data.prompts import Prompt
+from remax_megatron.reward import RewardError, RewardFunctions, RewardScorer, RewardWorkers
+from remax_megatron.reward.functions import RewardBatch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HOSTILE = "tests.reward.hostile_rewards"
+SPECS = [f"{HOSTILE}:hangs", f"{HOSTILE}:dies", "format", "length_penalty"]
+WEIGHTS = [0.3, 1.7, 2.0, -0.9]
+OPTIONS = {"limit": 8}
+GOOD = ["12", "hello world", " 7 ", "x" * 30, "-3", "a longer answer: 41.5", "", "99 bottles"]
+BAD = ["please hang", "now die", "exit here", "segv!"]  # sleeps forever, SIGKILL, os._exit(3), a null read
+TIMEOUT_S = 3.0
+
+
+def _batch(responses):
+    return RewardBatch(prompts=[f"p{i}" for i in range(len(responses))], responses=list(responses),
+                       prompt_index=list(range(len(responses))))
+
+
+def _functions(specs=SPECS, weights=WEIGHTS):
+    return RewardFunctions(specs, weights, OPTIONS)
+
+
+def _workers(pool) -> list[psutil.Process]:
+    """This process's children that are not multiprocessing's resource tracker (started by the first
+    'spawn', it lives as long as this process, as it does in every rank that saves a checkpoint)."""
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return [p for p in psutil.Process().children(recursive=True) if p.pid != tracker and p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture
+def pool():
+    p = RewardWorkers(_functions(), workers=2, timeout_s=TIMEOUT_S, timeout_value=-5.0)
+    yield p
+    p.close()
+
+
+def test_a_hang_and_a_death_cost_only_their_responses(pool):
+    responses = GOOD[:3] + BAD[:2] + GOOD[3:6] + BAD[2:] + GOOD[6:]
+    start = time.monotonic()
+    total, parts, timed_out = pool.score(_batch(responses))
+    elapsed = time.monotonic() - start
+    bad = [i for i, r in enumerate(responses) if r in BAD]
+    assert timed_out == bad
+    assert elapsed < TIMEOUT_S + 5.0, elapsed  # the hang runs beside the others: one limit, plus start-up
+    assert [total[i] for i in bad] == [-5.0] * len(bad)
+    assert all(parts[s][i] == -5.0 for s in SPECS for i in bad)
+    # Every other response: the in-process weighted sum, bit for bit (functions called on the whole batch).
+    want_total, want_parts = _functions().score(_batch(GOOD))
+    good = [i for i in range(len(responses)) if i not in bad]
+    assert [total[i] for i in good] == want_total
+    assert {s: [parts[s][i] for i in good] for s in SPECS} == want_parts
+    # The dead and the killed workers were replaced: the pool scores on, and the next call times out alike.
+    total, _, timed_out = pool.score(_batch(GOOD + ["hang again"]))
+    assert total[:-1] == want_total and timed_out == [len(GOOD)]
+
+
+def test_the_scorer_counts_timeouts_and_workers_0_is_unchanged():
+    prompts = [Prompt(index=i, text=f"q{i}", token_ids=[i], columns={}) for i in range(3)]
+    texts = [["5", "please hang", "5"], ["now die", "six", "6"], ["7", "7 ", "x" * 12]]
+    responses = [[([i, j], t) for j, t in enumerate(row)] for i, row in enumerate(texts)]
+    responses[0][2] = responses[0][0]  # a sample equal to the greedy response: scored once
+    workers = RewardWorkers(_functions(), workers=2, timeout_s=TIMEOUT_S, timeout_value=0.25)
+    try:
+        scores, metrics = RewardScorer(_functions(), workers=workers).score(prompts, responses)
+    finally:
+        workers.close()
+    assert metrics["reward/timeouts"] == 2.0 and metrics["reward/unique_scored"] == 8.0
+    assert scores[0][1] == 0.25 and scores[1][0] == 0.25
+    calm = [[r if "hang" not in r[1] and "die" not in r[1] else ([9], "0") for r in row] for row in responses]
+    plain_scores, plain = RewardScorer(_functions()).score(prompts, calm)
+    assert "reward/timeouts" not in plain and set(plain) == set(metrics) - {"reward/timeouts"}
+    assert [[s for s, r in zip(row, calm_row) if r[1] != "0"] for row, calm_row in zip(scores, calm)] == \
+        [[s for s, r in zip(row, calm_row) if r[1] != "0"] for row, calm_row in zip(plain_scores, calm)]
+
+
+def test_a_function_that_raises_fails_as_in_process():
+    specs = ["format", f"{HOSTILE}:raises"]
+    batch = _batch(["1", "2", "boom", "3", "boom"])
+    with pytest.raises(RewardError) as in_process:
+        _functions(specs, [1.0, 1.0]).score(batch)
+    workers = RewardWorkers(_functions(specs, [1.0, 1.0]), workers=2, timeout_s=TIMEOUT_S)
+    try:
+        with pytest.raises(RewardError) as pooled:
+            workers.score(batch)
+    finally:
+        workers.close()
+    assert str(pooled.value) == str(in_process.value) == \
+        "reward function 'tests.reward.hostile_rewards:raises' raised ArithmeticError: boom (on prompt 2)"
+
+
+def test_calls_run_side_by_side_without_a_limit():
+    workers = RewardWorkers(_functions([f"{HOSTILE}:slow"], [1.0]), workers=2)
+    try:
+        workers.score(_batch(["warm"] * 2))  # start-up
+        start = time.monotonic()
+        total, _, timed_out = workers.score(_batch(["a"] * 8))
+        elapsed = time.monotonic() - start
+    finally:
+        workers.close()
+    assert total == [1.0] * 8 and timed_out == []
+    assert elapsed < 8 * 0.2 * 0.85, elapsed  # 1.6 s one after the other; ~0.8 s on two workers
+
+
+def test_no_worker_outlives_close(pool):
+    pool.score(_batch(GOOD[:2] + BAD))
+    pids = pool.pids
+    assert len(pids) == 2 and {p.pid for p in _workers(pool)} == set(pids)
+    pool.close()
+    assert _workers(pool) == [] and not any(psutil.pid_exists(p) and psutil.Process(p).status() !=
+                                            psutil.STATUS_ZOMBIE for p in pids)
+    pool.close()  # idempotent
+
+
+def test_workers_die_with_the_process_that_ran_them(tmp_path):
+    """A rank that exits at once (train._fail: os._exit, no clean-up) while a call hangs leaves no worker."""
+    script = textwrap.dedent(f"""
+        import os, sys, threading
+        sys.path.insert(0, {ROOT!r})
+        from remax_megatron.reward import RewardFunctions, RewardWorkers
+        from remax_megatron.reward.functions import RewardBatch
+        if __name__ == "__main__":
+            pool = RewardWorkers(RewardFunctions(["{HOSTILE}:hangs"]), workers=2)
+            pool.score(RewardBatch(["p"], ["warm"], prompt_index=[0]))
+            print(" ".join(map(str, pool.pids)), flush=True)
+            threading.Timer(1.0, os._exit, (1,)).start()
+            pool.score(RewardBatch(["p", "p"], ["hang", "hang"], prompt_index=[0, 1]))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    pids = [int(p) for p in r.stdout.split()]
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(pids) == 2 and not any(psutil.pid_exists(p) for p in pids)
+
+
+@pytest.mark.parametrize("values,message", [
+    (dict(functions=["format"], timeout_s=5.0), "reward.timeout_s=5.0 needs reward.workers >= 1"),
+    (dict(workers=2), "reward.workers=2 runs reward.functions, and there are none"),
+    (dict(functions=["format"], workers=-1), "reward.workers=-1 must be >= 0"),
+    (dict(functions=["format"], workers=1, timeout_value=float("nan")), "reward.timeout_value=nan is not a finite"),
+])
+def test_bad_worker_settings_are_refused_in_one_line(values, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        RewardConfig(**values)
