@@ -30,6 +30,7 @@ import os
 import signal
 import time
 from collections import deque
+from multiprocessing import util
 from multiprocessing.connection import wait
 
 from remax_megatron.reward.functions import RewardBatch, RewardError, RewardFunction, RewardFunctions, call_checked
@@ -49,6 +50,9 @@ class RewardWorkers:
         self._specs = [(fn.spec, fn.options) for fn in functions.functions]
         self._context = mp.get_context("spawn")
         self._slots: list[_Worker] = []  # started by the first score(): a failure to start is a RewardError there
+        # At interpreter exit, before multiprocessing's own clean-up: that one SIGTERMs its children, which
+        # workers ignore, then joins them (an exit without close() would wait forever).
+        util.Finalize(self, _close, args=(self._slots,), exitpriority=10)
 
     @property
     def pids(self) -> list[int]:
@@ -115,9 +119,7 @@ class RewardWorkers:
 
     def close(self) -> None:
         """Ask every worker to exit, kill the ones that do not within a second; idempotent."""
-        for w in self._slots:
-            w.stop(grace_s=1.0)
-        self._slots = []
+        _close(self._slots)
 
     def _open(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -128,6 +130,12 @@ class RewardWorkers:
 
     def _start(self) -> _Worker:
         return _Worker(self._context, self._specs, self.timeout_s)
+
+
+def _close(slots: list[_Worker]) -> None:
+    for w in slots:
+        w.stop(grace_s=1.0)
+    slots.clear()
 
 
 class _Worker:

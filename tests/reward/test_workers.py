@@ -129,27 +129,63 @@ def test_no_worker_outlives_close(pool):
     pool.close()  # idempotent
 
 
+def _orphans(script: str, tmp_path) -> list[int]:
+    """Run `script` (it writes its workers' pids to argv[1], then exits); the workers still alive 10 s
+    after it exited (killed then: a broken guard leaves nothing behind)."""
+    pid_file = tmp_path / "pids"
+    with open(tmp_path / "out", "w") as out:  # not a pipe: a surviving worker would hold it open
+        code = subprocess.run([sys.executable, "-c", textwrap.dedent(script), str(pid_file)], stdout=out,
+                              stderr=subprocess.STDOUT, timeout=60).returncode
+    pids = [int(p) for p in pid_file.read_text().split()]
+    assert len(pids) == 2, (tmp_path / "out").read_text()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        psutil.Process(p).kill()
+    return code, left
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+PREAMBLE = f"""
+    import os, sys, threading
+    sys.path.insert(0, {ROOT!r})
+    from remax_megatron.reward import RewardFunctions, RewardWorkers
+    from remax_megatron.reward.functions import RewardBatch
+    def started(pool):
+        pool.score(RewardBatch(["p"], ["warm"], prompt_index=[0]))
+        with open(sys.argv[1], "w") as f:
+            f.write(" ".join(map(str, pool.pids)))
+        return pool
+"""
+
+
 def test_workers_die_with_the_process_that_ran_them(tmp_path):
     """A rank that exits at once (train._fail: os._exit, no clean-up) while a call hangs leaves no worker."""
-    script = textwrap.dedent(f"""
-        import os, sys, threading
-        sys.path.insert(0, {ROOT!r})
-        from remax_megatron.reward import RewardFunctions, RewardWorkers
-        from remax_megatron.reward.functions import RewardBatch
-        if __name__ == "__main__":
-            pool = RewardWorkers(RewardFunctions(["{HOSTILE}:hangs"]), workers=2)
-            pool.score(RewardBatch(["p"], ["warm"], prompt_index=[0]))
-            print(" ".join(map(str, pool.pids)), flush=True)
-            threading.Timer(1.0, os._exit, (1,)).start()
-            pool.score(RewardBatch(["p", "p"], ["hang", "hang"], prompt_index=[0, 1]))
-    """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1, r.stderr
-    pids = [int(p) for p in r.stdout.split()]
-    deadline = time.monotonic() + 10
-    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert len(pids) == 2 and not any(psutil.pid_exists(p) for p in pids)
+    code, left = _orphans(PREAMBLE + f"""
+    if __name__ == "__main__":
+        pool = started(RewardWorkers(RewardFunctions(["{HOSTILE}:hangs"]), workers=2))
+        threading.Timer(1.0, os._exit, (1,)).start()
+        pool.score(RewardBatch(["p", "p"], ["hang", "hang"], prompt_index=[0, 1]))
+    """, tmp_path)
+    assert code == 1 and left == []
+
+
+def test_an_exit_without_close_ends_the_workers(tmp_path):
+    """An exception out of the run (no close()): the interpreter exits, its workers with it."""
+    code, left = _orphans(PREAMBLE + f"""
+    if __name__ == "__main__":
+        pool = started(RewardWorkers(RewardFunctions(["{HOSTILE}:hangs"]), workers=2))
+        raise SystemExit(3)
+    """, tmp_path)
+    assert code == 3 and left == []
 
 
 @pytest.mark.parametrize("values,message", [
