@@ -7,6 +7,8 @@ import os
 import signal
 import time
 
+from remax_megatron.reward.functions import PLACEHOLDER
+
 
 def _fractional(text: str) -> float:
     """A score with many significant bits (the pool's totals must equal the in-process ones exactly)."""
@@ -46,3 +48,35 @@ def slow(prompts, responses, **_):
     """Takes 0.2 s per response (the pool's calls run side by side)."""
     time.sleep(0.2 * len(responses))
     return [1.0] * len(responses)
+
+
+def hangs_where_told(prompts, responses, **_):
+    """hangs() on a response containing $REMAX_HANG_ON (set in one rank only: that rank alone times out)."""
+    told = os.environ.get("REMAX_HANG_ON")
+    return hangs(prompts, [r.replace(told, "hang") if told else r for r in responses])
+
+
+def _claim(directory: str, name: str) -> bool:
+    try:
+        os.close(os.open(os.path.join(directory, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def once(prompts, responses, **_):
+    """0.0, except that in the whole job the first call (after the start-up call) sleeps forever and the first
+    call on another response kills its process: the claims are files in $REMAX_HOSTILE_DIR."""
+    directory = os.environ.get("REMAX_HOSTILE_DIR")
+    if directory and responses != [PLACEHOLDER] * len(responses):
+        me = repr((prompts, responses))
+        if _claim(directory, "hang.claim"):
+            with open(os.path.join(directory, "hung.tmp"), "w") as f:
+                f.write(me)
+            os.rename(os.path.join(directory, "hung.tmp"), os.path.join(directory, "hung"))
+            while True:
+                time.sleep(3600)
+        hung = os.path.join(directory, "hung")
+        if os.path.exists(hung) and open(hung).read() != me and _claim(directory, "die.claim"):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return [0.0] * len(responses)

@@ -3,6 +3,7 @@ its process costs only its response (timeout_value, counted in reward/timeouts),
 seconds; every other response scores exactly what the in-process path gives; a function that raises still
 fails as in-process; no worker outlives the pool, or the process that ran it."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -197,3 +198,102 @@ def test_an_exit_without_close_ends_the_workers(tmp_path):
 def test_bad_worker_settings_are_refused_in_one_line(values, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
         RewardConfig(**values)
+
+
+def _agree_body(rank, world, out_dir):
+    """Both ranks score the same responses; only rank 1's workers hang on "maybe" (as a call ending near the
+    limit may time out on one rank of a model-parallel group only)."""
+    import json
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        os.environ["REMAX_HANG_ON"] = "maybe"  # the workers inherit it at their start
+    functions = _functions([f"{HOSTILE}:hangs_where_told", "format"], [1.0, 1.0])
+    workers = RewardWorkers(functions, workers=1, timeout_s=2.0, timeout_value=-1.0)
+    prompts = [Prompt(index=i, text=f"q{i}", token_ids=[i], columns={}) for i in range(2)]
+    responses = [[([0, 1], "12"), ([0, 2], "maybe 3")], [([1, 1], "4"), ([1, 2], "5 ")]]
+    waits = []
+
+    @contextlib.contextmanager
+    def wait():
+        start = time.perf_counter()
+        yield
+        waits.append(time.perf_counter() - start)
+
+    try:
+        workers.score(_batch(["warm"]))  # started: what follows is scoring alone
+        dist.barrier()
+        if rank == 1:  # a slow rollout on this rank: rank 0 waits for it, in the wait only
+            time.sleep(3.0)
+        start = time.perf_counter()
+        scores, metrics = RewardScorer(functions, workers=workers, mp_group=dist.group.WORLD).score(
+            prompts, responses, wait=wait)
+        elapsed = time.perf_counter() - start
+    finally:
+        workers.close()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"scores": scores, "timeouts": metrics["reward/timeouts"], "waits": waits, "elapsed": elapsed}, f)
+
+
+@pytest.mark.slow
+def test_ranks_that_score_the_same_responses_agree_on_timeouts(tmp_path):
+    import json
+
+    from tests._dist import run_distributed
+
+    run_distributed(_agree_body, 2, (str(tmp_path),))
+    got = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    assert got[0]["scores"] == got[1]["scores"] and got[0]["timeouts"] == got[1]["timeouts"] == 1.0
+    # Rank 0 scored in well under a second, then waited for rank 1's 3 s "rollout" and 2 s timeout.
+    assert [len(g["waits"]) for g in got] == [1, 1] and got[0]["waits"][0] > 4.5
+    assert got[0]["elapsed"] - got[0]["waits"][0] < 1.0, got[0]
+    want, _ = _functions([f"{HOSTILE}:hangs_where_told", "format"], [1.0, 1.0]).score(_batch(["12", "4", "5 "]))
+    assert got[0]["scores"] == [[want[0], -1.0], want[1:]]
+
+
+def _records(out) -> list[dict]:
+    import json
+
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_tiny_default_with_reward_workers(tmp_path):
+    """The README's launcher on the tiny default (TP=2) with reward.workers=2 reward.timeout_s=5: it trains,
+    logs reward/timeouts (0: nothing hangs) and time/wait_s apart from time/reward_s; no worker is left."""
+    out = str(tmp_path / "run")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-m", "remax_megatron.launch", "--nproc_per_node=2", "-m",
+                        "remax_megatron.train", "--config", "configs/tiny_cpu.yaml", "rollout.engine=native",
+                        "reward.workers=2", "reward.timeout_s=5", "trainer.steps=2", f"trainer.output_dir={out}",
+                        "logging.progress_bar=false", "checkpoint.save_every=0"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    steps = [rec for rec in _records(out) if "loss" in rec]
+    assert [rec["step"] for rec in steps] == [1, 2]
+    assert all(rec["reward/timeouts"] == 0.0 and rec["time/wait_s"] >= 0.0 and rec["time/reward_s"] >= 0.0
+               for rec in steps)
+
+
+@pytest.mark.slow
+def test_a_hang_and_a_death_in_training_cost_one_limit_and_two_responses(tmp_path):
+    """tests.reward.hostile_rewards:once hangs on the job's first scored response and kills its worker on
+    another: step 1 counts both as timeouts, its scoring takes the limit and a few seconds, step 2 none."""
+    from tests._dist import run_main
+
+    out, hostile = str(tmp_path / "run"), tmp_path / "claims"
+    hostile.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", REMAX_HOSTILE_DIR=str(hostile))
+    r = run_main("remax_megatron.train", [
+        "--config", "configs/tiny_cpu.yaml", "rollout.engine=native", f"trainer.output_dir={out}",
+        "logging.progress_bar=false", "checkpoint.save_every=0", "trainer.eval_every=0", "trainer.steps=2",
+        f"reward.functions=[exact_match,{HOSTILE}:once]", "reward.workers=2", "reward.timeout_s=5",
+        "reward.timeout_value=-1"], 2, env=env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    first, second = _records(out)
+    assert sorted(os.listdir(hostile)) == ["die.claim", "hang.claim", "hung"]
+    assert first["reward/timeouts"] == 2.0 and second["reward/timeouts"] == 0.0
+    assert first["reward/min"] == -1.0 and second["reward/min"] >= 0.0
+    assert first["time/reward_s"] < 5.0 + 4.0, first["time/reward_s"]
