@@ -11,8 +11,7 @@
               A = r(sample) - r(greedy) (+ per-token KL in the reward), loss / global token count, optimizer step
     metrics   global statistics of the step (step_metrics.py); rank 0 writes metrics.jsonl, TensorBoard, progress
 
-Each stage is timed as time/<stage>_s; time/train_s = pack + logprobs + update; time/wait_s is the reward
-stage's wait for the other ranks (not in time/reward_s). Eval is evaluation.py's;
+Each stage is timed as time/<stage>_s; time/train_s = pack + logprobs + update. Eval is evaluation.py's;
 checkpoints, exports, resume and stop signals are run_control.py's. ReMax (Li et al., 2024): the greedy
 response's reward is the baseline, so no value model is trained and no normalisation is needed.
 """
@@ -259,10 +258,8 @@ class Trainer:
             return self.dispatch.generate(prompts, 0, self.step)
 
     def _rewards(self, prompts, rollouts, times: dict):
-        """r(sample) [P * n] and r(greedy) [P * 1], one scoring call over both. The scorer's wait for the other
-        ranks (their rollouts and scoring) is the stage time/wait_s."""
-        tokenizer = self.parts.tokenizer
-        responses = [[(c.token_ids, tokenizer.decode(c.token_ids, skip_special_tokens=True))
+        """r(sample) [P * n] and r(greedy) [P * 1], one scoring call over both (its wait for the others: wait_s)."""
+        responses = [[(c.token_ids, self.parts.tokenizer.decode(c.token_ids, skip_special_tokens=True))
                       for c in r.sampled + [r.greedy]] for r in rollouts]
         scores, metrics = self.parts.scorer.score(prompts, responses, wait=lambda: self._stage("wait", times))
         n = self.cfg.rollout.n

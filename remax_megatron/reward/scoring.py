@@ -87,6 +87,7 @@ class RewardScorer:
             where.append(row)
         total = [0.0] * len(items)
         metrics = {"reward/unique_scored": float(len(items))}
+        error, timed_out = None, []
         if self.functions is not None:
             keys = sorted({k for q in prompts for k in q.columns})
             batch = RewardBatch(prompts=[prompts[i].text for i, _, _ in items], responses=[t for _, _, t in items],
@@ -95,7 +96,6 @@ class RewardScorer:
                                 raw_prompts=[prompts[i].raw for i, _, _ in items],
                                 completion_ids=[list(ids) for _, ids, _ in items],
                                 chat=any(q.is_chat for q in prompts))
-            error, timed_out = None, []
             try:
                 if self.workers is not None:
                     values, parts, timed_out = self.workers.score(batch)

@@ -25,9 +25,11 @@ the rank (PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 from collections import deque
 from multiprocessing import util
@@ -37,6 +39,7 @@ from remax_megatron.reward.functions import RewardBatch, RewardError, RewardFunc
 
 START_TIMEOUT_S = 120.0  # a worker resolves the functions (imports their modules) within this, or the run stops
 # What a worker must not take from the rank: its GPUs, and the variables that make it look like a rank.
+PR_SET_PDEATHSIG = 1
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -206,12 +209,13 @@ def _serve(conn, parent: int, specs: list[tuple[str, dict]]) -> None:
     """A worker's loop: resolve the functions, then score one response per message (None: exit). Replies
     ("ready",), ("failed", message), or (None, values, error): values one per function called, error
     (function index, message, where) of the first function that failed, None when all gave a value."""
-    from remax_megatron.processes import STOP_SIGNALS, set_parent_death_signal
-
-    set_parent_death_signal(signal.SIGKILL)
+    # As remax_megatron.processes does for the rank's forked children (not imported: it sits above reward):
+    # SIGKILL when the rank dies, and the stop signals ignored (the rank decides when to stop).
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent:  # the rank died before the line above took effect
         os._exit(1)
-    for sig in STOP_SIGNALS:
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     for key in RANK_VARIABLES:
