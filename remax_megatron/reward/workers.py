@@ -38,8 +38,8 @@ from multiprocessing.connection import wait
 from remax_megatron.reward.functions import RewardBatch, RewardError, RewardFunction, RewardFunctions, call_checked
 
 START_TIMEOUT_S = 120.0  # a worker resolves the functions (imports their modules) within this, or the run stops
+PR_SET_PDEATHSIG = 1  # Linux prctl
 # What a worker must not take from the rank: its GPUs, and the variables that make it look like a rank.
-PR_SET_PDEATHSIG = 1
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
