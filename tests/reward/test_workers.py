@@ -38,12 +38,13 @@ def _functions(specs=SPECS, weights=WEIGHTS):
     return RewardFunctions(specs, weights, OPTIONS)
 
 
-def _workers(pool) -> list[psutil.Process]:
-    """This process's children that are not multiprocessing's resource tracker (started by the first
-    'spawn', it lives as long as this process, as it does in every rank that saves a checkpoint)."""
+def _children(before=frozenset()) -> set[int]:
+    """This process's live children not in `before` (other tests' fork servers) and not multiprocessing's
+    resource tracker (started by the first 'spawn', it lives as long as this process, as in every rank
+    that saves a checkpoint)."""
     tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-    return [p for p in psutil.Process().children(recursive=True) if p.pid != tracker and p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE]
+    return {p.pid for p in psutil.Process().children(recursive=True)
+            if p.pid != tracker and p.pid not in before and _alive(p.pid)}
 
 
 @pytest.fixture
@@ -121,12 +122,12 @@ def test_calls_run_side_by_side_without_a_limit():
 
 
 def test_no_worker_outlives_close(pool):
+    before = _children()  # the pool starts on its first call
     pool.score(_batch(GOOD[:2] + BAD))
     pids = pool.pids
-    assert len(pids) == 2 and {p.pid for p in _workers(pool)} == set(pids)
+    assert len(pids) == 2 and _children(before) == set(pids)  # the dead and the killed ones reaped already
     pool.close()
-    assert _workers(pool) == [] and not any(psutil.pid_exists(p) and psutil.Process(p).status() !=
-                                            psutil.STATUS_ZOMBIE for p in pids)
+    assert _children(before) == set() and not any(_alive(p) for p in pids)
     pool.close()  # idempotent
 
 
