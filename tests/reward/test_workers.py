@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from multiprocessing import resource_tracker
 
@@ -54,10 +55,20 @@ def pool():
     p.close()
 
 
+def _score_within(pool, batch, seconds: float):
+    """pool.score(batch), failing the test (not hanging it) when it has not returned within `seconds`."""
+    got = []
+    thread = threading.Thread(target=lambda: got.append(pool.score(batch)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert got, f"scoring did not return within {seconds} s"
+    return got[0]
+
+
 def test_a_hang_and_a_death_cost_only_their_responses(pool):
     responses = GOOD[:3] + BAD[:2] + GOOD[3:6] + BAD[2:] + GOOD[6:]
     start = time.monotonic()
-    total, parts, timed_out = pool.score(_batch(responses))
+    total, parts, timed_out = _score_within(pool, _batch(responses), 60)
     elapsed = time.monotonic() - start
     bad = [i for i, r in enumerate(responses) if r in BAD]
     assert timed_out == bad
@@ -70,7 +81,7 @@ def test_a_hang_and_a_death_cost_only_their_responses(pool):
     assert [total[i] for i in good] == want_total
     assert {s: [parts[s][i] for i in good] for s in SPECS} == want_parts
     # The dead and the killed workers were replaced: the pool scores on, and the next call times out alike.
-    total, _, timed_out = pool.score(_batch(GOOD + ["hang again"]))
+    total, _, timed_out = _score_within(pool, _batch(GOOD + ["hang again"]), 60)
     assert total[:-1] == want_total and timed_out == [len(GOOD)]
 
 
