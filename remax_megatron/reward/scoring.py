@@ -103,7 +103,7 @@ class RewardScorer:
                     values, parts = self.functions.score(batch)
             except RewardError as e:
                 error = e
-        with wait():  # the first collective after the rollout: before the reward model's, which would hide it
+        with wait():  # every rank meets here, so the reward model's collectives below do not hide the wait
             _stop_together(error)
             if self.workers is not None:
                 values, parts, timed_out = self._agree(values, parts, timed_out)
