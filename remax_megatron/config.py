@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -176,6 +177,12 @@ class RewardConfig:
                                 "get a linear penalty, 0 at the buffer's start to -reward.overlong_penalty at the "
                                 "limit, added to samples and greedy alike (0: off)")
     overlong_penalty: float = knob(1.0, "the overlong shaping's penalty at the length limit (reward.overlong_buffer)")
+    workers: int = knob(0, "worker processes per rank that call reward.functions, one response per call (a hang or "
+                        "crash costs only its response); 0: called in the trainer's process, once per batch")
+    timeout_s: float = knob(0.0, "reward.workers: a call running longer is killed with its worker and its response "
+                            "scores reward.timeout_value (0: no limit; a worker that dies scores it too)")
+    timeout_value: float = knob(0.0, "the reward of a response whose call timed out or whose worker died "
+                                "(metric reward/timeouts counts them)")
 
     def __post_init__(self):
         if self.weights and len(self.weights) != len(self.functions):
@@ -187,6 +194,17 @@ class RewardConfig:
         _positive("reward.length_limit", self.length_limit)
         _positive("reward.overlong_buffer", self.overlong_buffer, zero_ok=True)
         _positive("reward.overlong_penalty", self.overlong_penalty, zero_ok=True)
+        _positive("reward.workers", self.workers, zero_ok=True)
+        _positive("reward.timeout_s", self.timeout_s, zero_ok=True)
+        if not math.isfinite(self.timeout_value):
+            raise ValueError(f"reward.timeout_value={self.timeout_value} is not a finite number: give one, e.g. 0.0")
+        # In-process, a hung call cannot be stopped (an alarm does not interrupt C code, a crash ends the rank).
+        if self.timeout_s > 0 and self.workers == 0:
+            raise ValueError(f"reward.timeout_s={self.timeout_s} needs reward.workers >= 1 (only a call in a worker "
+                             "process can be stopped): set reward.workers, or reward.timeout_s=0")
+        if self.workers and not self.functions:
+            raise ValueError(f"reward.workers={self.workers} runs reward.functions, and there are none: set "
+                             "reward.functions, or reward.workers=0")
 
 
 @dataclass

@@ -264,6 +264,7 @@ def build(cfg, checked: CheckedInputs, bridge=None):
     from remax_megatron.optimizer import attach_to_schedule, build_optimizer, build_scheduler, wrap_ddp
     from remax_megatron.parallel import ParallelLayout, init_distributed
     from remax_megatron.reward.scoring import RewardScorer
+    from remax_megatron.reward.workers import RewardWorkers
     from remax_megatron.trainer import Components
 
     # Built already (prepare_models): the built models' directories, or the model directories as given.
@@ -288,9 +289,12 @@ def build(cfg, checked: CheckedInputs, bridge=None):
     else:
         engine = build_rollout_engine(cfg, checked, actor_dir)
     tok = checked.tokenizer
+    # Worker processes start on the first scoring call: a failure there stops every rank in one line.
+    workers = RewardWorkers(checked.functions, cfg.reward.workers, cfg.reward.timeout_s,
+                            cfg.reward.timeout_value) if cfg.reward.workers else None
     scorer = RewardScorer(checked.functions, reward_model, cfg.reward.model_weight,
                           micro_batch_size=cfg.trainer.micro_batch_size, rm_inputs=checked.rm_inputs,
-                          micro_batch_tokens=cfg.trainer.micro_batch_tokens)
+                          micro_batch_tokens=cfg.trainer.micro_batch_tokens, workers=workers, mp_group=groups.mp)
     return Components(cfg=cfg, groups=groups, actor=ddp, reference=reference, optimizer=optimizer,
                       scheduler=scheduler, engine=engine, scorer=scorer, tokenizer=tok,
                       sampler=PromptSampler(checked.train, cfg.trainer.seed, cfg.data.shuffle),

@@ -213,8 +213,9 @@ def _train(cfg, checked, claim, bridge=None) -> None:
         _fail(logger, claim.lock, e, printer=e.report, same_on_every_rank=False)
     except StageError as e:  # names the rank that saw the failure
         _fail(logger, claim.lock, e, printer=True, same_on_every_rank=False)
-    finally:
+    finally:  # _fail exits without it: the reward workers then die with this process (PR_SET_PDEATHSIG)
         logger.close()
+        parts.scorer.close()
     if trainer.step > cfg.trainer.steps:  # resumed past the end: the loop had nothing to do
         if is_rank0():
             print(f"warning: the checkpoint resumed from is at step {trainer.step}, past trainer.steps="

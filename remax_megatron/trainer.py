@@ -163,12 +163,13 @@ class Trainer:
         prompts, rollouts, sync, version = self.schedule.rollout(self.step, times)
 
         with self._stage("reward", times):
-            r_sampled, r_greedy, reward_metrics = self._rewards(prompts, rollouts)
+            r_sampled, r_greedy, reward_metrics = self._rewards(prompts, rollouts, times)
+        times["time/reward_s"] -= times.setdefault("time/wait_s", 0.0)  # this rank's own scoring
         if self.sampling:  # prompts without signal dropped, more drawn, rolled out and scored until the step is full
-            with self._stage("resample", times), self.offload.offloaded():
+            with self._stage("resample", times), self.offload.offloaded():  # its rounds' waits count in it
                 (prompts, rollouts, r_sampled, r_greedy), sampling = self.sampling.refill(
                     self.step, Scored(prompts, rollouts, r_sampled, r_greedy), self.dispatch, parts.sampler,
-                    self._rewards)
+                    lambda more, their: self._rewards(more, their, {}))
 
         with self._stage("pack", times):
             batch = self._batch(prompts, rollouts, r_sampled, r_greedy)
@@ -210,12 +211,11 @@ class Trainer:
         with self.offload.offloaded():
             return self.dispatch.generate(prompts, 0, self.step)
 
-    def _rewards(self, prompts, rollouts):
-        """r(sample) [P * n] and r(greedy) [P * 1], one scoring call over both."""
-        tokenizer = self.parts.tokenizer
-        responses = [[(c.token_ids, tokenizer.decode(c.token_ids, skip_special_tokens=True))
+    def _rewards(self, prompts, rollouts, times: dict):
+        """r(sample) [P * n] and r(greedy) [P * 1], one scoring call over both (its wait for the others: wait_s)."""
+        responses = [[(c.token_ids, self.parts.tokenizer.decode(c.token_ids, skip_special_tokens=True))
                       for c in r.sampled + [r.greedy]] for r in rollouts]
-        scores, metrics = self.parts.scorer.score(prompts, responses)
+        scores, metrics = self.parts.scorer.score(prompts, responses, wait=lambda: self._stage("wait", times))
         scores = shape_overlong(scores, responses, self.cfg, metrics)  # reward.overlong_buffer: samples and greedy
         n = self.cfg.rollout.n
         return [s for row in scores for s in row[:n]], [row[n] for row in scores], metrics

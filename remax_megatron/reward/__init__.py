@@ -1,4 +1,5 @@
-"""Rewards: rule-based functions (registry, user functions, weighted sum) and a reward-model scorer.
+"""Rewards: rule-based functions (registry, user functions, weighted sum, worker processes with time limits)
+and a reward-model scorer.
 
 Names are imported on first use: the functions (start-up checks) do not import megatron-core, which
 the scorer's reward-model path needs.
@@ -13,6 +14,7 @@ _EXPORTS = {
     "register": "remax_megatron.reward.functions",
     "resolve": "remax_megatron.reward.functions",
     "RewardScorer": "remax_megatron.reward.scoring",
+    "RewardWorkers": "remax_megatron.reward.workers",
 }
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -2,12 +2,14 @@
 
 The greedy response (the ReMax baseline) goes through exactly the same reward as
 the samples, in the same call; a response that occurs twice for a prompt (e.g. a
-sample equal to the greedy one) is scored once.
+sample equal to the greedy one) is scored once. With reward.workers the functions
+run in worker processes, each call under reward.timeout_s (reward/workers.py).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import contextlib
+from typing import Callable, ContextManager, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,7 @@ from remax_megatron.models.gpt import RewardModel, sequence_multiple
 from remax_megatron.parallel import all_reduce_cpu
 from remax_megatron.reward.functions import RewardBatch, RewardError, RewardFunctions
 from remax_megatron.reward.rm_inputs import RewardModelInputs
+from remax_megatron.reward.workers import RewardWorkers
 from remax_megatron.sizes import round_up
 
 
@@ -41,22 +44,34 @@ class RewardScorer:
 
     def __init__(self, functions: RewardFunctions | None, reward_model: RewardModel | None = None,
                  model_weight: float = 1.0, micro_batch_size: int = 8, rm_inputs: RewardModelInputs | None = None,
-                 micro_batch_tokens: int = 0):
+                 micro_batch_tokens: int = 0, workers: RewardWorkers | None = None, mp_group=None):
         """rm_inputs maps the actor's prompt + response to the RM's token ids; None: the actor's ids as they are
         (the reward model shares the actor's tokenizer). micro_batch_tokens (trainer.micro_batch_tokens): > 0
         groups the reward model's rows under that token budget as the training forward does
-        (batching.plan_micro_batches); 0: micro_batch_size rows per micro-batch, all as wide as the longest."""
+        (batching.plan_micro_batches); 0: micro_batch_size rows per micro-batch, all as wide as the longest.
+        workers: the functions' worker pool (reward.workers > 0; None: called in this process); mp_group: the
+        ranks that score the same responses (the actor's model-parallel group), which must agree on the
+        responses that timed out."""
         if functions is None and reward_model is None:
             raise ValueError("no reward: configure reward.functions and/or reward.model")
         self.functions, self.reward_model, self.rm_inputs = functions, reward_model, rm_inputs
         self.model_weight, self.micro_batch_size = model_weight, micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
+        self.workers, self.mp_group = workers, mp_group
 
-    def score(self, prompts: Sequence[ScoredPrompt], responses: list[list[tuple[list[int], str]]]
-              ) -> tuple[list[list[float]], dict]:
+    def close(self) -> None:
+        """Stop the worker processes (the end of a run; idempotent)."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def score(self, prompts: Sequence[ScoredPrompt], responses: list[list[tuple[list[int], str]]],
+              wait: Callable[[], ContextManager] = contextlib.nullcontext) -> tuple[list[list[float]], dict]:
         """responses[i] = [(token_ids, text), ...] for prompts[i] (samples then greedy) -> rewards, same shape.
 
-        Returns the rewards and metrics (`reward/<fn>_mean`, `reward/model_mean`, ...).
+        Returns the rewards and metrics (`reward/<fn>_mean`, `reward/model_mean`, with workers
+        `reward/timeouts`: responses scored reward.timeout_value, ...). `wait()` is entered once, around
+        the collective where this rank waits for every other rank to finish its rollout and functions (the
+        trainer times it as time/wait_s, apart from this rank's own scoring).
         """
         unique: dict[tuple, int] = {}
         items = []  # (prompt i, token ids, text)
@@ -72,6 +87,7 @@ class RewardScorer:
             where.append(row)
         total = [0.0] * len(items)
         metrics = {"reward/unique_scored": float(len(items))}
+        error, timed_out = None, []
         if self.functions is not None:
             keys = sorted({k for q in prompts for k in q.columns})
             batch = RewardBatch(prompts=[prompts[i].text for i, _, _ in items], responses=[t for _, _, t in items],
@@ -80,15 +96,23 @@ class RewardScorer:
                                 raw_prompts=[prompts[i].raw for i, _, _ in items],
                                 completion_ids=[list(ids) for _, ids, _ in items],
                                 chat=any(q.is_chat for q in prompts))
-            error = None
             try:
-                values, parts = self.functions.score(batch)
+                if self.workers is not None:
+                    values, parts, timed_out = self.workers.score(batch)
+                else:
+                    values, parts = self.functions.score(batch)
             except RewardError as e:
                 error = e
+        with wait():  # every rank meets here, so the reward model's collectives below do not hide the wait
             _stop_together(error)
+            if self.workers is not None:
+                values, parts, timed_out = self._agree(values, parts, timed_out)
+        if self.functions is not None:
             total = values
             for name, vals in parts.items():
                 metrics[f"reward/{name.split(':')[-1]}_mean"] = sum(vals) / max(1, len(vals))
+            if self.workers is not None:
+                metrics["reward/timeouts"] = float(len(timed_out))
         if self.reward_model is not None:
             sequences = (self.rm_inputs.sequences([q.token_ids for q in prompts], [q.text for q in prompts], items,
                                                   [q.messages for q in prompts])
@@ -97,6 +121,19 @@ class RewardScorer:
             total = [t + self.model_weight * s for t, s in zip(total, scores)]
             metrics["reward/model_mean"] = sum(scores) / max(1, len(scores))
         return [[total[j] for j in row] for row in where], metrics
+
+    def _agree(self, values: list[float], parts: dict[str, list[float]], timed_out: list[int]):
+        """A response that timed out on any rank of mp_group times out on all: they score the same responses,
+        and a call that ends near the limit may time out on one of them only (their rewards must be equal)."""
+        if self.mp_group is None or dist.get_world_size(self.mp_group) == 1:
+            return values, parts, timed_out
+        mask = torch.zeros(len(values), dtype=torch.int64)
+        mask[timed_out] = 1
+        timed_out = all_reduce_cpu(mask, op=dist.ReduceOp.MAX, group=self.mp_group).nonzero().flatten().tolist()
+        out, gone = self.workers.timeout_value, set(timed_out)
+        values = [out if j in gone else v for j, v in enumerate(values)]
+        parts = {k: [out if j in gone else v for j, v in enumerate(vals)] for k, vals in parts.items()}
+        return values, parts, timed_out
 
     def _fixed_batches(self, mine: list[list[int]]) -> list[dict]:
         """micro_batch_size rows per micro-batch, all as wide as the longest (rounded up to the sequence

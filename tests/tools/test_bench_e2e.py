@@ -12,8 +12,8 @@ from tools.make_tiny_model import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Every stage of the trainer's step (remax_megatron/trainer.py) plus the totals.
-STAGES = ("sync", "rollout", "reward", "pack", "logprobs", "update", "metrics", "train", "step")
+# Every stage of the trainer's step (remax_megatron/trainer.py; wait: the reward stage's wait on other ranks), totals.
+STAGES = ("sync", "rollout", "wait", "reward", "pack", "logprobs", "update", "metrics", "train", "step")
 
 
 @pytest.mark.slow

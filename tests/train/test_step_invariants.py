@@ -42,7 +42,7 @@ class SpyScorer:
     def __init__(self, offsets=tuple(float(j) for j in range(N))):
         self.calls, self.offsets = [], offsets
 
-    def score(self, prompts, responses):
+    def score(self, prompts, responses, wait=None):
         indices = [q.index for q in prompts]
         self.calls.append((indices, responses))
         return [[10.0 * i + (self.offsets[j] if j < N else 0.0) for j in range(len(row))]
