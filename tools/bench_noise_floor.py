@@ -20,11 +20,13 @@ compared are those of the completion tokens. Rows (each pair measured in the sam
 - lora_actor_vs_merged_hf: a LoRA actor (rank 4, alpha 16, random adapters, as tests/models/test_lora.py)
   vs HF eager on its merged export (export_hf_weights: what the engines run);
 - peft_vs_merged: the LoRA actor's PEFT directory (weights/peft_export.write_peft_dir) applied by
-  peft.PeftModel to the base HF model vs the merged export in HF (both eager): the docs' PEFT claim.
+  peft.PeftModel to the base HF model vs the merged export in HF (both eager): the docs' PEFT claim;
+- floor_merged: HF eager vs sdpa on that merged export, the floor the two LoRA rows are divided by (random
+  adapters enlarge the activations, and fp32 errors with them).
 
 Each row gives max |diff| of the log-probs (and of the logits where both sides give logits) and that
-diff as a multiple of the floor's. --also-tp N (from a single process) runs the TP=N rows in a torchrun
-launch of N processes afterwards and adds them to the same JSON.
+diff as a multiple of its floor's. --also-tp N (from a single process) runs the TP=N rows in a torchrun
+launch of N processes afterwards and adds them, with their own floors, to the same JSON.
 """
 
 from __future__ import annotations
@@ -186,14 +188,20 @@ def run(args) -> dict:
     del lora
     if rank == 0:
         merged_logits, merged_lp = _hf(args.model_dir, "eager", batch, state_dict=merged)
-        rows.append(_row("lora_actor_vs_merged_hf", f"LoRA actor ({layout}) vs HF eager on its merged export",
-                         layout, **diffs(lora_lp, merged_lp, lora_logits, merged_logits),
-                         adapter_effect_logprob=float((merged_lp - eager_lp)[mask].abs().max())))
+        merged_sdpa_logits, merged_sdpa_lp = _hf(args.model_dir, "sdpa", batch, state_dict=merged)
         del merged
+        # The adapted model's own floor: random adapters make larger activations than the base model's.
+        rows.append(_row("floor_merged", f"HF eager vs HF sdpa on the LoRA actor's ({layout}) merged export",
+                         layout, **diffs(merged_lp, merged_sdpa_lp, merged_logits, merged_sdpa_logits),
+                         logit_std=float(merged_logits.std())))
+        del merged_sdpa_logits
+        rows.append(_row("lora_actor_vs_merged_hf", f"LoRA actor ({layout}) vs HF eager on its merged export",
+                         layout, **diffs(lora_lp, merged_lp, lora_logits, merged_logits), floor_row="floor_merged",
+                         adapter_effect_logprob=float((merged_lp - eager_lp)[mask].abs().max())))
         peft_logits, peft_lp = _hf(args.model_dir, "eager", batch, adapter=adapter_dir)
         rows.append(_row("peft_vs_merged", "PEFT adapter (written at this layout) on the base HF model vs the "
                          "merged export (HF eager both)", layout, **diffs(peft_lp, merged_lp, peft_logits,
-                                                                          merged_logits)))
+                                                                          merged_logits), floor_row="floor_merged"))
     timings["lora_s"] = time.perf_counter() - start
 
     prompts = [row[: args.prompt_len].tolist() for row in batch["input_ids"]]
@@ -214,7 +222,7 @@ def run(args) -> dict:
     if rank != 0:
         return {}
 
-    _in_floors(rows, rows[0])
+    _in_floors(rows)
     config = json.load(open(os.path.join(args.model_dir, "config.json")))
     return {"rows": rows, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "model": {k: config.get(k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
@@ -225,9 +233,12 @@ def run(args) -> dict:
             "logit_std_hf": logit_std, "world": world, "timings_s": timings, "versions": _versions()}
 
 
-def _in_floors(rows: list[dict], floor: dict) -> None:
-    """Each row's diffs as multiples of the floor's (None where the floor is exactly 0)."""
+def _in_floors(rows: list[dict]) -> None:
+    """Each row's diffs as multiples of its floor's (the base model's, or the row named by "floor_row"; None
+    where the floor is exactly 0)."""
+    floors = {row["row"]: row for row in rows}
     for row in rows:
+        floor = floors[row.get("floor_row", "floor")]
         for key, out in (("max_logprob_diff", "x_floor_logprob"), ("max_logit_diff", "x_floor_logit")):
             if key in row:
                 row[out] = row[key] / floor[key] if floor[key] else None
@@ -255,8 +266,7 @@ def _also_tp(args, result: dict) -> None:
            "--kv-cache-gib", str(args.kv_cache_gib)]
     subprocess.run(cmd, check=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
     other = json.load(open(out))
-    _in_floors(other["rows"], result["rows"][0])  # the same HF pair on the same batch: the same floor
-    result["rows"] += other["rows"][1:]
+    result["rows"] += other["rows"]  # with its own floors: HF runs there on one thread, here on all
     result["timings_s"][f"tp{args.also_tp}"] = other["timings_s"]
 
 

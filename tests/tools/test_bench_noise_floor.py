@@ -22,10 +22,11 @@ def test_every_row_is_measured_against_the_floor(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = {r["row"]: r for r in result["rows"]}
-    assert list(rows) == ["floor", "actor_vs_hf", "lora_actor_vs_merged_hf", "peft_vs_merged", "native_vs_actor"]
+    assert list(rows) == ["floor", "actor_vs_hf", "floor_merged", "lora_actor_vs_merged_hf", "peft_vs_merged",
+                          "native_vs_actor"]
     assert result["model"]["num_hidden_layers"] == 2 and result["model"]["tie_word_embeddings"]
     assert rows["lora_actor_vs_merged_hf"]["adapter_effect_logprob"] > 1e-2  # the adapters do something
-    floor = rows["floor"]["max_logprob_diff"]
     for row in rows.values():
         assert row["max_logprob_diff"] < 1e-5 and row["tokens"] > 0, row
+        floor = rows[row.get("floor_row", "floor")]["max_logprob_diff"]  # the LoRA rows: the merged model's
         assert row["x_floor_logprob"] == (pytest.approx(row["max_logprob_diff"] / floor) if floor else None), row
