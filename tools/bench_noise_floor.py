@@ -24,8 +24,9 @@ compared are those of the completion tokens. Rows (each pair measured in the sam
 - floor_merged: HF eager vs sdpa on that merged export, the floor the two LoRA rows are divided by (random
   adapters enlarge the activations, and fp32 errors with them).
 
-Each row gives max |diff| of the log-probs (and of the logits where both sides give logits) and that
-diff as a multiple of its floor's. --also-tp N (from a single process) runs the TP=N rows in a torchrun
+Each row gives max |diff| of the log-probs (and of the logits where both sides give logits, also after
+removing each position's mean over the vocab, which a softmax cannot see) and that diff as a multiple of
+its floor's. --also-tp N (from a single process) runs the TP=N rows in a torchrun
 launch of N processes afterwards and adds them, with their own floors, to the same JSON.
 """
 
@@ -124,6 +125,11 @@ def _engine_gap(engine, actor, prompts: list[list[int]], n: int, completion_len:
     return logprob_mismatch(actor_lp, padded["engine_logprobs"], padded["response_mask"])
 
 
+def _centered(diff: torch.Tensor) -> torch.Tensor:
+    """[B, S, V] logit differences minus their mean over the vocab at each position."""
+    return diff - diff.mean(-1, keepdim=True)
+
+
 def _row(name: str, what: str, layout: str, logprob_diff: float, tokens: int, logit_diff: float | None = None,
          **extra) -> dict:
     row = {"row": name, "layout": layout, "what": what, "max_logprob_diff": logprob_diff, "tokens": tokens}
@@ -155,6 +161,8 @@ def run(args) -> dict:
     def diffs(lp_a, lp_b, logits_a, logits_b) -> dict:
         return {"logprob_diff": float((lp_a - lp_b)[mask].abs().max()), "tokens": tokens,
                 "logit_diff": float((logits_a - logits_b).abs().max()),
+                # the part a softmax sees: a shift shared by the whole vocab at a position cancels in log-probs
+                "centered_logit_diff": float(_centered(logits_a - logits_b).abs().max()),
                 "mean_logprob_diff": float((lp_a - lp_b)[mask].abs().mean())}
 
     start = time.perf_counter()
@@ -239,7 +247,8 @@ def _in_floors(rows: list[dict]) -> None:
     floors = {row["row"]: row for row in rows}
     for row in rows:
         floor = floors[row.get("floor_row", "floor")]
-        for key, out in (("max_logprob_diff", "x_floor_logprob"), ("max_logit_diff", "x_floor_logit")):
+        for key, out in (("max_logprob_diff", "x_floor_logprob"), ("max_logit_diff", "x_floor_logit"),
+                         ("centered_logit_diff", "x_floor_centered_logit")):
             if key in row:
                 row[out] = row[key] / floor[key] if floor[key] else None
 
