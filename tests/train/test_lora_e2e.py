@@ -30,9 +30,11 @@ def test_tiny_lora_default_learns_with_a_small_optimizer_state(env, lora_run, tm
     assert evals[-1]["eval/reward_mean"] - evals[0]["eval/reward_mean"] >= 0.5, evals
     train = [r for r in records if "loss" in r]
     assert len(train) == 30 and train[0]["grad_norm"] > 0  # (a step whose samples all tie with greedy has 0)
-    # The engine gets W + (alpha/r) B A every step: fp32 rounding only (measured max 6e-6).
+    # The engine gets W + (alpha/r) B A every step: fp32 rounding only. Measured max 6e-6 on one machine, 3.1e-5
+    # on another (2026-12-03, skip off; 1.4e-5 with skip on): vLLM's CPU engine sits at 2-2.5x the fp32
+    # eager-vs-sdpa floor (docs/benchmarks.md, noise floor), so the bound is of that order, not 1e-5.
     gaps = [r["logprob/engine_vs_actor_max_diff"] for r in train]
-    assert max(gaps) <= 1e-5, gaps
+    assert max(gaps) <= 5e-5, gaps
     full = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "full"), "trainer.steps=1", "trainer.eval_every=0",
                   "checkpoint.save_every=0")
     lora_state, full_state = train[-1]["optim/state_mib"], full[-1]["optim/state_mib"]
