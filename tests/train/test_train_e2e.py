@@ -1,6 +1,6 @@
 """The trainer end to end under torchrun (2 gloo processes, CPU), on the embedded tiny default.
 
-- configs/tiny_cpu.yaml (vLLM's CPU build, actor TP=2, 30 steps) lifts greedy eval from <= 0.3 to >= 0.9,
+- configs/tiny_cpu.yaml (vLLM's CPU build, actor TP=2, 30 steps) lifts greedy eval by >= 0.5 to >= 0.8,
   engine and actor agree to 1e-5 every step, every DESIGN.md metric is logged, and resuming its
   step-20 checkpoint repeats steps 21-30 exactly
 - the same seed and layout give identical metrics; the first step's loss agrees between TP=2, PP=2
@@ -31,6 +31,14 @@ DESIGN_KEYS = ["reward/sampled_mean", "reward/greedy_mean", "advantage/mean", "a
 def env(tmp_path_factory):
     # The built-in warm-started models are built once per test run (tests/conftest.py: REMAX_CACHE).
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
+def assert_learns(evals, end, rise=0.5):
+    """Greedy eval (one value per eval step) starts where the built-in warm start guarantees (its greedy
+    answers are mostly a+b+1; the exact value depends on the CPU that built it) and rises to `end`."""
+    from tests.data.test_builtin import WARM_START_GREEDY_MAX
+
+    assert evals[0] <= WARM_START_GREEDY_MAX and evals[-1] >= end and evals[-1] - evals[0] >= rise, evals
 
 
 def _train(env, config, out, *overrides, nproc=2):
@@ -106,7 +114,7 @@ def test_tiny_default_learns_with_vllm(default_run):
     evals = [r for r in records if "eval/reward_mean" in r]
     assert [r["step"] for r in evals] == [0, 30]
     # Measured 0.15 -> 0.95 on an Intel Xeon, 0.0 -> 0.9 on an AMD EPYC (the built model differs by CPU)
-    assert evals[0]["eval/reward_mean"] <= 0.3 and evals[-1]["eval/reward_mean"] >= 0.8, evals
+    assert_learns([r["eval/reward_mean"] for r in evals], end=0.8)
     train = [r for r in records if "loss" in r]
     assert len(train) == 30
     for key in DESIGN_KEYS:
