@@ -24,7 +24,10 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 
 from remax_megatron.models import build_policy, build_reward_model, read_hf_config
 from remax_megatron.models.arch import DTYPES, ExpertOptions, LoraOptions, ModelArch
+from remax_megatron.weights import dcp_compat
 from remax_megatron.weights.hf_io import SIDE_FILES
+
+dcp_compat.install()  # torch >= 2.15 DCP metadata with megatron-core's reader (dcp_compat.py)
 
 FORMAT_VERSION = 1
 META = "remax_checkpoint.json"
