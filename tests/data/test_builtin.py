@@ -43,6 +43,20 @@ def test_cache_path_follows_env_and_recipe(tmp_path, monkeypatch):
     assert bm.builtin_model_path("tiny-arith") != p
 
 
+def test_the_cache_is_remax_cache_else_xdg_cache_home_else_the_home_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("REMAX_CACHE", str(tmp_path / "mine"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert bm.default_cache_root() == str(tmp_path / "mine")
+    monkeypatch.delenv("REMAX_CACHE")
+    assert bm.default_cache_root() == str(tmp_path / "xdg" / "remax_megatron")
+    assert bm.builtin_model_path("tiny-arith").startswith(str(tmp_path / "xdg" / "remax_megatron") + "/tiny-arith-")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # invalid under the XDG spec: ignored
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert bm.default_cache_root() == str(tmp_path / "home" / ".cache" / "remax_megatron")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert bm.default_cache_root() == str(tmp_path / "home" / ".cache" / "remax_megatron")
+
+
 # What the built-in warm start guarantees about its greedy eval exact match: it answers a+b+1 almost always.
 # The exact value depends on the CPU that built it (0.0 on an AMD EPYC, 0.15 on an Intel Xeon): the training
 # tests bound the step-0 eval by this and assert a rise, never one machine's value.

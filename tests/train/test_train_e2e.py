@@ -92,7 +92,8 @@ def test_tiny_default_console_is_its_own_lines_only(default_run):
         assert " INFO " not in text and "Failed to load weights" not in text, text[-3000:]
         assert "Warning" not in text and "WARNING" not in text and "warnings.warn" not in text, text[-3000:]
     lines = stdout.splitlines()
-    assert lines[0].startswith("remax-megatron: rollout engine vllm") and lines[-1].startswith("done: metrics in")
+    assert lines[0].startswith("remax-megatron: rollout engine vllm") and lines[-1].startswith("done: eval ")
+    assert " -> " in lines[-1] and "largest engine-vs-actor log-prob gap " in lines[-1] and str(out) in lines[-1]
     for line in lines[1:-1]:
         assert line.startswith(("  [eval step ", "saved checkpoint ")), line
     assert sum(line.startswith("saved checkpoint") for line in lines) == 3
