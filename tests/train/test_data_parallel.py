@@ -88,4 +88,4 @@ def test_tiny_default_learns_at_dp2(tmp_path, tp):
                      nproc=2 * tp)
     evals = [r for r in records if "eval/reward_mean" in r]
     assert [r["step"] for r in evals] == [0, 30]
-    assert_learns([r["eval/reward_mean"] for r in evals], end=0.9)
+    assert_learns([r["eval/reward_mean"] for r in evals])
