@@ -19,6 +19,7 @@ import sys
 import pytest
 
 from tests._dist import run_main
+from tests._needs import engine_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -269,7 +270,7 @@ def test_a_mistake_is_refused_before_megatron_or_vllm_is_imported(env, tmp_path,
                                       "is fn(prompts, responses, **columns)"),
     }[mistake]
     r = subprocess.run([sys.executable, "-c", _IMPORTS_AT_EXIT, "--config", "configs/tiny_cpu.yaml", "actor.tp=1",
-                        *overrides, f"trainer.output_dir={tmp_path / 'out'}"], cwd=ROOT,
+                        *engine_overrides(), *overrides, f"trainer.output_dir={tmp_path / 'out'}"], cwd=ROOT,
                        env=dict(env, REMAX_CACHE=str(tmp_path / "cache")), capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-3000:]
     assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(line), r.stderr[-3000:]
@@ -343,6 +344,11 @@ BAD_INPUT = [
 ]
 
 
+# the checks of the vLLM engine among BAD_INPUT (by message): without vLLM they cannot run
+VLLM_CHECKS = ("rollout.kv_cache_gib=1000.0", "head_dim=16", "= 564 exceeds actor.model", "vLLM's CPU build",
+               "xgrammar", "rollout.stop_token_ids")
+
+
 @pytest.mark.parametrize("overrides,world,message", BAD_INPUT, ids=[case[2] for case in BAD_INPUT])
 def test_bad_input_is_refused_by_the_checks(tmp_path_factory, monkeypatch, overrides, world, message):
     """What train.py runs before anything else (load_config, check_inputs), in this process: one
@@ -350,6 +356,10 @@ def test_bad_input_is_refused_by_the_checks(tmp_path_factory, monkeypatch, overr
     from remax_megatron.config import load_config
     from remax_megatron.startup import check_inputs
 
+    if engine_overrides() and any(check in message for check in VLLM_CHECKS):
+        pytest.skip("a check of the vLLM engine, and vLLM is not installed (REMAX_TESTS_WITHOUT_VLLM=1)")
+    if not any(o.startswith("rollout.engine=") for o in overrides):
+        overrides = [*engine_overrides(), *overrides]
     tmp = tmp_path_factory.mktemp("bad")
     _write(tmp / "empty.jsonl", "")
     _write(tmp / "nocol.jsonl", '{"question": "1+1=", "answer": "2"}\n' * 3)
