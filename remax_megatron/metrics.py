@@ -30,6 +30,27 @@ def print0(*args, **kwargs) -> None:
             print(*args, **kwargs, flush=True)
 
 
+GAP_KEY = "logprob/engine_vs_actor_max_diff"
+
+
+def run_summary(output_dir: str) -> str:
+    """A finished run's last console line, from its metrics.jsonl: greedy eval first -> last, the largest
+    engine-vs-actor log-prob gap of any step, and where the outputs are."""
+    records = []
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if os.path.isfile(path):
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    evals = [(r["step"], r["eval/reward_mean"]) for r in records if "eval/reward_mean" in r]
+    gaps = [(r[GAP_KEY], r["step"]) for r in records if isinstance(r.get(GAP_KEY), (int, float))]
+    said = [f"eval {evals[0][1]:.4g} -> {evals[-1][1]:.4g} (step {evals[0][0]} -> {evals[-1][0]})" if evals
+            else "no eval (trainer.eval_every=0)"]
+    if gaps:
+        gap, step = max(gaps)
+        said.append(f"largest engine-vs-actor log-prob gap {gap:.2g} (step {step})")
+    return f"done: {', '.join(said)}; outputs in {output_dir} (metrics.jsonl, config.yaml, checkpoints/)"
+
+
 def reduce_totals(local: dict[str, float], group=None, maximum: tuple[str, ...] = ()) -> dict[str, float]:
     """Each entry of `local` summed over the ranks of `group` (the keys in `maximum`: their max), in
     float64, one all-reduce per kind. group None: this rank's values (nothing to reduce)."""

@@ -495,6 +495,26 @@ def largest_fitting(cfg, world: int, gpu_bytes: int, lora_rank: int = 16) -> dic
     return best
 
 
+def largest_sentence(largest: dict) -> str:
+    """The planner's last line: largest_fitting's answer as a sentence."""
+    full, lora, with_lora = largest["full"], largest["lora"], f"with LoRA r={largest['lora_rank']}"
+    where = "fits per GPU at this layout"
+    if full is None and lora is None:
+        return f"No shipped model (configs/models) {where}, with full fine-tuning or {with_lora}."
+    if full is None:
+        return (f"With full fine-tuning no shipped model (configs/models) {where}; {with_lora} the largest that "
+                f"does is {_named(lora)}.")
+    if lora is None:
+        return (f"The largest shipped model (configs/models) that {where} is {_named(full)} with full fine-tuning; "
+                f"none does {with_lora}.")
+    return (f"The largest shipped model (configs/models) that {where} is {_named(full)} with full fine-tuning "
+            f"and {_named(lora)} {with_lora}.")
+
+
+def _named(found: tuple[str, int]) -> str:
+    return f"{found[0]} ({found[1] / 1e9:.1f} B parameters)"
+
+
 def plan(args) -> tuple[int, str]:
     from remax_megatron.config import load_config
 
@@ -531,9 +551,7 @@ def plan(args) -> tuple[int, str]:
                               suggestion=None if fits else (described or [describe(None, 0, 0)])[0]), indent=1)
     else:
         out = render(cfg, arch, model_dir, args.nodes, args.gpus_per_node, gpu_bytes, sizes, est, hint)
-        said = {k: f"{v[0]} ({v[1] / 1e9:.1f} B)" if v else "none" for k, v in largest.items() if k != "lora_rank"}
-        out += (f"\nlargest shipped model that fits per GPU at this layout: full fine-tuning {said['full']}, "
-                f"LoRA r={largest['lora_rank']} {said['lora']}")
+        out += "\n" + largest_sentence(largest)
     return (0 if fits else 1), out
 
 

@@ -12,6 +12,8 @@ differs). Two things cannot simply follow the config:
   directory's name, config and tokenizer. Every checkpoint records `model_fingerprint` of its
   model; a different one is refused unless `checkpoint.allow_model_change=true`.
 - the data: the checkpoint's data-loader position must lie within the prompts loaded now.
+- the library: a checkpoint written by a newer megatron-core than the installed one is refused
+  (weights/provenance.py: older releases cannot read newer ones' checkpoints).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 
 from remax_megatron.checkpoint import TRAINER_STATE
 from remax_megatron.data.prompts import PromptSampler
+from remax_megatron.weights.provenance import META, check_readable
 
 # config.json keys that say who wrote the file, not what the model is.
 VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
@@ -75,8 +78,9 @@ def _digest(data) -> str:
 
 def check_resume(cfg, path: str, state: dict, model_dir: str, tokenizer, train_prompts: list) -> None:
     """ValueError (one line) when checkpoint `path` (its trainer state `state`) cannot be resumed with
-    this config: another model (unless checkpoint.allow_model_change), or a data-loader position past
-    the prompts loaded now."""
+    this config: written by a newer megatron-core than the installed one, another model (unless
+    checkpoint.allow_model_change), or a data-loader position past the prompts loaded now."""
+    check_readable(path)
     saved = state.get("model")  # absent in checkpoints written before it was recorded
     if saved and not cfg.checkpoint.allow_model_change:
         now = model_fingerprint(cfg.actor.model, model_dir, tokenizer)
@@ -98,7 +102,7 @@ def check_resume(cfg, path: str, state: dict, model_dir: str, tokenizer, train_p
 def check_lora_resume(cfg, path: str) -> None:
     """The checkpoint's LoRA adapters (rank, alpha, targets: its remax_checkpoint.json) are this config's
     actor.lora_*; a full fine-tuning checkpoint resumes without them. ValueError (one line) otherwise."""
-    meta = os.path.join(path, "remax_checkpoint.json")  # weights/megatron_ckpt.META
+    meta = os.path.join(path, META)
     saved = None
     if os.path.isfile(meta):
         with open(meta) as f:

@@ -192,7 +192,7 @@ def _train(cfg, checked, claim, bridge=None) -> None:
     from remax_megatron.checkpoint import CheckpointError
     from remax_megatron.config import save_config
     from remax_megatron.memory import keep_freed_host_memory
-    from remax_megatron.metrics import MetricsLogger, is_rank0, print0
+    from remax_megatron.metrics import MetricsLogger, is_rank0, print0, run_summary
     from remax_megatron.reward import RewardError
     from remax_megatron.startup import build
     from remax_megatron.trainer import StageError, Trainer
@@ -222,7 +222,8 @@ def _train(cfg, checked, claim, bridge=None) -> None:
                   f"{cfg.trainer.steps}: nothing was trained; set trainer.steps above {trainer.step} to train on "
                   "(or checkpoint.resume=none to start over)", file=sys.stderr, flush=True)
     elif finished:
-        print0(f"done: metrics in {os.path.join(cfg.trainer.output_dir, 'metrics.jsonl')}")
+        if is_rank0():  # metrics.jsonl is rank 0's
+            print0(run_summary(cfg.trainer.output_dir))
     _teardown(parts.engine)  # fit returned on every rank: the stop decision and its save are collective
 
 

@@ -6,7 +6,8 @@ import logging
 
 import pytest
 
-from remax_megatron.console import ROTARY_LOGGER, VLLM_NOISE, VllmNoise, quiet_console
+from remax_megatron.console import ROTARY_LOGGER, STACK_NOISE, VLLM_NOISE, VllmNoise, quiet_console, \
+    quiet_library_warnings
 
 
 def _record(name, msg, *args, level=logging.WARNING):
@@ -65,6 +66,31 @@ def test_filters_sit_on_vllm_s_own_loggers(clean_env):
     assert any(isinstance(f, VllmNoise) for f in logging.getLogger(ROTARY_LOGGER).filters)
     for name in VLLM_NOISE:
         assert any(isinstance(f, VllmNoise) for f in logging.getLogger(name).filters), name
+
+
+def test_the_newer_stacks_notices_are_dropped_and_other_records_kept(clean_env):
+    """megatron-core 0.19 (GPTModel deprecated at each build, async save deprecated at each save) and PyPI's
+    CUDA torch on a machine without a GPU ("No CUDA runtime is found"): dropped by message on their loggers."""
+    quiet_console("warning", 0)
+    for name, (message,) in STACK_NOISE.items():
+        log = logging.getLogger(name)
+        assert not log.filter(_record(name, message + " and the rest of the line")), name
+        assert log.filter(_record(name, "a warning about something else")), name
+
+
+def test_torch_dcp_warnings_about_megatrons_calls_are_dropped_and_others_kept():
+    import warnings
+
+    noise = ["torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a "
+             "single process.", "The argument order of load has been changed. Please check the document to avoid "
+             "future breakages."]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_library_warnings(0)
+        for message in [*noise, "another DCP warning"]:
+            warnings.warn_explicit(message, UserWarning, "utils.py", 1, module="torch.distributed.checkpoint.utils")
+        warnings.warn_explicit(noise[0], UserWarning, "mine.py", 1, module="mine")  # not from torch's DCP: kept
+    assert [str(w.message) for w in caught] == ["another DCP warning", noise[0]]
 
 
 def test_the_command_line_reads_its_config_before_torch_is_imported():

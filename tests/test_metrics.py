@@ -30,3 +30,21 @@ def test_lines_printed_beside_the_bar_start_a_line_of_their_own(tmp_path):
         at = out.index(text)
         line_start = max(out.rfind("\n", 0, at), out.rfind("\r", 0, at)) + 1
         assert "remax:" not in out[line_start:at], repr(out[max(0, at - 100):at + 30])  # not after the bar's text
+
+
+def test_the_last_line_states_the_eval_the_largest_gap_and_where_the_outputs_are(tmp_path):
+    import json
+
+    from remax_megatron.metrics import run_summary
+
+    rows = [{"step": 0, "eval/reward_mean": 0.15},
+            {"step": 1, "loss": 0.1, "logprob/engine_vs_actor_max_diff": 2e-6},
+            {"step": 2, "loss": 0.1, "logprob/engine_vs_actor_max_diff": 9.5e-6},
+            {"step": 3, "loss": 0.1, "logprob/engine_vs_actor_max_diff": 1e-6}, {"step": 3, "eval/reward_mean": 0.95}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert run_summary(str(tmp_path)) == (
+        "done: eval 0.15 -> 0.95 (step 0 -> 3), largest engine-vs-actor log-prob gap 9.5e-06 (step 2); outputs in "
+        f"{tmp_path} (metrics.jsonl, config.yaml, checkpoints/)")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.1}) + "\n")  # no eval, no engine gap
+    assert run_summary(str(tmp_path)) == (f"done: no eval (trainer.eval_every=0); outputs in {tmp_path} "
+                                          "(metrics.jsonl, config.yaml, checkpoints/)")

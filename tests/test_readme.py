@@ -39,3 +39,21 @@ def test_the_readme_and_guide_links_reach_a_file_and_heading():
             if anchor:
                 headings = [_anchor(h) for h in re.findall(r"^#+ (.*)$", _read(path), re.M)]
                 assert anchor in headings, (doc, target, anchor)
+
+
+def test_the_readme_planner_line_runs_as_written(capsys):
+    """Issue 44: it named CONFIG.yaml, and the recipes' actor.model (/models/...) is no directory here."""
+    import shlex
+
+    from remax_megatron import plan
+
+    lines = [ln for ln in _read("README.md").splitlines() if ln.startswith("python -m remax_megatron.plan ")]
+    assert len(lines) == 1, lines
+    argv = shlex.split(lines[0].split("#")[0])[3:]
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the line's paths are relative to the checkout
+    try:
+        assert plan.main(argv) == 0, capsys.readouterr()
+    finally:
+        os.chdir(cwd)
+    assert capsys.readouterr().out.splitlines()[-1].startswith("The largest shipped model")

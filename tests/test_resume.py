@@ -83,6 +83,18 @@ def test_another_model_is_refused_unless_allowed(models):
     _check(models, "other", {"sampler": {"epoch": 0, "position": 16}})  # an older checkpoint: nothing to compare
 
 
+def test_a_checkpoint_of_a_newer_megatron_core_is_refused_first(models, tmp_path):
+    """Before the model and the data are compared (weights/provenance.py; the message: tests/weights)."""
+    import json
+
+    (tmp_path / "remax_checkpoint.json").write_text(json.dumps({"versions": {"megatron_core": "99.0.0"}}))
+    cfg = load_config(None, ["reward.functions=[exact_match]", f"actor.model={models['other']}"])
+    with pytest.raises(ValueError, match=f"checkpoint {tmp_path} was written by megatron-core 99.0.0 and the "
+                                         "installed megatron-core "):
+        check_resume(cfg, str(tmp_path), _state(models), models["other"],
+                     AutoTokenizer.from_pretrained(models["other"]), _prompts(80))
+
+
 def test_a_position_past_the_prompts_is_refused(models):
     _check(models, "base", _state(models, position=40), prompts=40)  # at the end: the next epoch starts
     with pytest.raises(ValueError) as refused:

@@ -33,7 +33,7 @@ Prompts are the raw text ``"a+b="`` with no BOS and no chat template (the
 character tokenizer adds no special tokens).
 
 The cache is ``<root>/<name>-<hash>``, with root = ``cache_dir`` or
-``$REMAX_CACHE`` or ``~/.cache/remax_megatron``; the hash covers the recipe
+``$REMAX_CACHE`` or ``$XDG_CACHE_HOME/remax_megatron`` or ``~/.cache/remax_megatron``; the hash covers the recipe
 constants and ``BUILTIN_VERSION``, so changing a recipe builds a new
 directory. Builds happen in a temporary directory beside the target and are
 renamed into place under an ``fcntl`` lock, so concurrent callers (several
@@ -91,7 +91,14 @@ def recipe_hash(name: str) -> str:
 
 
 def default_cache_root() -> str:
-    return os.environ.get("REMAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "remax_megatron")
+    """Where built-in models are cached: $REMAX_CACHE, else $XDG_CACHE_HOME/remax_megatron, else
+    ~/.cache/remax_megatron (the XDG default)."""
+    if os.environ.get("REMAX_CACHE"):
+        return os.environ["REMAX_CACHE"]
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    # the XDG spec: a relative XDG_CACHE_HOME is invalid and ignored
+    base = xdg if xdg and os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "remax_megatron")
 
 
 def builtin_model_path(name: str, cache_dir: str | None = None) -> str:

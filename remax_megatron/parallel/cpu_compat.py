@@ -1,4 +1,4 @@
-"""megatron-core on CPU: the few CUDA assumptions of megatron-core 0.16 made to run on gloo.
+"""megatron-core on CPU: the few CUDA assumptions of megatron-core 0.16-0.19 made to run on gloo.
 
 Everything here is inert when CUDA is available: `install()` returns at once,
 `redirect_cuda()` is a null context and `forward_backward_func()` hands back
@@ -17,9 +17,12 @@ called once per process by ParallelLayout.initialize, on CPU-only machines):
    around the recomputed forward) stay reproducible per TP rank exactly as on GPU.
 3. `megatron.core.fusions.fused_softmax.get_default_causal_mask` built its mask with a literal
    `device="cuda"` (inside recomputed functions, where redirect_cuda() does not reach) -> CPU.
-4. `torch.cuda.current_device` -> "cpu" and `torch.cuda.synchronize` -> no-op, for EVERY
-   library in the process (megatron's RoPE, attention and p2p code place tensors on the
-   current device; on a CPU-only torch build both would raise anyway).
+4. `torch.cuda.current_device` -> "cpu", `torch.cuda.synchronize` -> no-op and
+   `torch.cuda.current_stream` -> a stream whose waits return at once, for EVERY library in the
+   process (megatron's RoPE, attention and p2p code place tensors on the current device;
+   megatron-core 0.19's `start_grad_sync` always takes the current stream, even without CUDA
+   graphs, and fails "Found no NVIDIA driver" on CPU; on a CPU-only torch build all three would
+   raise anyway).
 5. MoE, the alltoall token dispatcher: it creates a `torch.cuda.Stream()` for its device-to-host
    copies in `__init__`, and its `_maybe_dtoh_and_synchronize` copies the split sizes to the
    host on that stream as numpy arrays -- on CPU they stay tensors, which gloo's
@@ -129,7 +132,8 @@ def install() -> None:
     # RoPE, attention and p2p code place tensors on `torch.cuda.current_device()`.
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
-
+    # megatron-core 0.19's start_grad_sync waits on the current stream for CUDA-graph events
+    torch.cuda.current_stream = lambda *a, **k: _CPU_STREAM
 
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
@@ -139,6 +143,22 @@ def install() -> None:
 
 
 _NO_STREAM = object()  # stands for the dispatcher's CUDA side stream on CPU
+
+
+class _CpuStream:
+    """What `torch.cuda.current_stream()` returns on CPU: work is synchronous, so every wait is done."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+_CPU_STREAM = _CpuStream()
 
 
 def _cpu_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None):

@@ -24,10 +24,13 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 
 from remax_megatron.models import build_policy, build_reward_model, read_hf_config
 from remax_megatron.models.arch import DTYPES, ExpertOptions, LoraOptions, ModelArch
+from remax_megatron.weights import dcp_compat
 from remax_megatron.weights.hf_io import SIDE_FILES
+from remax_megatron.weights.provenance import META, check_readable, installed_versions
+
+dcp_compat.install()  # torch >= 2.15 DCP metadata with megatron-core's reader (dcp_compat.py)
 
 FORMAT_VERSION = 1
-META = "remax_checkpoint.json"
 
 
 def build_model_for(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype, init_weights: bool,
@@ -56,7 +59,8 @@ def save_model(model, ckpt_dir: str, hf_dir: str) -> None:
             if os.path.isfile(os.path.join(hf_dir, name)):
                 shutil.copy2(os.path.join(hf_dir, name), os.path.join(side, name))
         meta = {"format_version": FORMAT_VERSION, "architecture": model.arch.architecture,
-                "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
+                "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+                "versions": installed_versions()}  # what wrote it (weights/provenance.py)
         lora = getattr(model, "lora", None)
         if lora is not None:  # the adapters' shapes and scale: what a loader must build to read them
             meta["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}
@@ -82,12 +86,14 @@ def save_sharded(sharded_state_dict: dict, directory: str) -> None:
 
 
 def read_checkpoint_meta(ckpt_dir: str) -> tuple[ModelArch, torch.dtype]:
-    """Architecture and dtype of a model checkpoint; errors name the missing file."""
+    """Architecture and dtype of a model checkpoint; errors name the missing file, or the newer megatron-core
+    that wrote it (provenance.check_readable)."""
     meta_path = os.path.join(ckpt_dir, META)
     for path in (meta_path, os.path.join(ckpt_dir, "hf_config", "config.json"),
                  os.path.join(ckpt_dir, "model", "metadata.json")):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} is missing: {ckpt_dir} is not a complete remax-megatron checkpoint")
+    check_readable(ckpt_dir)
     try:
         with open(meta_path) as f:
             dtype = DTYPES[json.load(f)["dtype"]]

@@ -7,6 +7,7 @@
 - SIGTERM mid-run: exit 0 after a checkpoint at a consistent step; the resumed run continues the data order
 - a truncated shard / missing manifest: error naming the file; resume=auto falls back with a warning
 - SIGKILL of one rank: the job exits non-zero within the timeout
+- a checkpoint written by a newer megatron-core than the installed one: refused in one line at resume
 """
 
 import json
@@ -165,6 +166,41 @@ def test_corrupt_checkpoint_is_named_and_auto_falls_back(straight, tmp_path):
     os.remove(os.path.join(root, "step_000003", "manifest.json"))
     with pytest.raises(CheckpointError, match="manifest.json is missing"):
         find_resume_checkpoint(root, os.path.join(root, "step_000003"))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_a_newer_megatron_core_is_refused_before_any_model_is_built(model_dir, straight, tmp_path):
+    """Every save records the versions that wrote it; one stamped with a newer megatron-core than the installed
+    one is refused at resume in one line naming both (exit 2), and nothing of the run is started."""
+    import shutil
+    import zlib
+    from importlib import metadata
+
+    from remax_megatron.weights.provenance import META, installed_versions
+
+    ckpt = str(tmp_path / "step_000006")
+    shutil.copytree(os.path.join(straight, "checkpoints", "step_000006"), ckpt)
+    with open(os.path.join(ckpt, META)) as f:
+        meta = json.load(f)
+    assert meta["versions"] == installed_versions()
+    meta["versions"]["megatron_core"] = "99.0.0"
+    data = json.dumps(meta).encode()
+    with open(os.path.join(ckpt, META), "wb") as f:
+        f.write(data)
+    with open(os.path.join(ckpt, "manifest.json")) as f:
+        manifest = json.load(f)
+    manifest["files"][META] = {"size": len(data), "crc32": zlib.crc32(data)}  # a valid checkpoint otherwise
+    with open(os.path.join(ckpt, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    out = str(tmp_path / "run")
+    r = run_main("remax_megatron.train", _args(model_dir, out, "trainer.steps=8", f"checkpoint.resume={ckpt}")[2:], 2,
+                 env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert r.returncode == 2, (r.stdout + r.stderr)[-3000:]
+    assert r.stderr.splitlines() == [
+        f"error: checkpoint {ckpt} was written by megatron-core 99.0.0 and the installed megatron-core "
+        f"{metadata.version('megatron-core')} cannot read a newer one's checkpoints: install megatron-core>=99.0.0 (it "
+        "needs Python >= 3.12 from 0.17 on), or use a checkpoint written by this version"], r.stderr[-3000:]
+    assert "resumed from" not in r.stdout and not os.path.exists(os.path.join(out, "metrics.jsonl")), r.stdout
 
 
 @pytest.mark.slow

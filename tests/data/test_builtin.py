@@ -43,6 +43,26 @@ def test_cache_path_follows_env_and_recipe(tmp_path, monkeypatch):
     assert bm.builtin_model_path("tiny-arith") != p
 
 
+def test_the_cache_is_remax_cache_else_xdg_cache_home_else_the_home_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("REMAX_CACHE", str(tmp_path / "mine"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert bm.default_cache_root() == str(tmp_path / "mine")
+    monkeypatch.delenv("REMAX_CACHE")
+    assert bm.default_cache_root() == str(tmp_path / "xdg" / "remax_megatron")
+    assert bm.builtin_model_path("tiny-arith").startswith(str(tmp_path / "xdg" / "remax_megatron") + "/tiny-arith-")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # invalid under the XDG spec: ignored
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert bm.default_cache_root() == str(tmp_path / "home" / ".cache" / "remax_megatron")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert bm.default_cache_root() == str(tmp_path / "home" / ".cache" / "remax_megatron")
+
+
+# What the built-in warm start guarantees about its greedy eval exact match: it answers a+b+1 almost always.
+# The exact value depends on the CPU that built it (0.0 on an AMD EPYC, 0.15 on an Intel Xeon): the training
+# tests bound the step-0 eval by this and assert a rise, never one machine's value.
+WARM_START_GREEDY_MAX = 0.35
+
+
 @pytest.fixture(scope="module")
 def built():
     cache = bm.default_cache_root()  # the run's test cache (tests/conftest.py): built once per run
@@ -60,10 +80,12 @@ def test_actor_is_greedy_wrong_but_samples_right(built):
     assert cfg.num_attention_heads % 2 == 0 and cfg.num_key_value_heads % 2 == 0
     assert (cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id, len(tok)) == (0, 1, 2, 101)
     m = bm.evaluate_actor(model, tok)
-    assert m["greedy_acc"] <= 0.35, m
-    # Built on an Intel Xeon: p_correct 0.2+, with p_off_by_one above 0.95; on an AMD EPYC 0.158 and 0.917
-    # (MKL's kernels differ by CPU, so do the built weights)
-    assert m["p_correct"] >= 0.1 and m["p_correct"] + m["p_off_by_one"] > 0.9, m
+    assert m["greedy_acc"] <= WARM_START_GREEDY_MAX, m
+    # Built on an Intel Xeon: p_correct 0.2+, with p_off_by_one above 0.95; on AMD EPYCs 0.158 / 0.917 and
+    # 0.209 / 0.728; with the recipe's seed set to 1 on purpose 0.345 and 0.552 (MKL's kernels differ by CPU,
+    # so do the built weights). The guarantee: sampling is right sometimes, and most of the mass is on the two
+    # answers the recipe trains.
+    assert m["p_correct"] >= 0.1 and m["p_correct"] + m["p_off_by_one"] > 0.85, m
     evals = builtin_task("arith")["eval"]
     prompts = [r["prompt"] for r in evals for _ in range(10)]
     answers = [r["answer"] for r in evals for _ in range(10)]

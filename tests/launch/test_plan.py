@@ -401,8 +401,22 @@ def test_planner_names_the_largest_shipped_model_with_and_without_lora(config, c
     _, large = _plan_json(capsys, *argv, "--gpu-mem-gib", "80")
     assert large["largest_fitting"]["full"] is not None and large["largest_fitting"]["lora_rank"] == 16
     plan.main([*argv, "--gpu-mem-gib", "24"])
-    assert "largest shipped model that fits per GPU at this layout: full fine-tuning none, LoRA r=16" in \
-        capsys.readouterr().out
+    name = small["largest_fitting"]["lora"][0]
+    assert capsys.readouterr().out.splitlines()[-1].startswith(
+        "With full fine-tuning no shipped model (configs/models) fits per GPU at this layout; with LoRA r=16 the "
+        f"largest that does is {name} (")
+
+
+def test_the_planners_last_line_is_a_sentence():
+    """Issue 44: it read "full fine-tuning none, LoRA r=16 none"."""
+    big, small = ("llama3-70b", 70.6e9), ("qwen3-8b", 8.2e9)
+    assert plan.largest_sentence({"full": small, "lora": big, "lora_rank": 16}) == (
+        "The largest shipped model (configs/models) that fits per GPU at this layout is qwen3-8b (8.2 B parameters) "
+        "with full fine-tuning and llama3-70b (70.6 B parameters) with LoRA r=16.")
+    assert plan.largest_sentence({"full": None, "lora": None, "lora_rank": 8}) == (
+        "No shipped model (configs/models) fits per GPU at this layout, with full fine-tuning or with LoRA r=8.")
+    assert plan.largest_sentence({"full": small, "lora": None, "lora_rank": 16}).endswith(
+        "qwen3-8b (8.2 B parameters) with full fine-tuning; none does with LoRA r=16.")
 
 
 def test_token_budget_sizes_the_activations_and_the_suggestions():

@@ -91,7 +91,7 @@ def test_a_second_run_into_the_same_directory_is_refused_and_the_first_finishes(
         second.stderr
     assert after == before
     assert first.returncode == 0, (stdout + stderr)[-3000:]
-    assert "done: metrics in" in stdout
+    assert f"; outputs in {out} (metrics.jsonl" in stdout
     assert _metrics_steps(out) == list(range(1, 9))
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "step_000008"
     assert not os.path.exists(os.path.join(out, ".remax-run.lock"))  # released at the end

@@ -5,6 +5,7 @@ import pytest
 from remax_megatron.config import RolloutConfig, load_config
 from remax_megatron.models import read_hf_config
 from remax_megatron.rollout import SamplingParams, build_engine, check_rollout
+from tests._needs import needs_vllm
 from tools.make_tiny_model import make_tiny_model
 
 REWARD = "reward.functions=[exact_match]"
@@ -29,6 +30,7 @@ def test_unknown_engine_is_refused_by_the_factory():
         check_rollout(cfg.rollout, None, 1)
 
 
+@needs_vllm
 def test_layout_checks(tiny_llama):
     arch = read_hf_config(tiny_llama)   # 4 heads, 2 kv heads
     with pytest.raises(ValueError, match="rollout.tp=3 does not divide the world size 4"):
@@ -70,6 +72,7 @@ def test_generate_refuses_bad_n_and_empty_prompts(tiny_llama):
         engine.generate([[1, 2], []], n=1, sampling=SamplingParams())
 
 
+@needs_vllm
 def test_vllm_refuses_what_its_cpu_backend_cannot_run(tmp_path, tiny_llama):
     from remax_megatron.rollout.vllm_engine import vllm_available
 

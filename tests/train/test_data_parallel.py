@@ -17,6 +17,7 @@ import pytest
 
 from tests._ckpt import max_difference, saved_weights
 from tests._dist import run_main
+from tests.train.test_train_e2e import assert_learns
 
 RUN_DEPENDENT = ("time/", "throughput/", "memory/", "perf/")
 # the engine-vs-actor gaps (both directions) are fp32 noise themselves: another layout rounds differently
@@ -87,4 +88,4 @@ def test_tiny_default_learns_at_dp2(tmp_path, tp):
                      nproc=2 * tp)
     evals = [r for r in records if "eval/reward_mean" in r]
     assert [r["step"] for r in evals] == [0, 30]
-    assert evals[0]["eval/reward_mean"] <= 0.3 and evals[-1]["eval/reward_mean"] >= 0.9, evals
+    assert_learns([r["eval/reward_mean"] for r in evals])

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.train.test_train_e2e import _timeless, _train, _train_logged, env  # noqa: F401 (fixture)
+from tests.train.test_train_e2e import assert_learns, _timeless, _train, _train_logged, env  # noqa: F401 (fixture)
 
 CONFIG = "configs/tiny_cpu_lora.yaml"
 
@@ -26,8 +26,9 @@ def test_tiny_lora_default_learns_with_a_small_optimizer_state(env, lora_run, tm
     assert "LoRA actor: rank 4, alpha 16" in stdout, stdout[-2000:]
     evals = [r for r in records if "eval/reward_mean" in r]
     assert [r["step"] for r in evals] == [0, 30]
-    # Measured 0.0 -> 0.95 on an AMD EPYC (2 cores).
-    assert evals[-1]["eval/reward_mean"] - evals[0]["eval/reward_mean"] >= 0.5, evals
+    # Measured 0.0 -> 0.95 on an AMD EPYC (2 cores); 0.3 -> 0.65 with the warm start's seed set to 1 on purpose
+    # (rank-4 adapters learn slower than full fine-tuning from a warm start that starts higher).
+    assert_learns([r["eval/reward_mean"] for r in evals], end=0.6, rise=0.3)
     train = [r for r in records if "loss" in r]
     assert len(train) == 30 and train[0]["grad_norm"] > 0  # (a step whose samples all tie with greedy has 0)
     # The engine gets W + (alpha/r) B A every step: fp32 rounding only. Measured max 6e-6 on one machine, 3.1e-5

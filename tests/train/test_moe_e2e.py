@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.train.test_train_e2e import _timeless, _train, _train_logged, env  # noqa: F401 (fixture)
+from tests.train.test_train_e2e import assert_learns, _timeless, _train, _train_logged, env  # noqa: F401 (fixture)
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def test_tiny_moe_default_learns_at_ep2_with_vllm(moe_run):
     evals = [r for r in records if "eval/reward_mean" in r]
     assert [r["step"] for r in evals] == [0, 30]
     # Measured 0.0 -> 1.0 on an AMD EPYC (2 cores): the dense warm start's odds, upcycled.
-    assert evals[0]["eval/reward_mean"] <= 0.3 and evals[-1]["eval/reward_mean"] >= 0.9, evals
+    assert_learns([r["eval/reward_mean"] for r in evals])
     train = [r for r in records if "loss" in r]
     assert len(train) == 30
     # The engine samples from exactly the weights the actor trains (its experts gathered over EP and

@@ -4,8 +4,8 @@
   colocated run at world 2 (same seed, same samples), with the native engine and with vLLM's CPU build
 - routing replay (the MoE default, native engine): the routes travel with their batch; staleness 0 equals
   colocated, staleness 1 replays the generating version's routes
-- staleness 1: the tiny default learns (greedy eval 0.0 -> >= 0.8 in 30 steps) with token-tis; from step 2 on
-  each batch is one policy version old (rollout/staleness = 1, the engine-vs-actor gap shows the policy's
+- staleness 1: the tiny default learns (greedy eval rises by >= 0.4 to >= 0.7 in 30 steps) with token-tis; from
+  step 2 on each batch is one policy version old (rollout/staleness = 1, the engine-vs-actor gap shows the policy's
   change) while the engine agrees with the version that generated it to 1e-5 (engine_vs_behaviour)
 - a stopped and resumed run: nothing drawn ahead is lost or trained twice (the data position of every step
   equals the uninterrupted run's); with staleness 0 the resumed steps equal the uninterrupted run's
@@ -22,7 +22,7 @@ import pytest
 
 from tests.launch.test_stop_signals import LAUNCH, ROOT, _assert_saved_last_step, _job, _session, _wait_for_steps, \
     _workers
-from tests.train.test_train_e2e import _timeless, _train, _train_logged, env  # noqa: F401  (env: fixture)
+from tests.train.test_train_e2e import assert_learns, _timeless, _train, _train_logged, env  # noqa: F401  (env: fixture)
 
 SEPARATE = ("rollout.placement=separate", "rollout.ranks=1")
 NATIVE = ("rollout.engine=native",)
@@ -64,7 +64,7 @@ def test_one_step_ahead_learns_with_the_engine_on_the_generating_version(env, tm
     records = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "run"), *engine, *SEPARATE,
                      "algo.rollout_correction=token-tis", "rollout.behaviour_logprobs=true", nproc=3)
     evals = [r["eval/reward_mean"] for r in records if "eval/reward_mean" in r]
-    assert evals[0] == 0.0 and evals[-1] >= 0.8, evals
+    assert_learns(evals)
     steps = [r for r in records if "loss" in r]
     assert len(steps) == 30
     assert [r["rollout/staleness"] for r in steps] == [0] + [1] * 29
