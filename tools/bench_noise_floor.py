@@ -95,8 +95,9 @@ def _actor(actor, batch: dict):
     return out
 
 
-def _random_adapters(actor, tp_rank: int) -> None:
-    """Non-zero B and a fresh A (tests/models/test_lora.py's): replicated adapters equal on every TP rank."""
+def random_adapters(actor, tp_rank: int) -> None:
+    """Non-zero B and a fresh A (tests/models/test_lora.py uses it too): replicated adapters equal on every TP
+    rank, split ones per rank."""
     with torch.no_grad():
         for n, p in actor.named_parameters():
             if n.endswith(("lora_A", "lora_B")):
@@ -188,7 +189,7 @@ def run(args) -> dict:
     start = time.perf_counter()
     lora = build_policy(arch, tp=tp, pp=1, init_weights=False, lora=LoraOptions(rank=LORA_RANK, alpha=LORA_ALPHA))
     load_hf_weights(lora, args.model_dir)
-    _random_adapters(lora, groups.tp_rank)
+    random_adapters(lora, groups.tp_rank)
     lora_logits, lora_lp = _actor(lora, batch)
     merged = {n: t.clone() for n, t in export_hf_weights(lora)}
     adapter_dir = os.path.join(args.work_dir, f"peft-{layout}")

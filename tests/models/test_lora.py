@@ -15,13 +15,13 @@
 
 import json
 import os
-import zlib
 
 import pytest
 import torch
 
 from tests._dist import SharedLaunches
 from tests.train.test_update import _batch  # the update tests' batch: 8 rows, responses of 1..7 tokens
+from tools.bench_noise_floor import random_adapters
 from tools.make_tiny_model import make_tiny_model
 
 RANK, ALPHA = 4, 16.0  # scale 4: a dropped alpha/r shows
@@ -175,23 +175,13 @@ def _reference_body(rank, world, model_dir, tp, pp, out_path):
         torch.save({"gap": gap, "moved": moved}, out_path)
 
 
-def _random_adapters(actor, tp_rank):
-    """Non-zero B (and a fresh A): replicated adapters equal on every TP rank, split ones per rank."""
-    with torch.no_grad():
-        for n, p in actor.named_parameters():
-            if n.endswith(("lora_A", "lora_B")):
-                split = getattr(p, "tensor_model_parallel", False)
-                g = torch.Generator().manual_seed(zlib.crc32(n.encode()) + (tp_rank if split else 0))
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-
-
 def _engine_body(rank, world, model_dir, out_path):
     """TP2 LoRA actor -> native engine through the trainer's WeightSync: log-probs vs the actor's."""
     from remax_megatron.rollout import WeightSync
     from remax_megatron.rollout.native import NativeEngine
 
     trainer, actor, _ = _trainer(world, model_dir, world, 1)
-    _random_adapters(actor, trainer.groups.tp_rank)
+    random_adapters(actor, trainer.groups.tp_rank)
     engine = NativeEngine(hf_dir=model_dir, seed=0, dtype=torch.float32, device="cpu")
     WeightSync(engine, actor, bucket_mb=0.05, groups=trainer.groups)()
     batch = _batch()
@@ -255,7 +245,7 @@ def _convert_body(rank, world, model_dir, top, out_path):
     from tools import convert_megatron_to_hf
 
     trainer, actor, _ = _trainer(world, model_dir, world, 1)
-    _random_adapters(actor, trainer.groups.tp_rank)
+    random_adapters(actor, trainer.groups.tp_rank)
     merged = {n: t.clone() for n, t in export_hf_weights(actor)}
     ckpt = os.path.join(top, "lora-ckpt")
     if rank == 0:
@@ -287,7 +277,7 @@ def _peft_body(rank, world, model_dir, top, out_path):
     from tools import convert_megatron_to_hf
 
     trainer, actor, _ = _trainer(world, model_dir, 2, 2)
-    _random_adapters(actor, trainer.groups.tp_rank)
+    random_adapters(actor, trainer.groups.tp_rank)
     merged = {n: t.clone() for n, t in export_hf_weights(actor)}
     ckpt = os.path.join(top, "peft-ckpt")
     if rank == 0:
@@ -312,7 +302,7 @@ def _bf16_body(rank, world, model_dir, out_path):
     actor = build_policy(read_hf_config(model_dir), tp=1, pp=1, init_weights=False, params_dtype=torch.bfloat16,
                          lora=LoraOptions(rank=RANK, alpha=ALPHA))
     load_hf_weights(actor, model_dir)
-    _random_adapters(actor, 0)
+    random_adapters(actor, 0)
     with torch.no_grad():
         for p in actor.parameters():
             if p.requires_grad:
@@ -547,7 +537,7 @@ def _vllm_body(rank, world, model_dir, out_path):
     from tests.rollout.test_vllm_engine import engine_score
 
     trainer, actor, _ = _trainer(world, model_dir, world, 1)
-    _random_adapters(actor, trainer.groups.tp_rank)
+    random_adapters(actor, trainer.groups.tp_rank)
     engine = build_engine(RolloutConfig(engine="vllm", tp=1, kv_cache_gib=0.05), hf_dir=model_dir,
                           arch=actor.arch, seed=0, dtype=torch.float32, max_model_len=64)
     WeightSync(engine, actor, bucket_mb=0.05, groups=trainer.groups)()
