@@ -20,7 +20,9 @@ A function that raises or returns something unusable still fails the run (Reward
 and the prompt the in-process path names. Workers are started with 'spawn' (a fresh interpreter: none of the
 rank's torch, CUDA or process-group state), resolve the functions by their spec (a registry name or
 `package.module:function`), see no GPU, ignore the stop signals (the rank decides when to stop) and die with
-the rank (PR_SET_PDEATHSIG).
+the rank (PR_SET_PDEATHSIG). Linux sends that signal when the *thread* that started the worker exits, so every
+worker is started by one thread the pool owns for its lifetime: scoring from a thread that then ends (a test's
+time limit, an asynchronous scorer) does not kill the workers it replaced.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import signal
 import sys
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import util
 from multiprocessing.connection import wait
 
@@ -53,6 +56,7 @@ class RewardWorkers:
         self._specs = [(fn.spec, fn.options) for fn in functions.functions]
         self._context = mp.get_context("spawn")
         self._slots: list[_Worker] = []  # started by the first score(): a failure to start is a RewardError there
+        self._starter: ThreadPoolExecutor | None = None  # the thread that starts every worker (see the docstring)
         # At interpreter exit, before multiprocessing's own clean-up: that one SIGTERMs its children, which
         # workers ignore, then joins them (an exit without close() would wait forever).
         util.Finalize(self, _close, args=(self._slots,), exitpriority=10)
@@ -123,6 +127,9 @@ class RewardWorkers:
     def close(self) -> None:
         """Ask every worker to exit, kill the ones that do not within a second; idempotent."""
         _close(self._slots)
+        if self._starter is not None:  # after the workers: its thread's exit would SIGKILL any left
+            self._starter.shutdown()
+            self._starter = None
 
     def _open(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -132,7 +139,9 @@ class RewardWorkers:
             w.wait_ready(deadline)
 
     def _start(self) -> _Worker:
-        return _Worker(self._context, self._specs, self.timeout_s)
+        if self._starter is None:
+            self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remax-reward-starter")
+        return self._starter.submit(_Worker, self._context, self._specs, self.timeout_s).result()
 
 
 def _close(slots: list[_Worker]) -> None:

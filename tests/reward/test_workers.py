@@ -132,6 +132,17 @@ def test_calls_run_side_by_side_without_a_limit():
     assert elapsed < 8 * 0.2 * 0.85, elapsed  # 1.6 s one after the other; ~0.8 s on two workers
 
 
+def test_workers_outlive_the_thread_that_scored_first(pool):
+    """Linux's parent-death signal follows the thread that started a worker: workers started by a scoring
+    thread that then ended were killed, and their next responses scored timeout_value (a flaky CI failure)."""
+    _score_within(pool, _batch(GOOD[:2]), 60)  # starts the workers; the scoring thread ends with it
+    pids = pool.pids
+    time.sleep(0.5)  # the signal, if sent, has landed
+    assert all(_alive(p) for p in pids)
+    total, _, timed_out = pool.score(_batch(GOOD))
+    assert timed_out == [] and total == _functions().score(_batch(GOOD))[0] and pool.pids == pids
+
+
 def test_no_worker_outlives_close(pool):
     before = _children()  # the pool starts on its first call
     pool.score(_batch(GOOD[:2] + BAD))
