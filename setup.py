@@ -6,7 +6,7 @@ setup(
     name="remax-megatron",
     version="0.1.0",
     description="ReMax RLHF trainer on megatron-core: TP/PP actor, reference and reward models, "
-                "vLLM or native rollout, fused vocab-parallel log-prob kernels",
+    "vLLM or native rollout, fused vocab-parallel log-prob kernels",
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["remax_megatron", "remax_megatron.*"]),
@@ -22,8 +22,8 @@ setup(
         "pyyaml",
         "tqdm",
         "numpy",
-        "psutil",       # megatron-core's dist_checkpointing writer processes need it
-        "pyarrow",      # Parquet prompt datasets
+        "psutil",  # megatron-core's dist_checkpointing writer processes need it
+        "pyarrow",  # Parquet prompt datasets
         "tensorboard",
     ],
     extras_require={

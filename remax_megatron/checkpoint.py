@@ -74,10 +74,10 @@ def save_checkpoint(root: str, step: int, model, optimizer, trainer_state: dict,
     try:
         _write(tmp[0], final, root, step, model, optimizer, trainer_state, hf_dir)
     except CheckpointError:
-        _discard(tmp[0], collective=True)      # every rank got here through _agree
+        _discard(tmp[0], collective=True)  # every rank got here through _agree
         raise
     except BaseException:
-        _discard(tmp[0], collective=False)     # a collective broke (peer died) or an interrupt
+        _discard(tmp[0], collective=False)  # a collective broke (peer died) or an interrupt
         raise
     if rank == 0:
         _prune(root, keep)
@@ -85,8 +85,9 @@ def save_checkpoint(root: str, step: int, model, optimizer, trainer_state: dict,
     return final
 
 
-def preemption_save_refusal(signal_name: str, save_seconds: float, environ=None, parent_pid: int | None = None
-                            ) -> str | None:
+def preemption_save_refusal(
+    signal_name: str, save_seconds: float, environ=None, parent_pid: int | None = None
+) -> str | None:
     """Why a save on a stop signal would be killed half-way, or None when it may start.
 
     Plain torchrun forwards SIGTERM to its workers and SIGKILLs them `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`
@@ -106,9 +107,11 @@ def preemption_save_refusal(signal_name: str, save_seconds: float, environ=None,
     grace = float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
     if save_seconds <= grace * 0.8:  # a margin for the step's end and the rename
         return None
-    return (f"not saving: the last save took {save_seconds:.0f} s and plain torchrun kills its workers "
-            f"{grace:.0f} s after forwarding SIGTERM (TORCH_ELASTIC_SHUTDOWN_TIMEOUT / --shutdown-timeout); "
-            "launch with python -m remax_megatron.launch (it waits for the save) or raise that timeout")
+    return (
+        f"not saving: the last save took {save_seconds:.0f} s and plain torchrun kills its workers "
+        f"{grace:.0f} s after forwarding SIGTERM (TORCH_ELASTIC_SHUTDOWN_TIMEOUT / --shutdown-timeout); "
+        "launch with python -m remax_megatron.launch (it waits for the save) or raise that timeout"
+    )
 
 
 def _write(tmp: str, final: str, root: str, step: int, model, optimizer, trainer_state: dict, hf_dir: str) -> None:
@@ -133,8 +136,9 @@ def _write(tmp: str, final: str, root: str, step: int, model, optimizer, trainer
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
         torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
         if rank == 0:
-            _write_json(os.path.join(tmp, TRAINER_STATE), {**trainer_state, "step": step,
-                                                            "world_size": dist.get_world_size()})
+            _write_json(
+                os.path.join(tmp, TRAINER_STATE), {**trainer_state, "step": step, "world_size": dist.get_world_size()}
+            )
     # torch's CheckpointException (a failed write inside dist_checkpointing) is a BaseException.
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn about any rank's failure
         error = e
@@ -151,8 +155,10 @@ def _write(tmp: str, final: str, root: str, step: int, model, optimizer, trainer
     dist.all_gather_object(shares, files)
     if rank == 0:
         try:
-            _write_json(os.path.join(tmp, MANIFEST), {"checksum": "crc32",
-                                                      "files": dict(sorted(kv for d in shares for kv in d.items()))})
+            _write_json(
+                os.path.join(tmp, MANIFEST),
+                {"checksum": "crc32", "files": dict(sorted(kv for d in shares for kv in d.items()))},
+            )
             if os.path.exists(final):  # a re-save of the same step (e.g. after a fallback)
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -212,11 +218,14 @@ def _preflight(directory: str, weights: int, optim: int, previous: int) -> None:
     need = max(weights + optim, previous) + (1 << 20)  # side files, metadata, RNG states
     free = shutil.disk_usage(directory).free
     if free < need:
-        raise OSError(errno.ENOSPC, f"No space left on device: the checkpoint needs about {_size(need)} "
-                                    f"({_size(weights)} weights + {_size(optim)} optimizer state"
-                                    f"{f', the previous one took {_size(previous)}' if previous else ''}), "
-                                    f"{_size(free)} free in {os.path.dirname(directory)}: free space, "
-                                    "lower checkpoint.keep or point checkpoint.dir at a bigger disk")
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on device: the checkpoint needs about {_size(need)} "
+            f"({_size(weights)} weights + {_size(optim)} optimizer state"
+            f"{f', the previous one took {_size(previous)}' if previous else ''}), "
+            f"{_size(free)} free in {os.path.dirname(directory)}: free space, "
+            "lower checkpoint.keep or point checkpoint.dir at a bigger disk",
+        )
 
 
 def _size(n: float) -> str:
@@ -274,13 +283,14 @@ def _walk(top: str) -> list[str]:
 def _share(items: list) -> list:
     """This rank's share of `items` (all of them outside torch.distributed)."""
     if dist.is_available() and dist.is_initialized():
-        return items[dist.get_rank()::dist.get_world_size()]
+        return items[dist.get_rank() :: dist.get_world_size()]
     return items
 
 
 def _describe_files(top: str, rels: list[str]) -> dict:
-    return {rel: {"size": os.path.getsize(os.path.join(top, rel)), "crc32": _crc32(os.path.join(top, rel))}
-            for rel in rels}
+    return {
+        rel: {"size": os.path.getsize(os.path.join(top, rel)), "crc32": _crc32(os.path.join(top, rel))} for rel in rels
+    }
 
 
 def _crc32(path: str) -> int:
@@ -377,16 +387,20 @@ def _problem(path: str) -> str | None:
         if not os.path.isfile(full):
             return f"{full} is missing from checkpoint {path}"
         if os.path.getsize(full) != size:
-            return (f"{full} has {os.path.getsize(full)} bytes, the manifest says {size}: the checkpoint is "
-                    "truncated or corrupted")
+            return (
+                f"{full} has {os.path.getsize(full)} bytes, the manifest says {size}: the checkpoint is "
+                "truncated or corrupted"
+            )
     for rel in _share(sorted(files)):
         expected = _entry(files[rel])[1]
         if expected is None:
             continue
         got = _crc32(os.path.join(path, rel))
         if got != expected:
-            return (f"{os.path.join(path, rel)} does not match its checksum in {MANIFEST} (crc32 {got:08x}, "
-                    f"expected {expected:08x}): the checkpoint is corrupted")
+            return (
+                f"{os.path.join(path, rel)} does not match its checksum in {MANIFEST} (crc32 {got:08x}, "
+                f"expected {expected:08x}): the checkpoint is corrupted"
+            )
     return None
 
 
@@ -422,15 +436,18 @@ def load_checkpoint(path: str, model, optimizer) -> dict:
     """Collective: load weights and optimizer state (any TP/PP layout); returns the trainer state."""
     try:
         load_model(model, path)
-    except ValueError as e:   # a checkpoint of another model (shapes named)
+    except ValueError as e:  # a checkpoint of another model (shapes named)
         raise CheckpointError(str(e)) from None
     try:
-        state = dist_checkpointing.load(optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True),
-                                        os.path.join(path, "optimizer"))
+        state = dist_checkpointing.load(
+            optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True), os.path.join(path, "optimizer")
+        )
         optimizer.load_sharded_state_dict(state)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - the message says what was reset
-        raise CheckpointError(f"optimizer state in {path}/optimizer could not be loaded ({_one_line(e)}); "
-                              "resume with checkpoint.resume=none to start fresh") from None
+        raise CheckpointError(
+            f"optimizer state in {path}/optimizer could not be loaded ({_one_line(e)}); "
+            "resume with checkpoint.resume=none to start fresh"
+        ) from None
     with open(os.path.join(path, TRAINER_STATE)) as f:
         trainer_state = json.load(f)
     rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt")
@@ -440,8 +457,12 @@ def load_checkpoint(path: str, model, optimizer) -> dict:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "tracker": get_cuda_rng_tracker().get_states(), "cuda_present": torch.cuda.is_available()}
+    state = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+        "cuda_present": torch.cuda.is_available(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -453,8 +474,10 @@ def set_rng_state(state: dict) -> None:
     if state.get("cuda_present", False) != torch.cuda.is_available():
         # The tracker holds CUDA generator states on GPU and CPU ones on CPU (parallel/cpu_compat):
         # a checkpoint from the other kind of machine keeps this run's freshly seeded tracker.
-        warnings.warn("checkpoint RNG states come from a machine with"
-                      f"{'' if state.get('cuda_present') else 'out'} CUDA: dropout streams restart")
+        warnings.warn(
+            "checkpoint RNG states come from a machine with"
+            f"{'' if state.get('cuda_present') else 'out'} CUDA: dropout streams restart"
+        )
         return
     get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state and torch.cuda.is_available():

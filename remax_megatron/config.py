@@ -55,8 +55,9 @@ def _check_choices(section: str, obj) -> None:
     """Every Literal-typed field of `obj` holds one of its allowed values."""
     for name, hint in typing.get_type_hints(type(obj)).items():
         if typing.get_origin(hint) is Literal and getattr(obj, name) not in typing.get_args(hint):
-            raise ValueError(f"{section}.{name}={getattr(obj, name)!r} is not one of "
-                             f"{', '.join(typing.get_args(hint))}")
+            raise ValueError(
+                f"{section}.{name}={getattr(obj, name)!r} is not one of {', '.join(typing.get_args(hint))}"
+            )
 
 
 def _positive(key: str, value, zero_ok: bool = False) -> None:
@@ -70,26 +71,43 @@ class TrainerConfig:
     seed: int = knob(0, "seeds data order, sampling and init on every rank")
     output_dir: str = knob("outputs/run", "metrics.jsonl, config.yaml, TensorBoard events, checkpoints")
     prompts_per_step: int = knob(8, "global prompts per step (each gets rollout.n samples + 1 greedy)")
-    micro_batch_size: int = knob(4, "sequences per micro-batch in the train forward/backward (trainer.micro_batch_tokens=0)")
-    micro_batch_tokens: int = knob(0, "token budget of a micro-batch, padding included: rows grouped under it, each "
-                                   "micro-batch padded to its own longest row, DP ranks given near-equal tokens; "
-                                   "0: micro_batch_size rows per micro-batch, all as long as the step's longest")
-    pack_sequences: bool = knob(False, "several sequences per row, attention kept inside each (a block-diagonal mask "
-                                "on CPU, Transformer Engine's THD format on GPU); needs trainer.micro_batch_tokens")
+    micro_batch_size: int = knob(
+        4, "sequences per micro-batch in the train forward/backward (trainer.micro_batch_tokens=0)"
+    )
+    micro_batch_tokens: int = knob(
+        0,
+        "token budget of a micro-batch, padding included: rows grouped under it, each "
+        "micro-batch padded to its own longest row, DP ranks given near-equal tokens; "
+        "0: micro_batch_size rows per micro-batch, all as long as the step's longest",
+    )
+    pack_sequences: bool = knob(
+        False,
+        "several sequences per row, attention kept inside each (a block-diagonal mask "
+        "on CPU, Transformer Engine's THD format on GPU); needs trainer.micro_batch_tokens",
+    )
     mini_batches: int = knob(1, "optimizer steps per rollout (> 1 uses the clipped ratio)")
     eval_every: int = knob(5, "greedy eval every N steps (0: never)")
     eval_prompts: int = knob(32, "held-out prompts evaluated")
     dist_timeout_minutes: int = knob(30, "collective timeout: a dead rank fails the job after this")
     peak_tflops: float = knob(0.0, "device peak for perf/mfu; 0: from the GPU's name (H100/H200/A100/L40S)")
-    no_signal_steps: int = knob(10, "warn once when every sample tied with its greedy reward (no learning signal) "
-                                "this many steps in a row (0: never)")
-    skip_zero_advantage: SkipMode = knob("auto", "leave rows with advantage 0 at every token (reward equal to the "
-                                         "greedy one) out of the update's forward and backward; the loss's global "
-                                         "token count still counts them, so the update is unchanged. auto: on "
-                                         "exactly when nothing else gives those rows a gradient (KL, a MoE "
-                                         "load-balancing loss, LoRA dropout), else off and said at start")
-    mask_truncated: bool = knob(False, "a sample cut at rollout.max_new_tokens is left out of the loss (and its "
-                                "token count); still scored, logged and used as a baseline")
+    no_signal_steps: int = knob(
+        10,
+        "warn once when every sample tied with its greedy reward (no learning signal) "
+        "this many steps in a row (0: never)",
+    )
+    skip_zero_advantage: SkipMode = knob(
+        "auto",
+        "leave rows with advantage 0 at every token (reward equal to the "
+        "greedy one) out of the update's forward and backward; the loss's global "
+        "token count still counts them, so the update is unchanged. auto: on "
+        "exactly when nothing else gives those rows a gradient (KL, a MoE "
+        "load-balancing loss, LoRA dropout), else off and said at start",
+    )
+    mask_truncated: bool = knob(
+        False,
+        "a sample cut at rollout.max_new_tokens is left out of the loss (and its "
+        "token count); still scored, logged and used as a baseline",
+    )
 
     def __post_init__(self):
         _check_choices("trainer", self)
@@ -100,8 +118,10 @@ class TrainerConfig:
         _positive("trainer.dist_timeout_minutes", self.dist_timeout_minutes)
         _positive("trainer.micro_batch_tokens", self.micro_batch_tokens, zero_ok=True)
         if self.pack_sequences and not self.micro_batch_tokens:
-            raise ValueError("trainer.pack_sequences=true needs a token budget: set trainer.micro_batch_tokens (e.g. "
-                             "4096) or trainer.pack_sequences=false")
+            raise ValueError(
+                "trainer.pack_sequences=true needs a token budget: set trainer.micro_batch_tokens (e.g. "
+                "4096) or trainer.pack_sequences=false"
+            )
         _positive("trainer.peak_tflops", self.peak_tflops, zero_ok=True)
         _positive("trainer.no_signal_steps", self.no_signal_steps, zero_ok=True)
 
@@ -119,13 +139,21 @@ class ActorConfig:
     ep: int = knob(1, "MoE: expert-parallel size (experts split over this many ranks, carved from tp x dp)")
     etp: int = knob(0, "MoE: expert tensor-parallel size, 1 (experts whole) or actor.tp; 0: actor.tp")
     moe_dispatcher: MoeDispatcher = knob("alltoall", "MoE: megatron's token dispatcher")
-    moe_experts: MoeExperts = knob("auto", "MoE: grouped = Transformer Engine's grouped GEMM (CUDA), sequential = "
-                                   "megatron's SequentialMLP; auto = grouped where TE runs, else sequential")
-    lora_rank: int = knob(0, "LoRA rank of the actor's adapters (0: off, full fine-tuning); > 0: only the adapters "
-                          "train, and with KL the reference is the actor with its adapters off (no second model)")
+    moe_experts: MoeExperts = knob(
+        "auto",
+        "MoE: grouped = Transformer Engine's grouped GEMM (CUDA), sequential = "
+        "megatron's SequentialMLP; auto = grouped where TE runs, else sequential",
+    )
+    lora_rank: int = knob(
+        0,
+        "LoRA rank of the actor's adapters (0: off, full fine-tuning); > 0: only the adapters "
+        "train, and with KL the reference is the actor with its adapters off (no second model)",
+    )
     lora_alpha: float = knob(16.0, "LoRA scale numerator: the adapter adds (lora_alpha / lora_rank) * B A x")
-    lora_targets: list[LoraTarget] = knob(list(typing.get_args(LoraTarget)), "linears that get adapters (megatron "
-                                          "names, in every decoder layer; MoE experts are refused)")
+    lora_targets: list[LoraTarget] = knob(
+        list(typing.get_args(LoraTarget)),
+        "linears that get adapters (megatron names, in every decoder layer; MoE experts are refused)",
+    )
     lora_dropout: float = knob(0.0, "dropout on the adapters' input (training forward only)")
 
     def __post_init__(self):
@@ -144,50 +172,72 @@ class ActorConfig:
         allowed = typing.get_args(LoraTarget)
         unknown = [t for t in self.lora_targets if t not in allowed]
         if unknown or not self.lora_targets:
-            raise ValueError(f"actor.lora_targets={self.lora_targets} "
-                             f"{f'holds unknown {unknown}' if unknown else 'is empty'}: choose from {list(allowed)}")
+            raise ValueError(
+                f"actor.lora_targets={self.lora_targets} "
+                f"{f'holds unknown {unknown}' if unknown else 'is empty'}: choose from {list(allowed)}"
+            )
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"actor.lora_dropout={self.lora_dropout!r} must be in [0, 1)")
         if self.lora_dropout and self.tp > 1 and not self.sequence_parallel:
-            raise ValueError(f"actor.lora_dropout={self.lora_dropout} with actor.tp={self.tp} is not supported without "
-                             "sequence parallel (the TP ranks would draw different masks for the replicated input): "
-                             "set actor.lora_dropout=0 or actor.sequence_parallel=true")
+            raise ValueError(
+                f"actor.lora_dropout={self.lora_dropout} with actor.tp={self.tp} is not supported without "
+                "sequence parallel (the TP ranks would draw different masks for the replicated input): "
+                "set actor.lora_dropout=0 or actor.sequence_parallel=true"
+            )
 
 
 @dataclass
 class ReferenceConfig:
-    enabled: bool = knob(False, "build a frozen reference model (needed for algo.kl_coef > 0; with actor.lora_rank > 0 "
-                         "none is built: the reference is the actor with its adapters off)")
+    enabled: bool = knob(
+        False,
+        "build a frozen reference model (needed for algo.kl_coef > 0; with actor.lora_rank > 0 "
+        "none is built: the reference is the actor with its adapters off)",
+    )
     model: str = knob("", "default: actor.model (the reference is the initial policy)")
 
 
 @dataclass
 class RewardConfig:
-    functions: list[str] = knob([], "registry names or \"package.module:function\"")
+    functions: list[str] = knob([], 'registry names or "package.module:function"')
     weights: list[float] = knob([], "one per function (default 1.0 each)")
     model: str = knob("", "optional reward-model directory (*ForSequenceClassification)")
     model_weight: float = knob(1.0, "weight of the reward-model score in the sum")
     tp: int = knob(1, "reward-model tensor parallel (see reward.pp for the layouts allowed)")
-    pp: int = knob(1, "reward-model pipeline parallel; reward.tp * reward.pp divides actor.tp * actor.pp, or is a "
-                   "multiple of it that divides the world size")
+    pp: int = knob(
+        1,
+        "reward-model pipeline parallel; reward.tp * reward.pp divides actor.tp * actor.pp, or is a "
+        "multiple of it that divides the world size",
+    )
     format_pattern: str = knob(r"^\s*-?\d+\s*$", "regex of the built-in `format` reward")
     numeric_tolerance: float = knob(1e-6, "relative tolerance of the built-in `numeric_match`")
     length_limit: int = knob(256, "chars before the built-in `length_penalty` starts")
-    overlong_buffer: int = knob(0, "DAPO's overlong shaping: the last this many tokens before rollout.max_new_tokens "
-                                "get a linear penalty, 0 at the buffer's start to -reward.overlong_penalty at the "
-                                "limit, added to samples and greedy alike (0: off)")
+    overlong_buffer: int = knob(
+        0,
+        "DAPO's overlong shaping: the last this many tokens before rollout.max_new_tokens "
+        "get a linear penalty, 0 at the buffer's start to -reward.overlong_penalty at the "
+        "limit, added to samples and greedy alike (0: off)",
+    )
     overlong_penalty: float = knob(1.0, "the overlong shaping's penalty at the length limit (reward.overlong_buffer)")
-    workers: int = knob(0, "worker processes per rank that call reward.functions, one response per call (a hang or "
-                        "crash costs only its response); 0: called in the trainer's process, once per batch")
-    timeout_s: float = knob(0.0, "reward.workers: a call running longer is killed with its worker and its response "
-                            "scores reward.timeout_value (0: no limit; a worker that dies scores it too)")
-    timeout_value: float = knob(0.0, "the reward of a response whose call timed out or whose worker died "
-                                "(metric reward/timeouts counts them)")
+    workers: int = knob(
+        0,
+        "worker processes per rank that call reward.functions, one response per call (a hang or "
+        "crash costs only its response); 0: called in the trainer's process, once per batch",
+    )
+    timeout_s: float = knob(
+        0.0,
+        "reward.workers: a call running longer is killed with its worker and its response "
+        "scores reward.timeout_value (0: no limit; a worker that dies scores it too)",
+    )
+    timeout_value: float = knob(
+        0.0, "the reward of a response whose call timed out or whose worker died (metric reward/timeouts counts them)"
+    )
 
     def __post_init__(self):
         if self.weights and len(self.weights) != len(self.functions):
-            raise ValueError(f"reward.weights has {len(self.weights)} values for {len(self.functions)} "
-                             "reward.functions: give one weight per function or none")
+            raise ValueError(
+                f"reward.weights has {len(self.weights)} values for {len(self.functions)} "
+                "reward.functions: give one weight per function or none"
+            )
         _positive("reward.tp", self.tp)
         _positive("reward.pp", self.pp)
         _positive("reward.numeric_tolerance", self.numeric_tolerance, zero_ok=True)
@@ -200,53 +250,84 @@ class RewardConfig:
             raise ValueError(f"reward.timeout_value={self.timeout_value} is not a finite number: give one, e.g. 0.0")
         # In-process, a hung call cannot be stopped (an alarm does not interrupt C code, a crash ends the rank).
         if self.timeout_s > 0 and self.workers == 0:
-            raise ValueError(f"reward.timeout_s={self.timeout_s} needs reward.workers >= 1 (only a call in a worker "
-                             "process can be stopped): set reward.workers, or reward.timeout_s=0")
+            raise ValueError(
+                f"reward.timeout_s={self.timeout_s} needs reward.workers >= 1 (only a call in a worker "
+                "process can be stopped): set reward.workers, or reward.timeout_s=0"
+            )
         if self.workers and not self.functions:
-            raise ValueError(f"reward.workers={self.workers} runs reward.functions, and there are none: set "
-                             "reward.functions, or reward.workers=0")
+            raise ValueError(
+                f"reward.workers={self.workers} runs reward.functions, and there are none: set "
+                "reward.functions, or reward.workers=0"
+            )
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = knob("vllm", "a registered rollout engine (remax_megatron/rollout/factory.py): vllm (CUDA, or "
-                       "vLLM's CPU build) | native (no vLLM needed)")
+    engine: str = knob(
+        "vllm",
+        "a registered rollout engine (remax_megatron/rollout/factory.py): vllm (CUDA, or "
+        "vLLM's CPU build) | native (no vLLM needed)",
+    )
     n: int = knob(2, "sampled responses per prompt; the greedy one comes on top")
     tp: int = knob(1, "inference tensor parallel (may differ from actor.tp)")
     temperature: float = knob(1.0, "sampling temperature of the n samples (greedy is argmax)")
     top_p: float = knob(1.0, "nucleus sampling: keep the smallest token set with this probability mass (1: off)")
     top_k: int = knob(0, "sample from the k most likely tokens (0: off)")
-    max_new_tokens: int = knob(64, "completion length limit (sampled and greedy); prompt + this <= "
-                               "max_position_embeddings")
+    max_new_tokens: int = knob(
+        64, "completion length limit (sampled and greedy); prompt + this <= max_position_embeddings"
+    )
     stop: list[str] = knob([], "stop strings (EOS always stops)")
     stop_token_ids: list[int] = knob([], "token ids that end a completion as EOS does (kept in it)")
     sync_bucket_mb: int = knob(256, "weight-sync bucket size in MiB (peak extra memory of the sync)")
     kv_cache_gib: float = knob(0.0, "vLLM KV cache per engine in GiB; 0: sized by gpu_memory_utilization")
-    gpu_memory_utilization: float = knob(0.5, "vLLM's memory fraction when kv_cache_gib=0 (CPU: of HOST memory, per "
-                                         "engine)")
+    gpu_memory_utilization: float = knob(
+        0.5, "vLLM's memory fraction when kv_cache_gib=0 (CPU: of HOST memory, per engine)"
+    )
     logprob_warn_threshold: float = knob(0.05, "warn when engine vs actor log-probs differ more")
-    compile: Compile = knob("auto", "vLLM's torch.compile of the model: auto = on CUDA (with CUDA graphs), eager on "
-                            "CPU; always = on CPU too (~25 s more start-up, ~10% faster decoding on a 60M model); "
-                            "never = eager everywhere")
-    routing_replay: bool = knob(False, "MoE: the actor's training forward routes each sampled token to the experts "
-                                "the engine chose (router probabilities from the live router); the native engine, or "
-                                "vLLM on CUDA (its CPU build cannot return the routes)")
-    guided_regex: str = knob("", "guided decoding: every sampled AND greedy response matches this regex (vLLM's "
-                             "structured outputs, xgrammar); vLLM only")
-    guided_json: str = knob("", "guided decoding: every sampled and greedy response is JSON matching this JSON "
-                            "schema (JSON text; in YAML a quoted string); vLLM only")
-    placement: Placement = knob("colocated", "colocated: every rank trains and runs an engine, one after the "
-                                "other; separate: the last rollout.ranks ranks run the engine(s), the others train, "
-                                "weights go over by broadcast")
-    ranks: int = knob(0, "rollout.placement=separate: how many ranks of the world run the engine(s) (rollout.tp "
-                      "divides it)")
-    behaviour_logprobs: bool = knob(False, "rollout.placement=separate with max_staleness=1: also compute each "
-                                    "batch's log-probs under the actor version that generated it (one more copy of "
-                                    "the actor's weights and one more forward per step): the metric "
-                                    "logprob/engine_vs_behaviour_max_diff, the engine's own mismatch without the lag")
-    max_staleness: int = knob(1, "rollout.placement=separate: 1 = the rollout ranks generate step k+1 with the "
-                              "weights step k started from while the training ranks update on step k (one policy "
-                              "version behind; use algo.rollout_correction); 0 = they wait for the update")
+    compile: Compile = knob(
+        "auto",
+        "vLLM's torch.compile of the model: auto = on CUDA (with CUDA graphs), eager on "
+        "CPU; always = on CPU too (~25 s more start-up, ~10% faster decoding on a 60M model); "
+        "never = eager everywhere",
+    )
+    routing_replay: bool = knob(
+        False,
+        "MoE: the actor's training forward routes each sampled token to the experts "
+        "the engine chose (router probabilities from the live router); the native engine, or "
+        "vLLM on CUDA (its CPU build cannot return the routes)",
+    )
+    guided_regex: str = knob(
+        "",
+        "guided decoding: every sampled AND greedy response matches this regex (vLLM's "
+        "structured outputs, xgrammar); vLLM only",
+    )
+    guided_json: str = knob(
+        "",
+        "guided decoding: every sampled and greedy response is JSON matching this JSON "
+        "schema (JSON text; in YAML a quoted string); vLLM only",
+    )
+    placement: Placement = knob(
+        "colocated",
+        "colocated: every rank trains and runs an engine, one after the "
+        "other; separate: the last rollout.ranks ranks run the engine(s), the others train, "
+        "weights go over by broadcast",
+    )
+    ranks: int = knob(
+        0, "rollout.placement=separate: how many ranks of the world run the engine(s) (rollout.tp divides it)"
+    )
+    behaviour_logprobs: bool = knob(
+        False,
+        "rollout.placement=separate with max_staleness=1: also compute each "
+        "batch's log-probs under the actor version that generated it (one more copy of "
+        "the actor's weights and one more forward per step): the metric "
+        "logprob/engine_vs_behaviour_max_diff, the engine's own mismatch without the lag",
+    )
+    max_staleness: int = knob(
+        1,
+        "rollout.placement=separate: 1 = the rollout ranks generate step k+1 with the "
+        "weights step k started from while the training ranks update on step k (one policy "
+        "version behind; use algo.rollout_correction); 0 = they wait for the update",
+    )
 
     def __post_init__(self):
         _check_choices("rollout", self)
@@ -260,18 +341,26 @@ class RolloutConfig:
         _positive("rollout.top_k", self.top_k, zero_ok=True)
         _positive("rollout.max_new_tokens", self.max_new_tokens)
         if self.max_staleness not in (0, 1):
-            raise ValueError(f"rollout.max_staleness={self.max_staleness!r} must be 0 or 1 (policy versions the "
-                             "rollout may lag behind the update)")
+            raise ValueError(
+                f"rollout.max_staleness={self.max_staleness!r} must be 0 or 1 (policy versions the "
+                "rollout may lag behind the update)"
+            )
         if self.placement == "separate" and self.ranks < 1:
-            raise ValueError(f"rollout.placement=separate with rollout.ranks={self.ranks}: give the number of ranks "
-                             "that run the engine(s), e.g. rollout.ranks=1")
+            raise ValueError(
+                f"rollout.placement=separate with rollout.ranks={self.ranks}: give the number of ranks "
+                "that run the engine(s), e.g. rollout.ranks=1"
+            )
         if self.placement == "colocated" and self.ranks:
-            raise ValueError(f"rollout.ranks={self.ranks} with rollout.placement=colocated: every rank runs an engine "
-                             "there; set rollout.placement=separate or rollout.ranks=0")
+            raise ValueError(
+                f"rollout.ranks={self.ranks} with rollout.placement=colocated: every rank runs an engine "
+                "there; set rollout.placement=separate or rollout.ranks=0"
+            )
         if self.behaviour_logprobs and (self.placement != "separate" or self.max_staleness != 1):
-            raise ValueError("rollout.behaviour_logprobs=true needs rollout.placement=separate with "
-                             "rollout.max_staleness=1 (otherwise the batch's policy is the actor's: "
-                             "logprob/engine_vs_actor_max_diff says it already)")
+            raise ValueError(
+                "rollout.behaviour_logprobs=true needs rollout.placement=separate with "
+                "rollout.max_staleness=1 (otherwise the batch's policy is the actor's: "
+                "logprob/engine_vs_actor_max_diff says it already)"
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"rollout.stop_token_ids={self.stop_token_ids} holds a negative id: token ids are >= 0")
         _positive("rollout.sync_bucket_mb", self.sync_bucket_mb)
@@ -279,53 +368,76 @@ class RolloutConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if self.guided_regex and self.guided_json:
-            raise ValueError("rollout.guided_regex and rollout.guided_json are both set: guided decoding takes one "
-                             "constraint; unset one of them")
+            raise ValueError(
+                "rollout.guided_regex and rollout.guided_json are both set: guided decoding takes one "
+                "constraint; unset one of them"
+            )
         if self.guided_json:
             try:
                 schema = json.loads(self.guided_json)
             except json.JSONDecodeError as e:
-                raise ValueError(f"rollout.guided_json is not valid JSON ({e.msg} at character {e.pos + 1}): give a "
-                                 "JSON schema as JSON text") from None
+                raise ValueError(
+                    f"rollout.guided_json is not valid JSON ({e.msg} at character {e.pos + 1}): give a "
+                    "JSON schema as JSON text"
+                ) from None
             if not isinstance(schema, dict):
-                raise ValueError(f"rollout.guided_json={self.guided_json!r} is not a JSON object: give a JSON schema, "
-                                 'e.g. {"type": "object", "properties": {...}}')
+                raise ValueError(
+                    f"rollout.guided_json={self.guided_json!r} is not a JSON object: give a JSON schema, "
+                    'e.g. {"type": "object", "properties": {...}}'
+                )
 
 
 @dataclass
 class AlgoConfig:
     kl_coef: float = knob(0.0, "KL penalty coefficient (0: no reference needed)")
     kl_mode: KlMode = knob("reward", "reward: per-token k1 penalty in the reward; loss: a loss term (kl_estimator)")
-    kl_estimator: KlEstimator = knob("k3", "estimator of the kl_mode=loss term; k1 is refused there (its gradient "
-                                     "has zero expectation on-policy); the kl/mean metric is always k1")
+    kl_estimator: KlEstimator = knob(
+        "k3",
+        "estimator of the kl_mode=loss term; k1 is refused there (its gradient "
+        "has zero expectation on-policy); the kl/mean metric is always k1",
+    )
     kl_target: float = knob(0.0, "> 0: adaptive KL coefficient towards this KL per sequence")
     kl_horizon: int = knob(10000, "adaptive controller horizon (in sequences)")
-    loss_agg: LossAgg = knob("token-mean", "loss aggregation over the GLOBAL batch (token or sequence counts of all "
-                             "DP ranks)")
+    loss_agg: LossAgg = knob(
+        "token-mean", "loss aggregation over the GLOBAL batch (token or sequence counts of all DP ranks)"
+    )
     clip_ratio: float = knob(0.2, "ratio clip when trainer.mini_batches > 1")
     advantage_clip: float = knob(0.0, "clip advantages to [-c, c] (0: off)")
-    moe_aux_loss: MoeAuxLoss = knob("aux", "MoE load-balancing loss: aux = per micro-batch, token-weighted over the "
-                                    "update; seq_aux = per sequence; none")
+    moe_aux_loss: MoeAuxLoss = knob(
+        "aux",
+        "MoE load-balancing loss: aux = per micro-batch, token-weighted over the update; seq_aux = per sequence; none",
+    )
     moe_aux_loss_coef: float = knob(1e-3, "MoE load-balancing loss coefficient (summed over layers; 0: off)")
-    rollout_correction: RolloutCorrection = knob("none", "importance-sampling correction of the engine/trainer "
-                                                 "mismatch: token-tis = each token's loss weighted by min(pi_actor / "
-                                                 "pi_engine, rollout_is_cap); seq-mis = a sequence whose geometric-"
-                                                 "mean ratio leaves [1/cap, cap] is masked out (still counted in the "
-                                                 "loss's denominator); none")
+    rollout_correction: RolloutCorrection = knob(
+        "none",
+        "importance-sampling correction of the engine/trainer "
+        "mismatch: token-tis = each token's loss weighted by min(pi_actor / "
+        "pi_engine, rollout_is_cap); seq-mis = a sequence whose geometric-"
+        "mean ratio leaves [1/cap, cap] is masked out (still counted in the "
+        "loss's denominator); none",
+    )
     rollout_is_cap: float = knob(2.0, "the ratio cap of algo.rollout_correction (>= 1)")
-    dynamic_sampling: bool = knob(False, "DAPO's dynamic sampling: a prompt whose samples all tie its greedy reward "
-                                  "is dropped and more prompts are drawn and rolled out until the step holds "
-                                  "trainer.prompts_per_step prompts with signal")
-    dynamic_sampling_max_rounds: int = knob(4, "algo.dynamic_sampling: at most this many rollout rounds a step; "
-                                            "then the step is topped up with dropped prompts "
-                                            "(sampling/short_prompts)")
+    dynamic_sampling: bool = knob(
+        False,
+        "DAPO's dynamic sampling: a prompt whose samples all tie its greedy reward "
+        "is dropped and more prompts are drawn and rolled out until the step holds "
+        "trainer.prompts_per_step prompts with signal",
+    )
+    dynamic_sampling_max_rounds: int = knob(
+        4,
+        "algo.dynamic_sampling: at most this many rollout rounds a step; "
+        "then the step is topped up with dropped prompts "
+        "(sampling/short_prompts)",
+    )
 
     def __post_init__(self):
         _positive("algo.kl_coef", self.kl_coef, zero_ok=True)
         _check_choices("algo", self)
         if self.kl_mode == "loss" and self.kl_estimator == "k1":
-            raise ValueError("algo.kl_mode=loss with algo.kl_estimator=k1 does not regularise (its gradient has zero "
-                             "expectation on-policy): set algo.kl_estimator=k3 (or k2)")
+            raise ValueError(
+                "algo.kl_mode=loss with algo.kl_estimator=k1 does not regularise (its gradient has zero "
+                "expectation on-policy): set algo.kl_estimator=k3 (or k2)"
+            )
         _positive("algo.kl_target", self.kl_target, zero_ok=True)
         _positive("algo.kl_horizon", self.kl_horizon)
         _positive("algo.clip_ratio", self.clip_ratio)
@@ -333,8 +445,10 @@ class AlgoConfig:
         _positive("algo.moe_aux_loss_coef", self.moe_aux_loss_coef, zero_ok=True)
         _positive("algo.dynamic_sampling_max_rounds", self.dynamic_sampling_max_rounds)
         if not 1.0 <= self.rollout_is_cap < float("inf"):
-            raise ValueError(f"algo.rollout_is_cap={self.rollout_is_cap!r} must be a finite number >= 1 (a ratio "
-                             "cap; 2.0 is the usual value)")
+            raise ValueError(
+                f"algo.rollout_is_cap={self.rollout_is_cap!r} must be a finite number >= 1 (a ratio "
+                "cap; 2.0 is the usual value)"
+            )
 
 
 @dataclass
@@ -342,11 +456,15 @@ class DataConfig:
     train: str = knob("builtin:arith", "JSONL / Parquet file, or builtin:<task>")
     eval: str = knob("", "held-out file; empty: split eval_size prompts off the train set")
     eval_size: int = knob(32, "prompts split off the train set for eval when data.eval is empty (0: no eval)")
-    prompt_key: str = knob("prompt", "column holding the prompt: a string, or a list of {role, content} messages "
-                           "(e.g. messages; TRL's conversational prompt) rendered by the chat template")
+    prompt_key: str = knob(
+        "prompt",
+        "column holding the prompt: a string, or a list of {role, content} messages "
+        "(e.g. messages; TRL's conversational prompt) rendered by the chat template",
+    )
     answer_key: str = knob("answer", "ground truth handed to reward functions")
-    chat_template: bool = knob(True, "apply the tokenizer's chat template when it has one (message-list prompts "
-                               "need it)")
+    chat_template: bool = knob(
+        True, "apply the tokenizer's chat template when it has one (message-list prompts need it)"
+    )
     system_prompt: str = knob("", "a system turn put before every string prompt (needs a chat template)")
     max_prompt_tokens: int = knob(256, "longest prompt in tokens (after the chat template); see data.overlong")
     overlong: Overlong = knob("drop", "prompts over max_prompt_tokens: drop them, or truncate from the left")
@@ -388,18 +506,25 @@ class CheckpointConfig:
     save_every: int = knob(0, "steps between saves (0: only at the end)")
     resume: str = knob("auto", "auto (newest valid) | none | a checkpoint path")
     keep: int = knob(2, "checkpoints kept (and HF exports)")
-    hf_every: int = knob(0, "steps between Hugging Face exports of the actor (and at the last step) into "
-                         "<trainer.output_dir>/hf/step_N, through the converter's export; 0: none")
-    allow_model_change: bool = knob(False, "resume a checkpoint made from another actor.model (same shapes; refused "
-                                    "otherwise): its weights train on with this model's config and tokenizer")
+    hf_every: int = knob(
+        0,
+        "steps between Hugging Face exports of the actor (and at the last step) into "
+        "<trainer.output_dir>/hf/step_N, through the converter's export; 0: none",
+    )
+    allow_model_change: bool = knob(
+        False,
+        "resume a checkpoint made from another actor.model (same shapes; refused "
+        "otherwise): its weights train on with this model's config and tokenizer",
+    )
 
     def __post_init__(self):
         _positive("checkpoint.save_every", self.save_every, zero_ok=True)
         _positive("checkpoint.hf_every", self.hf_every, zero_ok=True)
         _positive("checkpoint.keep", self.keep)
         if self.resume not in ("auto", "none") and not os.path.exists(self.resume):
-            raise ValueError(f"checkpoint.resume={self.resume!r}: no such path; use auto, none or an "
-                             "existing checkpoint directory")
+            raise ValueError(
+                f"checkpoint.resume={self.resume!r}: no such path; use auto, none or an existing checkpoint directory"
+            )
 
 
 @dataclass
@@ -408,12 +533,18 @@ class LoggingConfig:
     wandb_project: str = knob("", "non-empty: also log to Weights & Biases")
     progress_bar: bool = knob(True, "tqdm bar on rank 0")
     sample_completions: int = knob(3, "completions printed at each eval")
-    rollouts_every: int = knob(0, "every N steps (and evals) write the step's rollouts to <output_dir>/rollouts/"
-                               "step_NNNNNN.jsonl (eval_step_...): prompt, response, tokens, finish reason, reward, "
-                               "baseline, advantage per response (0: never)")
-    level: LogLevel = knob("warning", "libraries' log level on rank 0 (vLLM, transformers, torch's C++ log one level "
-                           "higher); other ranks show errors only; debug also shows the vLLM notices "
-                           "remax_megatron/console.py drops")
+    rollouts_every: int = knob(
+        0,
+        "every N steps (and evals) write the step's rollouts to <output_dir>/rollouts/"
+        "step_NNNNNN.jsonl (eval_step_...): prompt, response, tokens, finish reason, reward, "
+        "baseline, advantage per response (0: never)",
+    )
+    level: LogLevel = knob(
+        "warning",
+        "libraries' log level on rank 0 (vLLM, transformers, torch's C++ log one level "
+        "higher); other ranks show errors only; debug also shows the vLLM notices "
+        "remax_megatron/console.py drops",
+    )
 
     def __post_init__(self):
         _check_choices("logging", self)
@@ -437,50 +568,74 @@ class Config:
         if not self.checkpoint.dir:
             self.checkpoint.dir = os.path.join(self.trainer.output_dir, "checkpoints")
         if self.actor.lora_rank and self.reference.model and self.reference.model != self.actor.model:
-            raise ValueError(f"reference.model={self.reference.model!r} with actor.lora_rank={self.actor.lora_rank}: "
-                             "a LoRA actor's reference is its own base (adapters off); unset reference.model")
+            raise ValueError(
+                f"reference.model={self.reference.model!r} with actor.lora_rank={self.actor.lora_rank}: "
+                "a LoRA actor's reference is its own base (adapters off); unset reference.model"
+            )
         if self.algo.kl_coef > 0 and not self.reference.enabled and not self.actor.lora_rank:
-            raise ValueError(f"algo.kl_coef={self.algo.kl_coef} needs a reference model: "
-                             "set reference.enabled=true (or algo.kl_coef=0)")
+            raise ValueError(
+                f"algo.kl_coef={self.algo.kl_coef} needs a reference model: "
+                "set reference.enabled=true (or algo.kl_coef=0)"
+            )
         if not self.reward.functions and not self.reward.model:
             raise ValueError("no reward: set reward.functions (e.g. [exact_match]) and/or reward.model")
-        if self.algo.rollout_correction != "none" and self.rollout.engine == "vllm" \
-                and (self.rollout.top_k or self.rollout.top_p < 1):
-            raise ValueError(f"algo.rollout_correction={self.algo.rollout_correction} with rollout.top_k="
-                             f"{self.rollout.top_k} / rollout.top_p={self.rollout.top_p}: vLLM returns log-probs "
-                             "renormalised over the kept tokens, so the ratio would measure the truncation, not the "
-                             "mismatch; set rollout.top_k=0 and rollout.top_p=1, or use rollout.engine=native (it "
-                             "returns the untruncated log-probs)")
+        if (
+            self.algo.rollout_correction != "none"
+            and self.rollout.engine == "vllm"
+            and (self.rollout.top_k or self.rollout.top_p < 1)
+        ):
+            raise ValueError(
+                f"algo.rollout_correction={self.algo.rollout_correction} with rollout.top_k="
+                f"{self.rollout.top_k} / rollout.top_p={self.rollout.top_p}: vLLM returns log-probs "
+                "renormalised over the kept tokens, so the ratio would measure the truncation, not the "
+                "mismatch; set rollout.top_k=0 and rollout.top_p=1, or use rollout.engine=native (it "
+                "returns the untruncated log-probs)"
+            )
         if self.algo.dynamic_sampling and self.rollout.placement == "separate" and self.rollout.max_staleness:
-            raise ValueError("algo.dynamic_sampling=true with rollout.placement=separate and rollout.max_staleness=1 "
-                             "is not supported (the next step's prompts are drawn before this step knows how many "
-                             "it needs): set rollout.max_staleness=0 or algo.dynamic_sampling=false")
+            raise ValueError(
+                "algo.dynamic_sampling=true with rollout.placement=separate and rollout.max_staleness=1 "
+                "is not supported (the next step's prompts are drawn before this step knows how many "
+                "it needs): set rollout.max_staleness=0 or algo.dynamic_sampling=false"
+            )
         if self.reward.overlong_buffer > self.rollout.max_new_tokens:
-            raise ValueError(f"reward.overlong_buffer={self.reward.overlong_buffer} is longer than rollout."
-                             f"max_new_tokens={self.rollout.max_new_tokens}: the buffer is the last tokens before "
-                             "that limit; use a buffer <= max_new_tokens (e.g. a quarter of it)")
+            raise ValueError(
+                f"reward.overlong_buffer={self.reward.overlong_buffer} is longer than rollout."
+                f"max_new_tokens={self.rollout.max_new_tokens}: the buffer is the last tokens before "
+                "that limit; use a buffer <= max_new_tokens (e.g. a quarter of it)"
+            )
         budget = self.trainer.micro_batch_tokens
         if budget:
             multiple = sequence_multiple(self.actor.tp, self.actor.sequence_parallel)
             tokens, how = self.longest_sequence()
             longest = round_up(tokens, multiple)
-            check_token_budget(budget, longest, f"the longest sequence this run can produce, {how}"
-                               f"{f' rounded up to a multiple of tp={multiple}' if multiple > 1 else ''} = {longest}")
+            check_token_budget(
+                budget,
+                longest,
+                f"the longest sequence this run can produce, {how}"
+                f"{f' rounded up to a multiple of tp={multiple}' if multiple > 1 else ''} = {longest}",
+            )
 
     def longest_sequence(self) -> tuple[int, str]:
         """The longest prompt + completion this run can produce, in tokens, and how an error spells it out
         (the one place the sum is written: config, start-up, the planner and the engine's length use it)."""
         d, r = self.data, self.rollout
-        return (d.max_prompt_tokens + r.max_new_tokens,
-                f"data.max_prompt_tokens({d.max_prompt_tokens}) + rollout.max_new_tokens({r.max_new_tokens})")
+        return (
+            d.max_prompt_tokens + r.max_new_tokens,
+            f"data.max_prompt_tokens({d.max_prompt_tokens}) + rollout.max_new_tokens({r.max_new_tokens})",
+        )
 
     def start_warnings(self) -> list[str]:
         """Lines a run with this config prints at start (rank 0): settings that run but are likely a mistake."""
         out = []
-        if self.rollout.placement == "separate" and self.rollout.max_staleness and \
-                self.algo.rollout_correction == "none":
-            out.append("warning: rollout.max_staleness=1 trains on samples of the previous policy version without "
-                       "correction: set algo.rollout_correction=token-tis (or seq-mis)")
+        if (
+            self.rollout.placement == "separate"
+            and self.rollout.max_staleness
+            and self.algo.rollout_correction == "none"
+        ):
+            out.append(
+                "warning: rollout.max_staleness=1 trains on samples of the previous policy version without "
+                "correction: set algo.rollout_correction=token-tis (or seq-mis)"
+            )
         return out
 
     def train_world(self, world_size: int) -> int:
@@ -502,8 +657,9 @@ class Config:
             check_split(world_size, self.rollout.ranks, self.rollout.tp)
             world_size = self.train_world(world_size)
         try:
-            ParallelLayout(tp=self.actor.tp, pp=self.actor.pp, world_size=world_size, ep=self.actor.ep,
-                           etp=self.actor.etp)
+            ParallelLayout(
+                tp=self.actor.tp, pp=self.actor.pp, world_size=world_size, ep=self.actor.ep, etp=self.actor.etp
+            )
         except ValueError as e:
             raise ValueError(f"actor layout: {e}") from None
         dp = world_size // (self.actor.tp * self.actor.pp)
@@ -512,11 +668,15 @@ class Config:
             raise ValueError(f"trainer.prompts_per_step={t.prompts_per_step} is not divisible by dp={dp}")
         local = t.prompts_per_step // dp * self.rollout.n
         if t.micro_batch_tokens and local % t.mini_batches:
-            raise ValueError(f"{local} sequences per DP rank (prompts_per_step/dp * rollout.n) are not divisible by "
-                             f"trainer.mini_batches({t.mini_batches})")
+            raise ValueError(
+                f"{local} sequences per DP rank (prompts_per_step/dp * rollout.n) are not divisible by "
+                f"trainer.mini_batches({t.mini_batches})"
+            )
         if not t.micro_batch_tokens and local % (t.mini_batches * t.micro_batch_size):
-            raise ValueError(f"{local} sequences per DP rank (prompts_per_step/dp * rollout.n) are not divisible by "
-                             f"trainer.mini_batches({t.mini_batches}) * trainer.micro_batch_size({t.micro_batch_size})")
+            raise ValueError(
+                f"{local} sequences per DP rank (prompts_per_step/dp * rollout.n) are not divisible by "
+                f"trainer.mini_batches({t.mini_batches}) * trainer.micro_batch_size({t.micro_batch_size})"
+            )
         if self.reward.model:
             check_nested(self.reward.tp, self.reward.pp, self.actor.tp, self.actor.pp, dp)
 
@@ -622,6 +782,7 @@ def _yaml_error(e: yaml.YAMLError, where: str, offset: int = 0) -> str:
 
     An override (`offset` > 0: the length of `key=` before its value) gets a column only.
     """
+
     def at(mark) -> str:
         return f"column {mark.column + 1 + offset}" if offset else f"line {mark.line + 1}, column {mark.column + 1}"
 
@@ -653,8 +814,11 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
             raise ValueError(f"{path} must hold a mapping of sections (trainer:, actor:, ...)")
         for section, values in data.items():
             if not isinstance(values, dict):
-                raise (_unknown(section) if section not in _sections()
-                       else ValueError(f"{path}: section {section!r} must be a mapping"))
+                raise (
+                    _unknown(section)
+                    if section not in _sections()
+                    else ValueError(f"{path}: section {section!r} must be a mapping")
+                )
             for name, value in values.items():
                 _set(tree, f"{section}.{name}", value)
     for item in overrides:
@@ -665,8 +829,10 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
             parsed = yaml.safe_load(value) if value.strip() else ""
         except yaml.YAMLError as e:
             # Columns count from the start of the whole override, as the user typed it.
-            raise ValueError(_yaml_error(e, f"override {item!r}", offset=len(key) + 1) +
-                             f"; to pass it as text, quote it for YAML too: \"{key.strip()}='{value}'\"") from None
+            raise ValueError(
+                _yaml_error(e, f"override {item!r}", offset=len(key) + 1)
+                + f"; to pass it as text, quote it for YAML too: \"{key.strip()}='{value}'\""
+            ) from None
         _set(tree, key.strip(), value if isinstance(parsed, (dict,)) else parsed)
     sections = _sections()
     return Config(**{name: cls(**tree.get(name, {})) for name, cls in sections.items()})

@@ -29,14 +29,15 @@ LEVELS = typing.get_args(LogLevel)
 VLLM_NOISE = {
     # LD_PRELOAD tips for serving throughput on CPU, and vLLM's own torch.set_num_threads calls after its
     # thread binding (it replaces the function with this warning)
-    "vllm.v1.worker.cpu_worker": ("%s is not found in LD_PRELOAD",
-                                  "CPU backend doesn't allow to use `torch.set_num_threads`"),
+    "vllm.v1.worker.cpu_worker": (
+        "%s is not found in LD_PRELOAD",
+        "CPU backend doesn't allow to use `torch.set_num_threads`",
+    ),
     # the PyPI triton has no CPU backend; vLLM's CPU path runs without it
     "vllm.triton_utils.importing": ("Triton is installed, but doesn't include CPU backend",),
     "vllm.platforms.cpu": ("Triton is not installed. triton-cpu is expected", "Reset SSM cache type"),
     # consequences of rollout.compile (eager on CPU by default) and of running without triton
-    "vllm.config.vllm": ("Enforce eager set", "Inductor compilation was disabled",
-                         "Model Runner V2 requires Triton"),
+    "vllm.config.vllm": ("Enforce eager set", "Inductor compilation was disabled", "Model Runner V2 requires Triton"),
 }
 ROTARY_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 # Log records of the newer stack (megatron-core 0.19, PyPI's CUDA torch 2.15) that say nothing about this
@@ -130,15 +131,22 @@ def quiet_library_warnings(rank: int | None = None) -> None:
         warnings.filterwarnings("ignore", category=category, module=r"vllm\.")
     # torch 2.15's DCP on megatron-core's calls: megatron reads each rank's shards with no_dist=True and passes
     # the state dict and reader positionally
-    for message in (r"torch\.distributed is disabled, unavailable or uninitialized",
-                    r"The argument order of \w+ has been changed"):
-        warnings.filterwarnings("ignore", message=message, category=UserWarning,
-                                module=r"torch\.distributed\.checkpoint")
+    for message in (
+        r"torch\.distributed is disabled, unavailable or uninitialized",
+        r"The argument order of \w+ has been changed",
+    ):
+        warnings.filterwarnings(
+            "ignore", message=message, category=UserWarning, module=r"torch\.distributed\.checkpoint"
+        )
     # torch 2.13 deprecates the collective megatron's expert-parallel code gathers with (MoE on every rank)
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
-                            category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated", category=FutureWarning
+    )
     if rank != 0:
         warnings.filterwarnings("ignore", module="megatron")
     elif torch.cuda.is_available() and not any(importlib.util.find_spec(m) for m in ("apex", "transformer_engine")):
-        warnings.warn("neither Apex nor Transformer Engine is installed: megatron-core uses its local (slower) "
-                      "fused-op fallbacks", stacklevel=2)
+        warnings.warn(
+            "neither Apex nor Transformer Engine is installed: megatron-core uses its local (slower) "
+            "fused-op fallbacks",
+            stacklevel=2,
+        )

@@ -30,15 +30,17 @@ class Evaluator:
         prompts = self.dispatch.share(selected)
         rollouts = generate(prompts)
         tokenizer = self.parts.tokenizer
-        responses = [[(r.greedy.token_ids, tokenizer.decode(r.greedy.token_ids, skip_special_tokens=True))]
-                     for r in rollouts]
+        responses = [
+            [(r.greedy.token_ids, tokenizer.decode(r.greedy.token_ids, skip_special_tokens=True))] for r in rollouts
+        ]
         scores, metrics = self.parts.scorer.score(prompts, responses)
         rewards = [row[0] for row in scores]
         self._print_samples(step, prompts, [resp[1] for (resp,) in responses], rewards)
         self.dump.write(step, prompts, rollouts, [], rewards, kind="eval")  # logging.rollouts_every
         record = {"step": step, "eval/reward_mean": self.reduce.dp_mean(rewards)}
-        record.update({f"eval/{k}": v for k, v in self.reduce.reward_metrics(metrics).items()
-                       if k != "reward/unique_scored"})
+        record.update(
+            {f"eval/{k}": v for k, v in self.reduce.reward_metrics(metrics).items() if k != "reward/unique_scored"}
+        )
         return record
 
     def _print_samples(self, step: int, prompts: list[Prompt], responses: list[str], rewards: list[float]) -> None:
@@ -57,8 +59,13 @@ class Evaluator:
             if first + i in shown:
                 question = q.raw[-1]["content"] if q.is_chat else q.raw or q.text
                 answer = f"answer {_clipped(q.columns['answer'])}, " if q.columns.get("answer") is not None else ""
-                lines.append((first + i, f"  [eval step {step}] {_clipped(question)} -> {_clipped(response)}  "
-                                         f"({answer}reward {reward:.4g})"))
+                lines.append(
+                    (
+                        first + i,
+                        f"  [eval step {step}] {_clipped(question)} -> {_clipped(response)}  "
+                        f"({answer}reward {reward:.4g})",
+                    )
+                )
         if self.groups.dp_size > 1:
             everyone: list = [None] * self.groups.dp_size
             dist.all_gather_object(everyone, lines, group=self.groups.dp)

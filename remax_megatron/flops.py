@@ -25,7 +25,7 @@ import torch
 # tensor cores, plain fp32 (fp32 matmuls use TF32 only when torch.backends.cuda.matmul.allow_tf32).
 PEAK_TFLOPS = {
     "H200": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "H100": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},   # SXM; PCIe parts are lower: trainer.peak_tflops
+    "H100": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM; PCIe parts are lower: trainer.peak_tflops
     "A100": {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
     "L40S": {"bf16": 362.1, "tf32": 183.1, "fp32": 91.6},
 }

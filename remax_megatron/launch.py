@@ -103,8 +103,9 @@ def job_exit(failures: dict, stopped_by_agent: set[int] = frozenset()) -> tuple[
     failed = {r: f for r, f in first.items() if f.exitcode > 0}
     # a rank the agent stopped may have written its line before (the reporting rank of a reward
     # error, whose peers exit at once): the first failures' lines come first, then theirs
-    lines = [f.message for group in (first, failures) for _, f in sorted(group.items())
-             if f.error_file_data.get(ONE_LINE)]
+    lines = [
+        f.message for group in (first, failures) for _, f in sorted(group.items()) if f.error_file_data.get(ONE_LINE)
+    ]
     return (failed[min(failed)].exitcode if failed else 1), (lines[0] if lines else None)
 
 
@@ -154,8 +155,7 @@ def main(argv: list[str] | None = None) -> None:
             print(line, file=sys.stderr, flush=True)
         sys.exit(code)
     except SignalException as e:
-        print(f"error: launcher stopped by {e.sigval.name}; the workers were stopped", file=sys.stderr,
-              flush=True)
+        print(f"error: launcher stopped by {e.sigval.name}; the workers were stopped", file=sys.stderr, flush=True)
         sys.exit(128 + int(e.sigval))
     except DistNetworkError as e:  # the agent's rendezvous store, before any worker started
         if "EADDRINUSE" not in str(e):

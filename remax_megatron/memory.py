@@ -49,8 +49,8 @@ class TrainStateOffload:
             if enabled and getattr(ddp_config, flag, False):
                 raise ValueError(f"actor.offload_during_rollout does not work with megatron DDP's {flag}")
         self.ddp_model, self.optimizer, self.enabled = ddp_model, optimizer, enabled
-        self._host: dict[int, torch.Tensor] = {}         # key -> host copy (kept between steps)
-        self._dropped: list[tuple[torch.UntypedStorage, int]] = []   # grad storages and their sizes
+        self._host: dict[int, torch.Tensor] = {}  # key -> host copy (kept between steps)
+        self._dropped: list[tuple[torch.UntypedStorage, int]] = []  # grad storages and their sizes
         self._saved: list[tuple[torch.UntypedStorage, int, int]] = []  # storage, size, host key
         self.offloaded_bytes = 0
 

@@ -43,8 +43,11 @@ def run_summary(output_dir: str) -> str:
             records = [json.loads(line) for line in f if line.strip()]
     evals = [(r["step"], r["eval/reward_mean"]) for r in records if "eval/reward_mean" in r]
     gaps = [(r[GAP_KEY], r["step"]) for r in records if isinstance(r.get(GAP_KEY), (int, float))]
-    said = [f"eval {evals[0][1]:.4g} -> {evals[-1][1]:.4g} (step {evals[0][0]} -> {evals[-1][0]})" if evals
-            else "no eval (trainer.eval_every=0)"]
+    said = [
+        f"eval {evals[0][1]:.4g} -> {evals[-1][1]:.4g} (step {evals[0][0]} -> {evals[-1][0]})"
+        if evals
+        else "no eval (trainer.eval_every=0)"
+    ]
     if gaps:
         gap, step = max(gaps)
         said.append(f"largest engine-vs-actor log-prob gap {gap:.2g} (step {step})")
@@ -55,8 +58,10 @@ def reduce_totals(local: dict[str, float], group=None, maximum: tuple[str, ...] 
     """Each entry of `local` summed over the ranks of `group` (the keys in `maximum`: their max), in
     float64, one all-reduce per kind. group None: this rank's values (nothing to reduce)."""
     out = {}
-    for keys, op in (([k for k in local if k not in maximum], dist.ReduceOp.SUM),
-                     ([k for k in local if k in maximum], dist.ReduceOp.MAX)):
+    for keys, op in (
+        ([k for k in local if k not in maximum], dist.ReduceOp.SUM),
+        ([k for k in local if k in maximum], dist.ReduceOp.MAX),
+    ):
         if keys:
             t = torch.tensor([float(local[k]) for k in keys], dtype=torch.float64)
             t = all_reduce_cpu(t, op=op, group=group) if group is not None else t
@@ -74,8 +79,9 @@ def count_weighted(local: dict[str, float], count_key: str, group=None) -> dict[
     """Per-rank metrics over all ranks: `*_mean` weighted by each rank's `local[count_key]` (which is
     summed, as is anything not ending in `_mean`)."""
     count = local.get(count_key, 1.0)
-    totals = reduce_totals({**{k: v * count if k.endswith("_mean") else v for k, v in local.items()},
-                            "_weight": count}, group)
+    totals = reduce_totals(
+        {**{k: v * count if k.endswith("_mean") else v for k, v in local.items()}, "_weight": count}, group
+    )
     weight = max(totals.pop("_weight"), 1.0)
     return {k: v / weight if k.endswith("_mean") else v for k, v in sorted(totals.items())}
 
@@ -91,9 +97,17 @@ class MetricsLogger:
     moved from metrics.jsonl to metrics.superseded.jsonl, and TensorBoard purges them.
     """
 
-    def __init__(self, output_dir: str, total_steps: int, start_step: int = 0, tensorboard: bool = True,
-                 wandb_project: str = "", progress_bar: bool = True, config: dict | None = None,
-                 on_first_record: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        output_dir: str,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        wandb_project: str = "",
+        progress_bar: bool = True,
+        config: dict | None = None,
+        on_first_record: Callable[[], None] | None = None,
+    ):
         self.active = is_rank0()
         self.output_dir, self.tensorboard, self.on_first_record = output_dir, tensorboard, on_first_record
         self.path = os.path.join(output_dir, "metrics.jsonl")
@@ -105,8 +119,10 @@ class MetricsLogger:
             try:
                 import wandb
             except ImportError:
-                raise ValueError(f"logging.wandb_project={wandb_project!r} but wandb is not installed: "
-                                 "pip install wandb or set logging.wandb_project=''") from None
+                raise ValueError(
+                    f"logging.wandb_project={wandb_project!r} but wandb is not installed: "
+                    "pip install wandb or set logging.wandb_project=''"
+                ) from None
             self.wandb = wandb.init(project=wandb_project, config=config or {}, dir=output_dir)
         if progress_bar:
             from tqdm import tqdm
@@ -126,8 +142,10 @@ class MetricsLogger:
         os.makedirs(self.output_dir, exist_ok=True)
         superseded = _split_metrics(self.path, first_step)
         if superseded:
-            self.write(f"metrics: {superseded} rows of steps >= {first_step} from an earlier attempt moved to "
-                       f"{os.path.join(self.output_dir, SUPERSEDED)}")
+            self.write(
+                f"metrics: {superseded} rows of steps >= {first_step} from an earlier attempt moved to "
+                f"{os.path.join(self.output_dir, SUPERSEDED)}"
+            )
         self.file = open(self.path, "a")
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -156,9 +174,14 @@ class MetricsLogger:
     def progress(self, step: int, record: dict) -> None:
         if self.bar is not None:
             self.bar.n = step
-            self.bar.set_postfix({k.split("/")[-1] + ("" if k.startswith("reward") else ""): f"{record[k]:.3f}"
-                                  for k in ("reward/sampled_mean", "reward/greedy_mean", "loss") if k in record},
-                                 refresh=True)
+            self.bar.set_postfix(
+                {
+                    k.split("/")[-1] + ("" if k.startswith("reward") else ""): f"{record[k]:.3f}"
+                    for k in ("reward/sampled_mean", "reward/greedy_mean", "loss")
+                    if k in record
+                },
+                refresh=True,
+            )
 
     def write(self, text: str) -> None:
         """Print a line on rank 0 without breaking the progress bar."""

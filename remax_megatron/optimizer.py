@@ -92,11 +92,18 @@ class CpuAdamW:
         decay = [p for n, p in named if not (p.dim() == 1 or n.endswith(".bias"))]
         self.params = decay + no_decay  # optimizer order: state index i is self.params[i]
         self.main_params = [p if p.dtype == torch.float32 else p.detach().float() for p in self.params]
-        groups = [{"params": self.main_params[:len(decay)], "wd_mult": 1.0},
-                  {"params": self.main_params[len(decay):], "wd_mult": 0.0}]
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
-                                           betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                           weight_decay=cfg.weight_decay, **ADAMW_IMPL)
+        groups = [
+            {"params": self.main_params[: len(decay)], "wd_mult": 1.0},
+            {"params": self.main_params[len(decay) :], "wd_mult": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]],
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            **ADAMW_IMPL,
+        )
         for group in self.optimizer.param_groups:
             group["weight_decay"] = cfg.weight_decay * group["wd_mult"]
         groups = process_groups or ProcessGroups.current()
@@ -112,15 +119,21 @@ class CpuAdamW:
     @torch.no_grad()
     def grad_norm(self) -> float:
         # fp64 accumulation (an fp32 sum would be off by ~4e-4 relative on 16M-element vocab grads).
-        counted = [p for p in self.params
-                   if p.main_grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+        counted = [
+            p
+            for p in self.params
+            if p.main_grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+        ]
         total = torch.zeros((), dtype=torch.float64)
         parts = [(self.model_parallel_group, [p for p in counted if getattr(p, "allreduce", True)])]
         if self.expert_group is not None:  # every rank holds experts (E / ep of them) or none does
             parts.append((self.expert_group, [p for p in counted if not getattr(p, "allreduce", True)]))
         for group, params in parts:
-            part = torch.stack([fp64_norm(p.main_grad) for p in params]).square().sum() if params else \
-                torch.zeros((), dtype=torch.float64)
+            part = (
+                torch.stack([fp64_norm(p.main_grad) for p in params]).square().sum()
+                if params
+                else torch.zeros((), dtype=torch.float64)
+            )
             dist.all_reduce(part, group=group)
             total += part
         return math.sqrt(total.item()) if math.isfinite(total.item()) else float("nan")
@@ -161,8 +174,11 @@ class CpuAdamW:
         for main in self.main_params:
             # torch creates Adam state lazily; zeros at step 0 behave exactly like no state yet.
             if is_loading or not self.optimizer.state[main]:
-                self.optimizer.state[main] = {"step": torch.zeros(()), "exp_avg": torch.zeros_like(main),
-                                              "exp_avg_sq": torch.zeros_like(main)}
+                self.optimizer.state[main] = {
+                    "step": torch.zeros(()),
+                    "exp_avg": torch.zeros_like(main),
+                    "exp_avg_sq": torch.zeros_like(main),
+                }
         state = self.optimizer.state_dict()
         state["state"] = {i: dict(s) for i, s in state["state"].items()}  # torch's are the live dicts
         steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
@@ -193,9 +209,17 @@ class MegatronOptimizer:
 
     def __init__(self, ddp_model, cfg, params_dtype: torch.dtype):
         config = OptimizerConfig(
-            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-            adam_beta1=cfg.beta1, adam_beta2=cfg.beta2, adam_eps=cfg.eps, clip_grad=cfg.grad_clip,
-            bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16, params_dtype=params_dtype,
+            optimizer="adam",
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.beta1,
+            adam_beta2=cfg.beta2,
+            adam_eps=cfg.eps,
+            clip_grad=cfg.grad_clip,
+            bf16=params_dtype == torch.bfloat16,
+            fp16=params_dtype == torch.float16,
+            params_dtype=params_dtype,
             use_distributed_optimizer=cfg.distributed_optimizer,
         )
         self.ddp_model, self.clip = ddp_model, cfg.grad_clip
@@ -211,7 +235,7 @@ class MegatronOptimizer:
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float]:
-        if self.optimizer.prepare_grads():      # fp16 loss scaling found inf/nan
+        if self.optimizer.prepare_grads():  # fp16 loss scaling found inf/nan
             return False, float("nan")
         norm = float(self.optimizer.get_grad_norm())
         if not math.isfinite(norm):
@@ -245,8 +269,10 @@ class MegatronOptimizer:
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False) -> dict:
         # Fully reshardable: a run saved at one TP/PP/DP layout resumes at another.
         return self.optimizer.sharded_state_dict(
-            model_sharded_state_dict, is_loading=is_loading,
-            metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+            model_sharded_state_dict,
+            is_loading=is_loading,
+            metadata={"distrib_optim_sharding_type": "fully_reshardable"},
+        )
 
     def load_sharded_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
@@ -267,19 +293,31 @@ def build_scheduler(optimizer, cfg, total_updates: int):
     learning rate and decay length, so a longer resumed run trained at the old schedule's end: lr 0)."""
     warmup = min(cfg.warmup_steps, max(0, total_updates - 1))
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if warmup else cfg.lr, max_lr=cfg.lr,
+        optimizer,
+        init_lr=0.0 if warmup else cfg.lr,
+        max_lr=cfg.lr,
         min_lr=cfg.min_lr if cfg.schedule != "constant" else cfg.lr,
-        lr_warmup_steps=warmup, lr_decay_steps=max(total_updates, warmup + 1),
-        lr_decay_style=cfg.schedule, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
-        wd_incr_steps=max(total_updates, 1), wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(total_updates, warmup + 1),
+        lr_decay_style=cfg.schedule,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=max(total_updates, 1),
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )
 
 
 # The scheduler's state that the config decides, with the config keys that set it.
-SCHEDULE_KEYS = {"max_lr": "optim.lr", "min_lr": "optim.min_lr", "lr_decay_style": "optim.schedule",
-                 "lr_warmup_steps": "optim.warmup_steps", "lr_decay_steps": "trainer.steps * trainer.mini_batches",
-                 "start_wd": "optim.weight_decay"}
+SCHEDULE_KEYS = {
+    "max_lr": "optim.lr",
+    "min_lr": "optim.min_lr",
+    "lr_decay_style": "optim.schedule",
+    "lr_warmup_steps": "optim.warmup_steps",
+    "lr_decay_steps": "trainer.steps * trainer.mini_batches",
+    "start_wd": "optim.weight_decay",
+}
 
 
 def restore_config_hyperparameters(optimizer, cfg) -> list[str]:
@@ -301,5 +339,8 @@ def schedule_changes(saved: dict, scheduler) -> list[str]:
     'optim.lr 0.001 (checkpoint: 0.0005)'; [] when they agree."""
     now = scheduler.state_dict()
     constant = now["lr_decay_style"] == saved.get("lr_decay_style") == "constant"  # its length changes nothing
-    return [f"{key} {now[name]} (checkpoint: {saved[name]})" for name, key in SCHEDULE_KEYS.items()
-            if name in saved and saved[name] != now[name] and not (constant and name == "lr_decay_steps")]
+    return [
+        f"{key} {now[name]} (checkpoint: {saved[name]})"
+        for name, key in SCHEDULE_KEYS.items()
+        if name in saved and saved[name] != now[name] and not (constant and name == "lr_decay_steps")
+    ]

@@ -157,14 +157,20 @@ def validate(cfg, arch, world: int, max_tp: int | None = None) -> dict:
     if max_tp is not None and cfg.actor.tp > max_tp:
         # only for suggestions: TP across nodes is legal but far too slow to propose
         raise ValueError(f"actor.tp={cfg.actor.tp} exceeds {max_tp} GPUs per node")
-    train_world = cfg.train_world(world)         # rollout.placement=separate: the rest run the engines
-    dp = train_world // (cfg.actor.tp * cfg.actor.pp)   # batch divisibility is checked in cfg.check_world
+    train_world = cfg.train_world(world)  # rollout.placement=separate: the rest run the engines
+    dp = train_world // (cfg.actor.tp * cfg.actor.pp)  # batch divisibility is checked in cfg.check_world
     t = cfg.trainer
     local = t.prompts_per_step // dp * cfg.rollout.n
     # A token budget makes as many micro-batches as the lengths need: at most one row each (the bound used).
     per_micro = 1 if t.micro_batch_tokens else t.micro_batch_size
-    return dict(world=world, train_world=train_world, rollout_world=cfg.rollout_world(world), dp=dp,
-                seqs_per_rank=local, micro_batches=local // (t.mini_batches * per_micro))
+    return dict(
+        world=world,
+        train_world=train_world,
+        rollout_world=cfg.rollout_world(world),
+        dp=dp,
+        seqs_per_rank=local,
+        micro_batches=local // (t.mini_batches * per_micro),
+    )
 
 
 def lora_adapter_params(arch, actor) -> int:
@@ -174,8 +180,12 @@ def lora_adapter_params(arch, actor) -> int:
     if not r:
         return 0
     d, hd, h, kv, f = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.ffn_hidden_size
-    per_target = {"linear_qkv": r * (d + (h + 2 * kv) * hd / tp), "linear_proj": r * (h * hd / tp + d),
-                  "linear_fc1": r * (d + 2 * f / tp), "linear_fc2": r * (f / tp + d)}
+    per_target = {
+        "linear_qkv": r * (d + (h + 2 * kv) * hd / tp),
+        "linear_proj": r * (h * hd / tp + d),
+        "linear_fc1": r * (d + 2 * f / tp),
+        "linear_fc2": r * (f / tp + d),
+    }
     return int(arch.num_layers * sum(per_target[t] for t in actor.lora_targets))
 
 
@@ -202,7 +212,7 @@ def rollout_memory(cfg, arch, sizes: dict, seq: int, nbytes: int) -> tuple[int, 
     engines = sizes["rollout_world"] // cfg.rollout.tp
     per_engine = ceil_div(cfg.trainer.prompts_per_step, engines)
     kv, hd = arch.num_kv_heads, arch.head_dim
-    kv_cache = (2 * arch.num_layers * (kv / cfg.rollout.tp) * hd * per_engine * (cfg.rollout.n + 1) * seq * nbytes)
+    kv_cache = 2 * arch.num_layers * (kv / cfg.rollout.tp) * hd * per_engine * (cfg.rollout.n + 1) * seq * nbytes
     seqs = per_engine * (cfg.rollout.n + 1)
     engine_weights = param_count(arch, arch.vocab_size) / cfg.rollout.tp * nbytes
     return engines, per_engine, seqs, kv_cache, engine_weights
@@ -230,8 +240,12 @@ def _actor_rows(cfg, dense: int, expert: int, adapters: int, dp: int, expert_dp:
         ("weights", "actor weights" + (" (+ LoRA adapters)" if adapters else ""), (held + adapters) * nbytes, True),
         ("gradients", "actor gradients (fp32)" + (", adapters only" if adapters else ""), trained * 4, True),
         ("optimizer", "optimizer states", trained * state, not cfg.optim.distributed_optimizer),
-        ("optimizer_distributed", "optimizer states, distributed (/dp)",
-         (dense_trained / dp + expert_trained / expert_dp) * state, cfg.optim.distributed_optimizer),
+        (
+            "optimizer_distributed",
+            "optimizer states, distributed (/dp)",
+            (dense_trained / dp + expert_trained / expert_dp) * state,
+            cfg.optim.distributed_optimizer,
+        ),
     ]
 
 
@@ -253,7 +267,7 @@ def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
     per_token = activation_elements(cfg, arch, seq)
     v_local = vocab / tp
 
-    separate = cfg.rollout.placement == "separate"   # the engines live on their own ranks, not beside the actor
+    separate = cfg.rollout.placement == "separate"  # the engines live on their own ranks, not beside the actor
     engines, per_engine, seqs, kv_cache, engine_weights = rollout_memory(cfg, arch, sizes, seq, nbytes)
     adapters = lora_adapter_params(arch, a) // pp  # per rank of a stage (layers split evenly)
     reference = cfg.reference.enabled and not a.lora_rank  # a LoRA actor is its own reference
@@ -266,34 +280,60 @@ def estimate(cfg, arch, rm_arch, sizes: dict) -> dict:
         last = stage == pp - 1
         # (key, label, bytes, counted in the total)
         rows = _actor_rows(cfg, dense, expert, adapters, sizes["dp"], expert_dp, nbytes) + [
-            ("activations", f"activations (recompute={a.recompute}, x{in_flight} in flight)",
-             nbytes * tokens * per_token * in_flight, True),
+            (
+                "activations",
+                f"activations (recompute={a.recompute}, x{in_flight} in flight)",
+                nbytes * tokens * per_token * in_flight,
+                True,
+            ),
             ("logits_naive", "logits, naive (fp32 x3)", 4 * tokens * v_local * 3 if last else 0, False),
-            ("logits_fused", "logits, fused (one vocab tile)", 4 * min(tokens * v_local, TILE_ELEMS) if last else 0,
-             last),
+            (
+                "logits_fused",
+                "logits, fused (one vocab tile)",
+                4 * min(tokens * v_local, TILE_ELEMS) if last else 0,
+                last,
+            ),
             ("reference", "reference weights", held * nbytes if reference else 0, reference),
             ("reward_model", "reward model weights", rm_bytes, rm_arch is not None),
             ("engine_weights", "rollout engine weights", engine_weights, not separate),
             ("kv_cache", f"rollout KV cache ({seqs} seqs x {seq} tokens)", kv_cache, not separate),
         ]
         rows = [dict(key=k, name=n, bytes=int(round(b)), counted=c) for k, n, b, c in rows]
-        stages.append(dict(stage=stage, params=held, rows=rows,
-                           total_bytes=sum(r["bytes"] for r in rows if r["counted"])))
+        stages.append(
+            dict(stage=stage, params=held, rows=rows, total_bytes=sum(r["bytes"] for r in rows if r["counted"]))
+        )
     heaviest = max(stages, key=lambda st: st["total_bytes"])
     # rollout.placement=separate: a rollout rank holds its engine's share and one received sync bucket
-    rollout_rows = [dict(key=k, name=n, bytes=int(round(b)), counted=True) for k, n, b in (
-        ("engine_weights", "rollout engine weights", engine_weights),
-        ("kv_cache", f"rollout KV cache ({seqs} seqs x {seq} tokens)", kv_cache),
-        ("sync_bucket", "weight-sync receive bucket", cfg.rollout.sync_bucket_mb * 2**20),
-    )] if separate else []
+    rollout_rows = (
+        [
+            dict(key=k, name=n, bytes=int(round(b)), counted=True)
+            for k, n, b in (
+                ("engine_weights", "rollout engine weights", engine_weights),
+                ("kv_cache", f"rollout KV cache ({seqs} seqs x {seq} tokens)", kv_cache),
+                ("sync_bucket", "weight-sync receive bucket", cfg.rollout.sync_bucket_mb * 2**20),
+            )
+        ]
+        if separate
+        else []
+    )
     rollout_total = sum(r["bytes"] for r in rollout_rows)
-    return dict(params=params, padded_vocab=vocab, seq_len=seq, engines=engines, prompts_per_engine=per_engine,
-                rows=heaviest["rows"], train_bytes=heaviest["total_bytes"], rollout_rows=rollout_rows,
-                rollout_bytes=rollout_total, total_bytes=max(heaviest["total_bytes"], rollout_total),
-                heaviest_stage=heaviest["stage"],
-                heaviest_stage_params=max(st["params"] for st in stages),
-                stage_totals=[st["total_bytes"] for st in stages],
-                expert_params=experts, active_params=active_param_count(arch, vocab))
+    return dict(
+        params=params,
+        padded_vocab=vocab,
+        seq_len=seq,
+        engines=engines,
+        prompts_per_engine=per_engine,
+        rows=heaviest["rows"],
+        train_bytes=heaviest["total_bytes"],
+        rollout_rows=rollout_rows,
+        rollout_bytes=rollout_total,
+        total_bytes=max(heaviest["total_bytes"], rollout_total),
+        heaviest_stage=heaviest["stage"],
+        heaviest_stage_params=max(st["params"] for st in stages),
+        stage_totals=[st["total_bytes"] for st in stages],
+        expert_params=experts,
+        active_params=active_param_count(arch, vocab),
+    )
 
 
 # ---- suggestions -----------------------------------------------------------------------------
@@ -320,8 +360,13 @@ def _choices(cfg, arch, gpus_per_node: int) -> list[tuple[str, list]]:
         while m // 2 >= row:
             m //= 2
             halves.append(m)
-    recompute = ["selective", "full"] if cfg.actor.recompute == "none" else \
-        ["full"] if cfg.actor.recompute == "selective" else []
+    recompute = (
+        ["selective", "full"]
+        if cfg.actor.recompute == "none"
+        else ["full"]
+        if cfg.actor.recompute == "selective"
+        else []
+    )
     return [
         ("optim.distributed_optimizer", [] if cfg.optim.distributed_optimizer else [True]),
         ("actor.recompute", recompute),
@@ -350,8 +395,10 @@ def search(cfg, arch, rm_arch, world: int, gpus_per_node: int, gpu_bytes: int):
     choices = _choices(cfg, arch, gpus_per_node)
     # every key takes either its current value (index 0) or one of its candidate values
     options = [[None] + values for _, values in choices]
-    combos = sorted(itertools.product(*[range(len(o)) for o in options]),
-                    key=lambda idx: (sum(i > 0 for i in idx), [-(i > 0) for i in idx], sum(idx), idx))
+    combos = sorted(
+        itertools.product(*[range(len(o)) for o in options]),
+        key=lambda idx: (sum(i > 0 for i in idx), [-(i > 0) for i in idx], sum(idx), idx),
+    )
     for idx in combos:
         change = {choices[k][0]: options[k][i] for k, i in enumerate(idx) if i}
         if not change:
@@ -371,7 +418,7 @@ def suggest(cfg, arch, rm_arch, nodes: int, gpus_per_node: int, gpu_bytes: int, 
     for factor in (1, 2, 4, 8, 16, 32, 64):
         g = gpus_per_node
         while factor > 1 and g * 2 <= max(8, gpus_per_node) and g * 2 <= gpus_per_node * factor:
-            g *= 2                    # fill nodes up to 8 GPUs before adding nodes
+            g *= 2  # fill nodes up to 8 GPUs before adding nodes
         n = nodes * gpus_per_node * factor // g
         found = []
         if factor > 1:
@@ -402,25 +449,41 @@ def _rm_placement(cfg) -> str:
     return f"one replica over {rm // actor} actor model-parallel groups"
 
 
-def render(cfg, arch, model_dir: str, nodes: int, gpn: int, gpu_bytes: int, sizes: dict, est: dict,
-           hint: list[dict]) -> str:
+def render(
+    cfg, arch, model_dir: str, nodes: int, gpn: int, gpu_bytes: int, sizes: dict, est: dict, hint: list[dict]
+) -> str:
     a, t = cfg.actor, cfg.trainer
-    heading = "per-GPU memory" + (f" (pipeline stage {est['heaviest_stage']} of {a.pp}, the heaviest)" if a.pp > 1 else "")
+    heading = "per-GPU memory" + (
+        f" (pipeline stage {est['heaviest_stage']} of {a.pp}, the heaviest)" if a.pp > 1 else ""
+    )
     lines = [
         f"model: {arch.architecture} from {model_dir}: {est['params'] / 1e9:.2f} B params "
         f"(vocab {arch.vocab_size} padded to {est['padded_vocab']}), dtype {a.dtype}"
-        + (f"; {arch.num_experts} experts, {arch.moe_top_k} per token: {est['active_params'] / 1e9:.2f} B active, "
-           f"experts split over ep({a.ep}) * etp({a.etp or a.tp})" if arch.is_moe else ""),
+        + (
+            f"; {arch.num_experts} experts, {arch.moe_top_k} per token: {est['active_params'] / 1e9:.2f} B active, "
+            f"experts split over ep({a.ep}) * etp({a.etp or a.tp})"
+            if arch.is_moe
+            else ""
+        ),
         f"layout: {nodes} node(s) x {gpn} GPUs = world {sizes['world']}; actor tp({a.tp}) * pp({a.pp}) * "
         f"dp({sizes['dp']}); rollout tp {cfg.rollout.tp} -> {est['engines']} engines"
-        + (f" on {sizes['rollout_world']} separate rollout ranks ({sizes['train_world']} train)"
-           if cfg.rollout.placement == "separate" else "")
-        + (f"; reward model tp({cfg.reward.tp}) * pp({cfg.reward.pp}), {_rm_placement(cfg)}"
-           if cfg.reward.model else ""),
+        + (
+            f" on {sizes['rollout_world']} separate rollout ranks ({sizes['train_world']} train)"
+            if cfg.rollout.placement == "separate"
+            else ""
+        )
+        + (
+            f"; reward model tp({cfg.reward.tp}) * pp({cfg.reward.pp}), {_rm_placement(cfg)}"
+            if cfg.reward.model
+            else ""
+        ),
         f"batch: {t.prompts_per_step} prompts/step -> {sizes['seqs_per_rank']} sequences per dp rank, "
-        + (f"{t.mini_batches} mini-batch(es) x up to {sizes['micro_batches']} micro-batches of <= "
-           f"{t.micro_batch_tokens} tokens, " if t.micro_batch_tokens else
-           f"{t.mini_batches} mini-batch(es) x {sizes['micro_batches']} micro-batches of {t.micro_batch_size}, ")
+        + (
+            f"{t.mini_batches} mini-batch(es) x up to {sizes['micro_batches']} micro-batches of <= "
+            f"{t.micro_batch_tokens} tokens, "
+            if t.micro_batch_tokens
+            else f"{t.mini_batches} mini-batch(es) x {sizes['micro_batches']} micro-batches of {t.micro_batch_size}, "
+        )
         + f"seq {est['seq_len']} tokens",
         "",
         f"{heading:<58}{'GiB':>8}  counted",
@@ -434,25 +497,35 @@ def render(cfg, arch, model_dir: str, nodes: int, gpn: int, gpu_bytes: int, size
             lines.append(f"  {r['name']:<56}{_gib(r['bytes'])}  yes")
         lines.append(f"  {'total':<56}{_gib(est['rollout_bytes'])}  of {gpu_bytes / GIB:.2f} GiB")
     if a.pp > 1:
-        lines.append("stages: " + ", ".join(f"{k}: {b / GIB:.2f}" for k, b in enumerate(est["stage_totals"]))
-                     + " GiB (the first holds the embedding and the most micro-batches in flight, the last the "
-                       "output layer and the logits)")
+        lines.append(
+            "stages: "
+            + ", ".join(f"{k}: {b / GIB:.2f}" for k, b in enumerate(est["stage_totals"]))
+            + " GiB (the first holds the embedding and the most micro-batches in flight, the last the "
+            "output layer and the logits)"
+        )
     if cfg.rollout.engine == "vllm":
         rows = {r["key"]: r["bytes"] for r in est["rows"]}
         if cfg.rollout.kv_cache_gib > 0:
             if rows.get("kv_cache", 0) > cfg.rollout.kv_cache_gib * GIB:
-                lines.append(f"warning: the rollout's KV cache needs {rows['kv_cache'] / GIB:.2f} GiB but "
-                             f"rollout.kv_cache_gib={cfg.rollout.kv_cache_gib}: raise it")
+                lines.append(
+                    f"warning: the rollout's KV cache needs {rows['kv_cache'] / GIB:.2f} GiB but "
+                    f"rollout.kv_cache_gib={cfg.rollout.kv_cache_gib}: raise it"
+                )
         else:
             need = rows.get("engine_weights", 0) + rows.get("kv_cache", 0)
             budget = cfg.rollout.gpu_memory_utilization * gpu_bytes
             if need > budget:
-                lines.append(f"warning: the rollout needs {need / GIB:.2f} GiB but rollout.gpu_memory_utilization="
-                             f"{cfg.rollout.gpu_memory_utilization} gives vLLM {budget / GIB:.2f} GiB: raise it")
+                lines.append(
+                    f"warning: the rollout needs {need / GIB:.2f} GiB but rollout.gpu_memory_utilization="
+                    f"{cfg.rollout.gpu_memory_utilization} gives vLLM {budget / GIB:.2f} GiB: raise it"
+                )
     if est["total_bytes"] > gpu_bytes:
-        lines.append(f"warning: estimated {est['total_bytes'] / GIB:.2f} GiB per GPU exceeds the "
-                     f"{gpu_bytes / GIB:.2f} GiB GPU")
-        lines += [f"suggestion: {describe(h, nodes, gpn)}" for h in hint] or [f"suggestion: {describe(None, nodes, gpn)}"]
+        lines.append(
+            f"warning: estimated {est['total_bytes'] / GIB:.2f} GiB per GPU exceeds the {gpu_bytes / GIB:.2f} GiB GPU"
+        )
+        lines += [f"suggestion: {describe(h, nodes, gpn)}" for h in hint] or [
+            f"suggestion: {describe(None, nodes, gpn)}"
+        ]
     else:
         lines.append(f"fits: {est['total_bytes'] / GIB:.2f} of {gpu_bytes / GIB:.2f} GiB per GPU")
     return "\n".join(lines)
@@ -502,13 +575,19 @@ def largest_sentence(largest: dict) -> str:
     if full is None and lora is None:
         return f"No shipped model (configs/models) {where}, with full fine-tuning or {with_lora}."
     if full is None:
-        return (f"With full fine-tuning no shipped model (configs/models) {where}; {with_lora} the largest that "
-                f"does is {_named(lora)}.")
+        return (
+            f"With full fine-tuning no shipped model (configs/models) {where}; {with_lora} the largest that "
+            f"does is {_named(lora)}."
+        )
     if lora is None:
-        return (f"The largest shipped model (configs/models) that {where} is {_named(full)} with full fine-tuning; "
-                f"none does {with_lora}.")
-    return (f"The largest shipped model (configs/models) that {where} is {_named(full)} with full fine-tuning "
-            f"and {_named(lora)} {with_lora}.")
+        return (
+            f"The largest shipped model (configs/models) that {where} is {_named(full)} with full fine-tuning; "
+            f"none does {with_lora}."
+        )
+    return (
+        f"The largest shipped model (configs/models) that {where} is {_named(full)} with full fine-tuning "
+        f"and {_named(lora)} {with_lora}."
+    )
 
 
 def _named(found: tuple[str, int]) -> str:
@@ -525,8 +604,8 @@ def plan(args) -> tuple[int, str]:
         raise ValueError(f"--gpu-mem-gib={args.gpu_mem_gib} must be > 0")
     cfg = load_config(args.config, args.overrides)
     world = args.nodes * args.gpus_per_node
-    cfg.check_world(world)            # cheap layout errors before the (slow) model read
-    with warnings.catch_warnings():   # megatron/transformers import-time notices are not for the user here
+    cfg.check_world(world)  # cheap layout errors before the (slow) model read
+    with warnings.catch_warnings():  # megatron/transformers import-time notices are not for the user here
         warnings.simplefilter("ignore")
         from remax_megatron.models.hf_config import read_hf_config
         from remax_megatron.builtin.models import resolve_model
@@ -546,9 +625,18 @@ def plan(args) -> tuple[int, str]:
     largest = largest_fitting(cfg, world, gpu_bytes)
     if args.json:
         described = [describe(h, args.nodes, args.gpus_per_node) for h in hint]
-        out = json.dumps(dict(sizes, **est, gpu_bytes=gpu_bytes, fits=fits, suggestions=described,
-                              largest_fitting=largest,
-                              suggestion=None if fits else (described or [describe(None, 0, 0)])[0]), indent=1)
+        out = json.dumps(
+            dict(
+                sizes,
+                **est,
+                gpu_bytes=gpu_bytes,
+                fits=fits,
+                suggestions=described,
+                largest_fitting=largest,
+                suggestion=None if fits else (described or [describe(None, 0, 0)])[0],
+            ),
+            indent=1,
+        )
     else:
         out = render(cfg, arch, model_dir, args.nodes, args.gpus_per_node, gpu_bytes, sizes, est, hint)
         out += "\n" + largest_sentence(largest)
@@ -556,15 +644,16 @@ def plan(args) -> tuple[int, str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m remax_megatron.plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m remax_megatron.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", required=True, help="YAML config (the one you will train with)")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory of one GPU (GiB)")
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON (bytes) instead")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2")
-    args = parser.parse_intermixed_args(argv)   # overrides may come before or after the flags
+    args = parser.parse_intermixed_args(argv)  # overrides may come before or after the flags
     try:
         code, out = plan(args)
     except (ValueError, FileNotFoundError) as e:

@@ -109,9 +109,12 @@ def preemption_flag() -> PreemptionFlag:
 
 def _stop_now() -> None:
     release_all()
-    report_error("error: stopped by a second SIGINT, without saving: the newest complete checkpoint stays; rerun "
-                 "with checkpoint.resume=auto to continue from it", printer=os.environ.get("RANK", "0") == "0",
-                 same_on_every_rank=True)
+    report_error(
+        "error: stopped by a second SIGINT, without saving: the newest complete checkpoint stays; rerun "
+        "with checkpoint.resume=auto to continue from it",
+        printer=os.environ.get("RANK", "0") == "0",
+        same_on_every_rank=True,
+    )
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(128 + signal.SIGINT)

@@ -53,8 +53,12 @@ def model_fingerprint(spec: str, model_dir: str, tokenizer) -> dict:
         weights = f"builtin:{recipe_hash(spec.split(':', 1)[1])}"
     else:
         weights = _digest(_weight_samples(model_dir))
-    return {"model": spec, "config": _digest(json.dumps(config, sort_keys=True).encode()),
-            "tokenizer": _digest(json.dumps([vocab, specials]).encode()), "weights": weights}
+    return {
+        "model": spec,
+        "config": _digest(json.dumps(config, sort_keys=True).encode()),
+        "tokenizer": _digest(json.dumps([vocab, specials]).encode()),
+        "weights": weights,
+    }
 
 
 def _weight_samples(model_dir: str):
@@ -91,7 +95,8 @@ def check_resume(cfg, path: str, state: dict, model_dir: str, tokenizer, train_p
                 f"is another model (its {', '.join(differ)} differ): resume with actor.model="
                 f"{saved['model']}, start fresh with checkpoint.resume=none (or another trainer.output_dir), or set "
                 "checkpoint.allow_model_change=true to train on the checkpoint's weights with this model's config "
-                "and tokenizer")
+                "and tokenizer"
+            )
     check_lora_resume(cfg, path)
     try:
         PromptSampler(train_prompts, cfg.trainer.seed, cfg.data.shuffle).load_state_dict(state["sampler"])
@@ -110,8 +115,15 @@ def check_lora_resume(cfg, path: str) -> None:
     a = cfg.actor
     now = {"rank": a.lora_rank, "alpha": a.lora_alpha, "targets": list(a.lora_targets)} if a.lora_rank else None
     if saved != now:
+
         def text(lora):
-            return (f"lora_rank={lora['rank']}, lora_alpha={lora['alpha']:g}, lora_targets={lora['targets']}"
-                    if lora else "lora_rank=0 (no adapters)")
-        raise ValueError(f"checkpoint {path} was trained with actor.{text(saved)}, this config has actor.{text(now)}: "
-                         "resume with the checkpoint's LoRA settings, or start fresh with checkpoint.resume=none")
+            return (
+                f"lora_rank={lora['rank']}, lora_alpha={lora['alpha']:g}, lora_targets={lora['targets']}"
+                if lora
+                else "lora_rank=0 (no adapters)"
+            )
+
+        raise ValueError(
+            f"checkpoint {path} was trained with actor.{text(saved)}, this config has actor.{text(now)}: "
+            "resume with the checkpoint's LoRA settings, or start fresh with checkpoint.resume=none"
+        )

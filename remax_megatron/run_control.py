@@ -21,8 +21,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from remax_megatron.checkpoint import STEP_DIR, latest_checkpoint, load_checkpoint, preemption_save_refusal, \
-    save_checkpoint, step_dir_name
+from remax_megatron.checkpoint import (
+    STEP_DIR,
+    latest_checkpoint,
+    load_checkpoint,
+    preemption_save_refusal,
+    save_checkpoint,
+    step_dir_name,
+)
 from remax_megatron.metrics import print0
 from remax_megatron.optimizer import restore_config_hyperparameters, schedule_changes
 from remax_megatron.parallel import all_reduce_cpu
@@ -50,28 +56,34 @@ class RunControl:
         if self.stop_requested():
             refusal = self.save_refused()
             if refusal:
-                print0(f"preempted ({self.preempt.signal_name}): stopped after step {step}, {refusal}; "
-                       "rerun with checkpoint.resume=auto to continue from the newest checkpoint")
+                print0(
+                    f"preempted ({self.preempt.signal_name}): stopped after step {step}, {refusal}; "
+                    "rerun with checkpoint.resume=auto to continue from the newest checkpoint"
+                )
                 return False
             path = self.save_if_sound(step, state_dict)
-            print0(f"preempted ({self.preempt.signal_name}): stopped after step {step}, "
-                   f"{f'checkpoint {path}' if path else 'not saved'}; rerun with checkpoint.resume=auto to "
-                   "continue")
+            print0(
+                f"preempted ({self.preempt.signal_name}): stopped after step {step}, "
+                f"{f'checkpoint {path}' if path else 'not saved'}; rerun with checkpoint.resume=auto to "
+                "continue"
+            )
             return False
         every = cfg.checkpoint.save_every
         if (every and step % every == 0) or step == cfg.trainer.steps:
             self.save_if_sound(step, state_dict)
         every = cfg.checkpoint.hf_every
-        if every and (step % every == 0 or step == cfg.trainer.steps) \
-                and self.health.save_refusal() is None:  # no export of a collapsed policy either
+        if (
+            every and (step % every == 0 or step == cfg.trainer.steps) and self.health.save_refusal() is None
+        ):  # no export of a collapsed policy either
             self.export_hf(step)
         return True
 
     def save(self, step: int, state: dict) -> str:
         c = self.cfg.checkpoint
         start = time.perf_counter()
-        path = save_checkpoint(c.dir, step, self.actor_module, self.parts.optimizer, state, self.parts.hf_dir,
-                               keep=c.keep)
+        path = save_checkpoint(
+            c.dir, step, self.actor_module, self.parts.optimizer, state, self.parts.hf_dir, keep=c.keep
+        )
         self._save_seconds = time.perf_counter() - start
         self.log.write(f"saved checkpoint {path}")
         return path
@@ -85,8 +97,10 @@ class RunControl:
             why = "the actor's weights hold NaN or inf"
         if why:
             latest = latest_checkpoint(self.cfg.checkpoint.dir)
-            self.log.warn(f"warning: not saving step {step}: {why}; the newest checkpoint stays "
-                          f"{latest or 'none (nothing was saved yet)'}")
+            self.log.warn(
+                f"warning: not saving step {step}: {why}; the newest checkpoint stays "
+                f"{latest or 'none (nothing was saved yet)'}"
+            )
             return None
         return self.save(step, state_dict())
 
@@ -96,8 +110,15 @@ class RunControl:
         root = os.path.join(self.cfg.trainer.output_dir, "hf")
         path = os.path.join(root, step_dir_name(step))
         writer = dist.get_rank() == 0
-        save_hf_dir(self.actor_module, path, self.parts.hf_dir, tool="remax_megatron.train", writer=writer,
-                    overwrite=True, groups=self.groups)
+        save_hf_dir(
+            self.actor_module,
+            path,
+            self.parts.hf_dir,
+            tool="remax_megatron.train",
+            writer=writer,
+            overwrite=True,
+            groups=self.groups,
+        )
         if writer:
             exports = sorted(name for name in os.listdir(root) if STEP_DIR.match(name))
             for old in exports[: max(0, len(exports) - self.cfg.checkpoint.keep)]:
@@ -112,14 +133,17 @@ class RunControl:
         state = load_checkpoint(path, self.actor_module, parts.optimizer)
         parts.sampler.load_state_dict(state["sampler"])
         # The update count from the checkpoint, the schedule and Adam's hyperparameters from this config.
-        changes = restore_config_hyperparameters(parts.optimizer, self.cfg.optim) + \
-            schedule_changes(state["scheduler"], parts.scheduler)
+        changes = restore_config_hyperparameters(parts.optimizer, self.cfg.optim) + schedule_changes(
+            state["scheduler"], parts.scheduler
+        )
         parts.scheduler.load_state_dict(state["scheduler"])
         parts.kl.load_state_dict(state["kl"])
         print0(f"resumed from {path} at step {state['step']}")
         if changes:
-            print0(f"resume: following this run's config, not the checkpoint's: {'; '.join(changes)}; "
-                   f"lr {parts.optimizer.param_groups[0]['lr']:.6g} at update {parts.scheduler.num_steps}")
+            print0(
+                f"resume: following this run's config, not the checkpoint's: {'; '.join(changes)}; "
+                f"lr {parts.optimizer.param_groups[0]['lr']:.6g} at update {parts.scheduler.num_steps}"
+            )
         return state
 
     def stop_requested(self) -> bool:
@@ -134,8 +158,9 @@ class RunControl:
     def save_refused(self) -> str | None:
         """Collective: why a stop-signal save would be killed half-way (plain torchrun's grace), or
         None; one decision for all ranks, from the slowest rank's last save."""
-        seconds = float(all_reduce_cpu(torch.tensor([self._save_seconds], dtype=torch.float64),
-                                       op=dist.ReduceOp.MAX).item())
+        seconds = float(
+            all_reduce_cpu(torch.tensor([self._save_seconds], dtype=torch.float64), op=dist.ReduceOp.MAX).item()
+        )
         why = preemption_save_refusal(self.preempt.signal_name, seconds)
         refused = all_reduce_cpu(torch.tensor([int(why is not None)], dtype=torch.int32), op=dist.ReduceOp.MAX)
         if refused.item():

@@ -43,8 +43,8 @@ class DirectoryInUse(ValueError):
 
 class RunLock:
     def __init__(self):
-        self._held: list[tuple[str, int]] = []   # (lock file, descriptor)
-        self._created: list[str] = []            # directories this run created, deepest last
+        self._held: list[tuple[str, int]] = []  # (lock file, descriptor)
+        self._created: list[str] = []  # directories this run created, deepest last
 
     @classmethod
     def acquire(cls, directories: dict[str, str]) -> "RunLock":
@@ -77,10 +77,14 @@ class RunLock:
                 holder = _read_holder(fd)
                 os.close(fd)
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise DirectoryInUse(f"{key}={path}: cannot lock {lock_file} ({e.strerror}): point it at a "
-                                         "directory on a filesystem with working file locks") from None
-                raise DirectoryInUse(f"{key}={path} is in use by another run ({holder}): wait for it to end or "
-                                     f"stop it, or give this run another {key}") from None
+                    raise DirectoryInUse(
+                        f"{key}={path}: cannot lock {lock_file} ({e.strerror}): point it at a "
+                        "directory on a filesystem with working file locks"
+                    ) from None
+                raise DirectoryInUse(
+                    f"{key}={path} is in use by another run ({holder}): wait for it to end or "
+                    f"stop it, or give this run another {key}"
+                ) from None
             # The file may have been released and removed between our open and our flock (release()
             # unlinks it): then we hold a lock on a file nobody else will open. Start over.
             try:
@@ -91,8 +95,16 @@ class RunLock:
                 break
             os.close(fd)
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                 "since": datetime.datetime.now().isoformat(timespec="seconds")}).encode())
+        os.write(
+            fd,
+            json.dumps(
+                {
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "since": datetime.datetime.now().isoformat(timespec="seconds"),
+                }
+            ).encode(),
+        )
         self._held.append((lock_file, fd))
         HELD_FDS.add(fd)
         if self not in _LIVE:

@@ -32,5 +32,7 @@ def check_token_budget(budget: int, longest: int, what: str = "") -> None:
     """trainer.micro_batch_tokens (`budget`, padding included) holds one row of `longest` tokens (already
     rounded up to the sequence multiple); `what` spells out where `longest` comes from."""
     if budget < longest:
-        raise ValueError(f"trainer.micro_batch_tokens={budget} is smaller than one row of "
-                         f"{what or f'{longest} tokens'}: raise it to at least {longest}")
+        raise ValueError(
+            f"trainer.micro_batch_tokens={budget} is smaller than one row of "
+            f"{what or f'{longest} tokens'}: raise it to at least {longest}"
+        )

@@ -21,8 +21,15 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from remax_megatron.algo.zero_advantage import skips_zero_advantage
 from remax_megatron.builtin.models import resolve_model
 from remax_megatron.data.prompts import Prompt, load_prompts
-from remax_megatron.models.arch import DTYPES, ExpertOptions, LoraOptions, ModelArch, check_packing, expert_options, \
-    transformer_engine_usable
+from remax_megatron.models.arch import (
+    DTYPES,
+    ExpertOptions,
+    LoraOptions,
+    ModelArch,
+    check_packing,
+    expert_options,
+    transformer_engine_usable,
+)
 from remax_megatron.models.hf_config import check_layout, check_run_length, read_hf_config
 from remax_megatron.reward.functions import PLACEHOLDER, RewardBatch, RewardFunctions
 from remax_megatron.reward.rm_inputs import RewardModelInputs, load_rm_tokenizer
@@ -50,8 +57,10 @@ def check_writable(path: str, what: str) -> None:
             os.rmdir(tempfile.mkdtemp(prefix=".remax-probe-", dir=probe))
     except OSError as e:
         reason = e.args[0] if isinstance(e, NotADirectoryError) else f"{type(e).__name__}: {e.strerror or e}"
-        raise ValueError(f"{what}={path} cannot be {'written' if probe == target else 'created'} ({reason}): "
-                         "point it at a writable directory") from None
+        raise ValueError(
+            f"{what}={path} cannot be {'written' if probe == target else 'created'} ({reason}): "
+            "point it at a writable directory"
+        ) from None
 
 
 @dataclass
@@ -59,7 +68,7 @@ class CheckedInputs:
     """What check_inputs resolved. Nothing is built yet: a built-in model's directory holds its config
     and tokenizer only until build() trains it (the first time; cached afterwards)."""
 
-    arch: ModelArch                       # the actor's (and the reference's) architecture
+    arch: ModelArch  # the actor's (and the reference's) architecture
     actor_dir: str
     ref_dir: str | None
     rm_dir: str | None
@@ -69,8 +78,8 @@ class CheckedInputs:
     tokenizer: PreTrainedTokenizerBase
     train: list[Prompt]
     eval: list[Prompt]
-    data_counts: dict                  # what the data loader kept and dropped, for the first log line
-    experts: ExpertOptions             # how a MoE actor's experts run (dense: the defaults)
+    data_counts: dict  # what the data loader kept and dropped, for the first log line
+    experts: ExpertOptions  # how a MoE actor's experts run (dense: the defaults)
 
 
 def check_inputs(cfg, world_size: int) -> CheckedInputs:
@@ -90,28 +99,45 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     check_rollout(cfg.rollout, arch, cfg.rollout_world(world_size))
     beyond = [t for t in cfg.rollout.stop_token_ids if t >= arch.vocab_size]
     if beyond:
-        raise ValueError(f"rollout.stop_token_ids: {beyond[:5]} are not tokens of actor.model {actor_dir} "
-                         f"(vocab_size {arch.vocab_size}): use ids below it")
+        raise ValueError(
+            f"rollout.stop_token_ids: {beyond[:5]} are not tokens of actor.model {actor_dir} "
+            f"(vocab_size {arch.vocab_size}): use ids below it"
+        )
     longest, how = cfg.longest_sequence()
     check_run_length(arch, longest, f"actor.model {actor_dir}", how)
     if arch.task != "causal_lm":
         raise ValueError(f"actor.model {actor_dir} is a {arch.architecture}: the actor must be a *ForCausalLM")
     # A LoRA actor is its own reference (adapters off): no reference model is read or built.
-    ref_dir = resolve_model(cfg.reference.model or cfg.actor.model, "reference.model", build=False) \
-        if cfg.reference.enabled and not cfg.actor.lora_rank else None
+    ref_dir = (
+        resolve_model(cfg.reference.model or cfg.actor.model, "reference.model", build=False)
+        if cfg.reference.enabled and not cfg.actor.lora_rank
+        else None
+    )
     if ref_dir and read_hf_config(ref_dir) != arch:
         raise ValueError(f"reference.model {ref_dir} has a different architecture than actor.model {actor_dir}")
     rm_dir, rm_arch = check_reward_model(cfg)
-    functions = RewardFunctions(cfg.reward.functions, cfg.reward.weights, {
-        "pattern": cfg.reward.format_pattern, "tolerance": cfg.reward.numeric_tolerance,
-        "limit": cfg.reward.length_limit}) if cfg.reward.functions else None
+    functions = (
+        RewardFunctions(
+            cfg.reward.functions,
+            cfg.reward.weights,
+            {
+                "pattern": cfg.reward.format_pattern,
+                "tolerance": cfg.reward.numeric_tolerance,
+                "limit": cfg.reward.length_limit,
+            },
+        )
+        if cfg.reward.functions
+        else None
+    )
     check_weight_files(cfg, actor_dir, ref_dir, rm_dir)
     tokenizer = AutoTokenizer.from_pretrained(actor_dir)
     if len(tokenizer) > arch.vocab_size:
-        raise ValueError(f"the tokenizer of actor.model {actor_dir} has {len(tokenizer)} tokens but the model's "
-                         f"vocabulary {arch.vocab_size} (config.json vocab_size): ids from {arch.vocab_size} on have "
-                         "no embedding; use the model's own tokenizer, or resize the model's embeddings to the "
-                         "tokenizer (transformers: model.resize_token_embeddings(len(tokenizer))) and save it")
+        raise ValueError(
+            f"the tokenizer of actor.model {actor_dir} has {len(tokenizer)} tokens but the model's "
+            f"vocabulary {arch.vocab_size} (config.json vocab_size): ids from {arch.vocab_size} on have "
+            "no embedding; use the model's own tokenizer, or resize the model's embeddings to the "
+            "tokenizer (transformers: model.resize_token_embeddings(len(tokenizer))) and save it"
+        )
     train, evals, counts = load_prompts(cfg.data, tokenizer, cfg.reward.functions)
     if functions is not None:
         probe_reward_functions(functions, train, cfg.data.train, tokenizer)
@@ -119,9 +145,20 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     if rm_dir:
         rm_inputs = RewardModelInputs(tokenizer, load_rm_tokenizer(rm_dir), chat_template=cfg.data.chat_template)
         rm_inputs.check_prompts([q.text for q in train + evals], [q.messages for q in train + evals])
-    return CheckedInputs(arch=arch, actor_dir=actor_dir, ref_dir=ref_dir, rm_dir=rm_dir, rm_arch=rm_arch,
-                         rm_inputs=rm_inputs, functions=functions, tokenizer=tokenizer, train=train, eval=evals,
-                         data_counts=counts, experts=experts)
+    return CheckedInputs(
+        arch=arch,
+        actor_dir=actor_dir,
+        ref_dir=ref_dir,
+        rm_dir=rm_dir,
+        rm_arch=rm_arch,
+        rm_inputs=rm_inputs,
+        functions=functions,
+        tokenizer=tokenizer,
+        train=train,
+        eval=evals,
+        data_counts=counts,
+        experts=experts,
+    )
 
 
 def check_reward_model(cfg) -> tuple[str | None, ModelArch | None]:
@@ -142,9 +179,11 @@ def check_reward_model(cfg) -> tuple[str | None, ModelArch | None]:
 def check_weight_files(cfg, actor_dir: str, ref_dir: str | None, rm_dir: str | None) -> None:
     """Every weight file of the models the run reads is there, readable and complete (headers only); a
     built-in model gets its weights at build()."""
-    for spec, path, what in ((cfg.actor.model, actor_dir, "actor.model"),
-                             (cfg.reference.model or cfg.actor.model, ref_dir, "reference.model"),
-                             (cfg.reward.model, rm_dir, "reward.model")):
+    for spec, path, what in (
+        (cfg.actor.model, actor_dir, "actor.model"),
+        (cfg.reference.model or cfg.actor.model, ref_dir, "reference.model"),
+        (cfg.reward.model, rm_dir, "reward.model"),
+    ):
         if path and not spec.startswith("builtin:"):
             try:
                 HFCheckpointReader(path)
@@ -152,18 +191,25 @@ def check_weight_files(cfg, actor_dir: str, ref_dir: str | None, rm_dir: str | N
                 raise type(e)(f"{what}: {e}") from None
 
 
-def probe_reward_functions(functions: RewardFunctions, prompts: list[Prompt], source: str, tokenizer,
-                           rows: int = 2) -> None:
+def probe_reward_functions(
+    functions: RewardFunctions, prompts: list[Prompt], source: str, tokenizer, rows: int = 2
+) -> None:
     """Every reward function called once on the first `rows` prompts, each with a placeholder completion:
     a wrong signature, count or type is one line now, not at the first evaluation a minute in."""
     first = prompts[:rows]
     ids = tokenizer(PLACEHOLDER, add_special_tokens=False)["input_ids"]
-    functions.probe(RewardBatch(prompts=[q.text for q in first], responses=[PLACEHOLDER] * len(first),
-                                columns={k: [q.columns.get(k) for q in first] for k in sorted({k for q in first
-                                                                                               for k in q.columns})},
-                                prompt_index=[q.index for q in first], raw_prompts=[q.raw for q in first],
-                                completion_ids=[list(ids) for _ in first], chat=any(q.is_chat for q in first)),
-                    f"the first {len(first)} rows of {source}")
+    functions.probe(
+        RewardBatch(
+            prompts=[q.text for q in first],
+            responses=[PLACEHOLDER] * len(first),
+            columns={k: [q.columns.get(k) for q in first] for k in sorted({k for q in first for k in q.columns})},
+            prompt_index=[q.index for q in first],
+            raw_prompts=[q.raw for q in first],
+            completion_ids=[list(ids) for _ in first],
+            chat=any(q.is_chat for q in first),
+        ),
+        f"the first {len(first)} rows of {source}",
+    )
 
 
 @dataclass
@@ -220,16 +266,22 @@ def check_lora(cfg, arch: ModelArch) -> None:
         return
     experts = [t for t in cfg.actor.lora_targets if t in ("linear_fc1", "linear_fc2")]
     if arch.is_moe and experts:
-        raise ValueError(f"actor.lora_targets holds {experts}, which are MoE experts in {arch.architecture}: LoRA on "
-                         "experts is not supported; use actor.lora_targets=[linear_qkv,linear_proj]")
+        raise ValueError(
+            f"actor.lora_targets holds {experts}, which are MoE experts in {arch.architecture}: LoRA on "
+            "experts is not supported; use actor.lora_targets=[linear_qkv,linear_proj]"
+        )
     if cfg.trainer.pack_sequences and transformer_engine_usable():
-        raise ValueError(f"trainer.pack_sequences=true with actor.lora_rank={cfg.actor.lora_rank}: the LoRA actor runs "
-                         "megatron's local layer spec, which takes no packed (THD) rows; set "
-                         "trainer.pack_sequences=false")
+        raise ValueError(
+            f"trainer.pack_sequences=true with actor.lora_rank={cfg.actor.lora_rank}: the LoRA actor runs "
+            "megatron's local layer spec, which takes no packed (THD) rows; set "
+            "trainer.pack_sequences=false"
+        )
     if arch.is_moe and cfg.actor.moe_experts == "grouped":
-        raise ValueError(f"actor.moe_experts=grouped with actor.lora_rank={cfg.actor.lora_rank}: the LoRA actor runs "
-                         "megatron's local layer spec, without Transformer Engine's grouped experts; use "
-                         "actor.moe_experts=sequential or auto")
+        raise ValueError(
+            f"actor.moe_experts=grouped with actor.lora_rank={cfg.actor.lora_rank}: the LoRA actor runs "
+            "megatron's local layer spec, without Transformer Engine's grouped experts; use "
+            "actor.moe_experts=sequential or auto"
+        )
 
 
 def lora_options(cfg) -> LoraOptions | None:
@@ -237,8 +289,13 @@ def lora_options(cfg) -> LoraOptions | None:
     a = cfg.actor
     if not a.lora_rank:
         return None
-    return LoraOptions(rank=a.lora_rank, alpha=a.lora_alpha, targets=tuple(a.lora_targets), dropout=a.lora_dropout,
-                       seed=cfg.trainer.seed)
+    return LoraOptions(
+        rank=a.lora_rank,
+        alpha=a.lora_alpha,
+        targets=tuple(a.lora_targets),
+        dropout=a.lora_dropout,
+        seed=cfg.trainer.seed,
+    )
 
 
 def prepare_models(cfg, checked: CheckedInputs) -> None:
@@ -272,9 +329,9 @@ def build(cfg, checked: CheckedInputs, bridge=None):
     ref_dir = checked.ref_dir and resolve_model(cfg.reference.model or cfg.actor.model, "reference.model")
     rm_dir = checked.rm_dir and resolve_model(cfg.reward.model, "reward.model")
     _, world = init_distributed(cfg.trainer.dist_timeout_minutes)
-    groups = ParallelLayout(tp=cfg.actor.tp, pp=cfg.actor.pp, world_size=world, ep=cfg.actor.ep,
-                            etp=cfg.actor.etp).initialize(seed=cfg.trainer.seed,
-                                                          timeout_minutes=cfg.trainer.dist_timeout_minutes)
+    groups = ParallelLayout(
+        tp=cfg.actor.tp, pp=cfg.actor.pp, world_size=world, ep=cfg.actor.ep, etp=cfg.actor.etp
+    ).initialize(seed=cfg.trainer.seed, timeout_minutes=cfg.trainer.dist_timeout_minutes)
     torch.manual_seed(cfg.trainer.seed)
     dtype = params_dtype_of(cfg.actor.dtype)
     actor, reference, reward_model = build_models(cfg, checked, dtype, actor_dir, ref_dir, rm_dir)
@@ -290,21 +347,41 @@ def build(cfg, checked: CheckedInputs, bridge=None):
         engine = build_rollout_engine(cfg, checked, actor_dir)
     tok = checked.tokenizer
     # Worker processes start on the first scoring call: a failure there stops every rank in one line.
-    workers = RewardWorkers(checked.functions, cfg.reward.workers, cfg.reward.timeout_s,
-                            cfg.reward.timeout_value) if cfg.reward.workers else None
-    scorer = RewardScorer(checked.functions, reward_model, cfg.reward.model_weight,
-                          micro_batch_size=cfg.trainer.micro_batch_size, rm_inputs=checked.rm_inputs,
-                          micro_batch_tokens=cfg.trainer.micro_batch_tokens, workers=workers, mp_group=groups.mp)
-    return Components(cfg=cfg, groups=groups, actor=ddp, reference=reference, optimizer=optimizer,
-                      scheduler=scheduler, engine=engine, scorer=scorer, tokenizer=tok,
-                      sampler=PromptSampler(checked.train, cfg.trainer.seed, cfg.data.shuffle),
-                      eval_prompts=checked.eval, kl=KLController(cfg.algo.kl_coef, cfg.algo.kl_target,
-                                                                    cfg.algo.kl_horizon),
-                      hf_dir=actor_dir)
+    workers = (
+        RewardWorkers(checked.functions, cfg.reward.workers, cfg.reward.timeout_s, cfg.reward.timeout_value)
+        if cfg.reward.workers
+        else None
+    )
+    scorer = RewardScorer(
+        checked.functions,
+        reward_model,
+        cfg.reward.model_weight,
+        micro_batch_size=cfg.trainer.micro_batch_size,
+        rm_inputs=checked.rm_inputs,
+        micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+        workers=workers,
+        mp_group=groups.mp,
+    )
+    return Components(
+        cfg=cfg,
+        groups=groups,
+        actor=ddp,
+        reference=reference,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        engine=engine,
+        scorer=scorer,
+        tokenizer=tok,
+        sampler=PromptSampler(checked.train, cfg.trainer.seed, cfg.data.shuffle),
+        eval_prompts=checked.eval,
+        kl=KLController(cfg.algo.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon),
+        hf_dir=actor_dir,
+    )
 
 
-def build_models(cfg, checked: CheckedInputs, dtype: torch.dtype, actor_dir: str, ref_dir: str | None,
-                 rm_dir: str | None):
+def build_models(
+    cfg, checked: CheckedInputs, dtype: torch.dtype, actor_dir: str, ref_dir: str | None, rm_dir: str | None
+):
     """The actor (with its LoRA adapters), the reference and the reward model (None when not used), their
     weights loaded from their directories; after ParallelLayout.initialize."""
     import torch
@@ -313,25 +390,44 @@ def build_models(cfg, checked: CheckedInputs, dtype: torch.dtype, actor_dir: str
     from remax_megatron.weights import load_hf_weights
 
     recompute = None if cfg.actor.recompute == "none" else cfg.actor.recompute
-    common = dict(tp=cfg.actor.tp, pp=cfg.actor.pp, params_dtype=dtype, sequence_parallel=cfg.actor.sequence_parallel,
-                  make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by, init_weights=False)
+    common = dict(
+        tp=cfg.actor.tp,
+        pp=cfg.actor.pp,
+        params_dtype=dtype,
+        sequence_parallel=cfg.actor.sequence_parallel,
+        make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by,
+        init_weights=False,
+    )
     lora = lora_options(cfg)
     actor = build_policy(checked.arch, recompute_granularity=recompute, experts=checked.experts, lora=lora, **common)
     load_hf_weights(actor, actor_dir)
     if lora is not None and torch.distributed.get_rank() == 0:
-        print(f"LoRA actor: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}; base frozen"
-              + ("; no reference model is built, the KL reference is the actor with its adapters off"
-                 if cfg.algo.kl_coef > 0 else ""), flush=True)
+        print(
+            f"LoRA actor: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}; base frozen"
+            + (
+                "; no reference model is built, the KL reference is the actor with its adapters off"
+                if cfg.algo.kl_coef > 0
+                else ""
+            ),
+            flush=True,
+        )
     reference = None
     if ref_dir:  # the reference routes on its own (no replay)
-        reference = build_policy(checked.arch, trainable=False, **common,
-                                 experts=dataclasses.replace(checked.experts, routing_replay=False))
+        reference = build_policy(
+            checked.arch, trainable=False, **common, experts=dataclasses.replace(checked.experts, routing_replay=False)
+        )
         load_hf_weights(reference, ref_dir)
     reward_model = None
     if rm_dir:
-        reward_model = build_reward_model(checked.rm_arch, tp=cfg.reward.tp, pp=cfg.reward.pp, params_dtype=dtype,
-                                          sequence_parallel=cfg.actor.sequence_parallel, init_weights=False,
-                                          make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by)
+        reward_model = build_reward_model(
+            checked.rm_arch,
+            tp=cfg.reward.tp,
+            pp=cfg.reward.pp,
+            params_dtype=dtype,
+            sequence_parallel=cfg.actor.sequence_parallel,
+            init_weights=False,
+            make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by,
+        )
         load_hf_weights(reward_model, rm_dir)
     return actor, reference, reward_model
 
@@ -342,6 +438,11 @@ def build_rollout_engine(cfg, checked: CheckedInputs, actor_dir: str | None = No
     from remax_megatron.models.gpt import params_dtype_of
     from remax_megatron.rollout.factory import build_engine
 
-    return build_engine(cfg.rollout, hf_dir=actor_dir or resolve_model(cfg.actor.model, "actor.model"),
-                        arch=checked.arch, seed=cfg.trainer.seed, dtype=params_dtype_of(cfg.actor.dtype),
-                        max_model_len=cfg.longest_sequence()[0])
+    return build_engine(
+        cfg.rollout,
+        hf_dir=actor_dir or resolve_model(cfg.actor.model, "actor.model"),
+        arch=checked.arch,
+        seed=cfg.trainer.seed,
+        dtype=params_dtype_of(cfg.actor.dtype),
+        max_model_len=cfg.longest_sequence()[0],
+    )

@@ -85,8 +85,11 @@ def _teardown(engine) -> None:
         if dist.is_initialized():  # the native engine (vLLM's shutdown destroyed the default group)
             dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001 - the exit must stay 0 after a complete run
-        print(f"warning: teardown at exit failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-              file=sys.stderr, flush=True)
+        print(
+            f"warning: teardown at exit failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def main(argv=None) -> None:
@@ -140,8 +143,11 @@ def _config(argv):
     from remax_megatron.config import config_help, load_config
     from remax_megatron.reward.functions import contract_help
 
-    parser = argparse.ArgumentParser(description=__doc__, epilog=f"{contract_help()}\n\n{config_help()}",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        epilog=f"{contract_help()}\n\n{config_help()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", default=None, help="YAML config (configs/tiny_cpu.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.tp=2")
     args = parser.parse_args(argv)
@@ -154,12 +160,18 @@ def _config(argv):
 def _print_banner(cfg, checked, world: int) -> None:
     """Rank 0's first line: engine, actor, layout and data; then the config's start-up warnings."""
     dp = cfg.train_world(world) // (cfg.actor.tp * cfg.actor.pp)
-    where = f" on {cfg.rollout.ranks} separate rank(s), {cfg.rollout.max_staleness} version(s) behind at most" \
-        if cfg.rollout.placement == "separate" else ""
-    print(f"remax-megatron: rollout engine {cfg.rollout.engine} (rollout.tp={cfg.rollout.tp}){where}, actor "
-          f"{checked.arch.architecture} from {cfg.actor.model}, {cfg.actor.tp}x{cfg.actor.pp}x{dp} "
-          f"(tp x pp x dp), {len(checked.train)} train / {len(checked.eval)} eval prompts "
-          f"{checked.data_counts}", flush=True)
+    where = (
+        f" on {cfg.rollout.ranks} separate rank(s), {cfg.rollout.max_staleness} version(s) behind at most"
+        if cfg.rollout.placement == "separate"
+        else ""
+    )
+    print(
+        f"remax-megatron: rollout engine {cfg.rollout.engine} (rollout.tp={cfg.rollout.tp}){where}, actor "
+        f"{checked.arch.architecture} from {cfg.actor.model}, {cfg.actor.tp}x{cfg.actor.pp}x{dp} "
+        f"(tp x pp x dp), {len(checked.train)} train / {len(checked.eval)} eval prompts "
+        f"{checked.data_counts}",
+        flush=True,
+    )
     for line in cfg.start_warnings():
         print(line, file=sys.stderr, flush=True)
     from remax_megatron.algo.zero_advantage import skip_start_line
@@ -181,9 +193,15 @@ def _serve_rollouts(cfg, checked, split) -> None:
         engine = build_rollout_engine(cfg, checked)
         serve(engine, split.bridge)
     except (RuntimeError, ValueError, dist.DistBackendError) as e:
-        _fail(None, None, RuntimeError(f"rollout rank {split.global_rank}: {type(e).__name__}: "
-                                       f"{str(e).splitlines()[0] if str(e) else ''}"), printer=True,
-              same_on_every_rank=False)
+        _fail(
+            None,
+            None,
+            RuntimeError(
+                f"rollout rank {split.global_rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            ),
+            printer=True,
+            same_on_every_rank=False,
+        )
     _teardown(engine)
 
 
@@ -201,9 +219,15 @@ def _train(cfg, checked, claim, bridge=None) -> None:
     parts = build(cfg, checked, bridge)
     # config.yaml, metrics.jsonl and TensorBoard events appear with the first record: a run that fails
     # before it has trained or evaluated anything leaves an existing run's files as they were.
-    logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.steps, tensorboard=cfg.logging.tensorboard,
-                           wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar,
-                           config=None, on_first_record=lambda: save_config(cfg, cfg.trainer.output_dir))
+    logger = MetricsLogger(
+        cfg.trainer.output_dir,
+        cfg.trainer.steps,
+        tensorboard=cfg.logging.tensorboard,
+        wandb_project=cfg.logging.wandb_project,
+        progress_bar=cfg.logging.progress_bar,
+        config=None,
+        on_first_record=lambda: save_config(cfg, cfg.trainer.output_dir),
+    )
     trainer = Trainer(parts, logger)
     try:
         finished = trainer.fit(resume=claim.resume)
@@ -218,9 +242,13 @@ def _train(cfg, checked, claim, bridge=None) -> None:
         parts.scorer.close()
     if trainer.step > cfg.trainer.steps:  # resumed past the end: the loop had nothing to do
         if is_rank0():
-            print(f"warning: the checkpoint resumed from is at step {trainer.step}, past trainer.steps="
-                  f"{cfg.trainer.steps}: nothing was trained; set trainer.steps above {trainer.step} to train on "
-                  "(or checkpoint.resume=none to start over)", file=sys.stderr, flush=True)
+            print(
+                f"warning: the checkpoint resumed from is at step {trainer.step}, past trainer.steps="
+                f"{cfg.trainer.steps}: nothing was trained; set trainer.steps above {trainer.step} to train on "
+                "(or checkpoint.resume=none to start over)",
+                file=sys.stderr,
+                flush=True,
+            )
     elif finished:
         if is_rank0():  # metrics.jsonl is rank 0's
             print0(run_summary(cfg.trainer.output_dir))

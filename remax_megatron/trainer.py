@@ -60,17 +60,17 @@ class Components:
 
     cfg: Config
     groups: ProcessGroups
-    actor: DistributedDataParallel           # megatron DDP around the actor's PolicyModel
-    reference: PolicyModel | None            # frozen; None without KL
+    actor: DistributedDataParallel  # megatron DDP around the actor's PolicyModel
+    reference: PolicyModel | None  # frozen; None without KL
     optimizer: CpuAdamW | MegatronOptimizer
     scheduler: OptimizerParamScheduler
     engine: RolloutEngine
     scorer: RewardScorer
     tokenizer: PreTrainedTokenizerBase
-    sampler: PromptSampler                   # over the train prompts
+    sampler: PromptSampler  # over the train prompts
     eval_prompts: list[Prompt]
     kl: KLController
-    hf_dir: str                              # the actor's HF directory (config and tokenizer go into checkpoints)
+    hf_dir: str  # the actor's HF directory (config and tokenizer go into checkpoints)
 
 
 class Trainer:
@@ -82,8 +82,12 @@ class Trainer:
         self.reduce = DpReduce(self.groups)
         self.updater = Updater(self.cfg, parts, self.reduce)
         self.metrics = StepMetrics(self.cfg, parts, self.reduce)
-        self.behaviour = BehaviourCheck(self.cfg, self.actor_module, self.reduce,
-                                        enabled=self.cfg.rollout.behaviour_logprobs and one_step_ahead(self.cfg))
+        self.behaviour = BehaviourCheck(
+            self.cfg,
+            self.actor_module,
+            self.reduce,
+            enabled=self.cfg.rollout.behaviour_logprobs and one_step_ahead(self.cfg),
+        )
         self.run = RunControl(self.cfg, parts, self.groups, logger, self.health)
         self.sampling = DynamicSampling(self.cfg, self.groups, self.reduce) if self.cfg.algo.dynamic_sampling else None
 
@@ -95,14 +99,22 @@ class Trainer:
     @functools.cached_property
     def schedule(self) -> SyncThenGenerate:
         """When each step's batch is generated: synced then generated, or one step ahead (rollout/schedule.py)."""
-        return make_schedule(self.cfg, self.parts.sampler, lambda: self.dispatch, lambda: self.weight_sync,
-                             lambda: self.offload, self.behaviour, self._stage)
+        return make_schedule(
+            self.cfg,
+            self.parts.sampler,
+            lambda: self.dispatch,
+            lambda: self.weight_sync,
+            lambda: self.offload,
+            self.behaviour,
+            self._stage,
+        )
 
     @functools.cached_property
     def dump(self) -> RolloutDump:
         """logging.rollouts_every: the step's rollouts as JSONL."""
-        return RolloutDump(self.cfg.logging.rollouts_every, self.cfg.trainer.output_dir, self.groups,
-                           self.parts.tokenizer)
+        return RolloutDump(
+            self.cfg.logging.rollouts_every, self.cfg.trainer.output_dir, self.groups, self.parts.tokenizer
+        )
 
     @functools.cached_property
     def evaluator(self) -> Evaluator:
@@ -116,8 +128,9 @@ class Trainer:
     @functools.cached_property
     def weight_sync(self) -> WeightSync:
         """Actor -> engine sync (keeps its buffers between steps)."""
-        return WeightSync(self.parts.engine, self.actor_module, bucket_mb=self.cfg.rollout.sync_bucket_mb,
-                          groups=self.groups)
+        return WeightSync(
+            self.parts.engine, self.actor_module, bucket_mb=self.cfg.rollout.sync_bucket_mb, groups=self.groups
+        )
 
     # ---- the loop ------------------------------------------------------------------------
     def fit(self, resume: str | None = None) -> bool:
@@ -150,9 +163,13 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """What a checkpoint holds besides the weights and the optimizer (resume continues exactly here)."""
-        return {"sampler": self.schedule.sampler_state(), "scheduler": self.parts.scheduler.state_dict(),
-                "kl": self.parts.kl.state_dict(), "skipped_updates": self.updater.skipped_updates,
-                "model": self.run.model_fingerprint}
+        return {
+            "sampler": self.schedule.sampler_state(),
+            "scheduler": self.parts.scheduler.state_dict(),
+            "kl": self.parts.kl.state_dict(),
+            "skipped_updates": self.updater.skipped_updates,
+            "model": self.run.model_fingerprint,
+        }
 
     # ---- the step ------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -168,8 +185,12 @@ class Trainer:
         if self.sampling:  # prompts without signal dropped, more drawn, rolled out and scored until the step is full
             with self._stage("resample", times), self.offload.offloaded():  # its rounds' waits count in it
                 (prompts, rollouts, r_sampled, r_greedy), sampling = self.sampling.refill(
-                    self.step, Scored(prompts, rollouts, r_sampled, r_greedy), self.dispatch, parts.sampler,
-                    lambda more, their: self._rewards(more, their, {}))
+                    self.step,
+                    Scored(prompts, rollouts, r_sampled, r_greedy),
+                    self.dispatch,
+                    parts.sampler,
+                    lambda more, their: self._rewards(more, their, {}),
+                )
 
         with self._stage("pack", times):
             batch = self._batch(prompts, rollouts, r_sampled, r_greedy)
@@ -186,8 +207,17 @@ class Trainer:
             update = updater.train_on(batch, old_logprobs, ref_logprobs, plan, step=self.step + 1)
 
         with self._stage("metrics", times):
-            record = self.metrics.record(self.step + 1, batch, rollouts, r_sampled, r_greedy, update, ref_logprobs,
-                                         reward_metrics, stale=version < self.step)
+            record = self.metrics.record(
+                self.step + 1,
+                batch,
+                rollouts,
+                r_sampled,
+                r_greedy,
+                update,
+                ref_logprobs,
+                reward_metrics,
+                stale=version < self.step,
+            )
             record.update(behaviour_gap)
             self.dump.write(self.step + 1, prompts, rollouts, r_sampled, r_greedy)  # logging.rollouts_every
             record.update(self.metrics.rollout_work(rollouts, self.dispatch.decoded_tokens))
@@ -199,10 +229,20 @@ class Trainer:
         times["time/train_s"] = times["time/pack_s"] + times["time/logprobs_s"] + times["time/update_s"]
         record.update(times)
         record.update(sampling if self.sampling else {})
-        record.update(self.metrics.perf(prompts, rollouts, batch, step_time, times["time/train_s"],
-                                        updater.has_reference))
-        record.update(self.metrics.bookkeeping(step_time, tokens, update, sync, self.schedule.sampler_state(),
-                                               staleness=self.step - version, skipped_updates=updater.skipped_updates))
+        record.update(
+            self.metrics.perf(prompts, rollouts, batch, step_time, times["time/train_s"], updater.has_reference)
+        )
+        record.update(
+            self.metrics.bookkeeping(
+                step_time,
+                tokens,
+                update,
+                sync,
+                self.schedule.sampler_state(),
+                staleness=self.step - version,
+                skipped_updates=updater.skipped_updates,
+            )
+        )
         return record
 
     def _eval_rollouts(self, prompts: list) -> list:
@@ -213,8 +253,13 @@ class Trainer:
 
     def _rewards(self, prompts, rollouts, times: dict):
         """r(sample) [P * n] and r(greedy) [P * 1], one scoring call over both (its wait for the others: wait_s)."""
-        responses = [[(c.token_ids, self.parts.tokenizer.decode(c.token_ids, skip_special_tokens=True))
-                      for c in r.sampled + [r.greedy]] for r in rollouts]
+        responses = [
+            [
+                (c.token_ids, self.parts.tokenizer.decode(c.token_ids, skip_special_tokens=True))
+                for c in r.sampled + [r.greedy]
+            ]
+            for r in rollouts
+        ]
         scores, metrics = self.parts.scorer.score(prompts, responses, wait=lambda: self._stage("wait", times))
         scores = shape_overlong(scores, responses, self.cfg, metrics)  # reward.overlong_buffer: samples and greedy
         n = self.cfg.rollout.n
@@ -226,10 +271,14 @@ class Trainer:
         n, tokenizer = self.cfg.rollout.n, self.parts.tokenizer
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         rows = [q.token_ids for q in prompts for _ in range(n)], [c for r in rollouts for c in r.sampled]
-        batch = pad_sequences(*rows, pad_id=pad_id, pad_to_multiple=sequence_multiple(self.actor_module),
-                              routes=self.cfg.rollout.routing_replay,  # the engine's experts, replayed in the update
-                              mask_truncated=self.cfg.trainer.mask_truncated)  # cut samples leave the loss
-        batch["rewards"] = torch.tensor(r_sampled, dtype=torch.float32)                      # [B]
+        batch = pad_sequences(
+            *rows,
+            pad_id=pad_id,
+            pad_to_multiple=sequence_multiple(self.actor_module),
+            routes=self.cfg.rollout.routing_replay,  # the engine's experts, replayed in the update
+            mask_truncated=self.cfg.trainer.mask_truncated,
+        )  # cut samples leave the loss
+        batch["rewards"] = torch.tensor(r_sampled, dtype=torch.float32)  # [B]
         batch["baseline"] = torch.tensor(r_greedy, dtype=torch.float32).repeat_interleave(n)  # [B]
         return batch
 
@@ -245,12 +294,12 @@ class Trainer:
         except (RuntimeError, dist.DistBackendError) as e:
             if isinstance(e, (StageError, CheckpointError)):
                 raise
-            raise StageError(f"step {self.step + 1 if step is None else step}, stage {name!r} failed on rank "
-                             f"{dist.get_rank()}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                             ) from e
+            raise StageError(
+                f"step {self.step + 1 if step is None else step}, stage {name!r} failed on rank "
+                f"{dist.get_rank()}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            ) from e
         times[f"time/{name}_s"] = time.perf_counter() - start
 
 
 class StageError(RuntimeError):
     """A stage of the step failed (a peer died, a collective timed out): names the step and stage."""
-

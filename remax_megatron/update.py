@@ -19,8 +19,18 @@ import torch.distributed as dist
 
 from remax_megatron.algo.rollout_correction import correction_weights
 from remax_megatron.algo.zero_advantage import rows_without_signal, skips_zero_advantage
-from remax_megatron.batching import MicroBatch, assemble, exchange_rows, fixed_micro_batches, model_inputs, \
-    model_labels, plan_step, take_rows, to_rows, to_sequences
+from remax_megatron.batching import (
+    MicroBatch,
+    assemble,
+    exchange_rows,
+    fixed_micro_batches,
+    model_inputs,
+    model_labels,
+    plan_step,
+    take_rows,
+    to_rows,
+    to_sequences,
+)
 from remax_megatron.kernels import compute_advantages, logprob_gradient, remax_loss
 from remax_megatron.metrics import print0
 from remax_megatron.models.arch import packed_attention
@@ -40,7 +50,7 @@ class Update:
     logprobs: torch.Tensor | None
     advantages: torch.Tensor | None
     computed_tokens: float = 0.0  # tokens the training forward ran, padding included, over DP
-    skipped_rows: float = 0.0     # rows left out of the forward (trainer.skip_zero_advantage), over DP
+    skipped_rows: float = 0.0  # rows left out of the forward (trainer.skip_zero_advantage), over DP
 
 
 class Updater:
@@ -48,8 +58,13 @@ class Updater:
         self.cfg, self.parts, self.reduce, self.groups = cfg, parts, reduce, reduce.groups
         self.actor_module = model = parts.actor.module
         # MoE: the load-balancing loss and expert-load statistics (hooks on the actor's routers)
-        self.balance = LoadBalancing(model, cfg.algo.moe_aux_loss, cfg.algo.moe_aux_loss_coef, self.groups.tp,
-                                     self.groups.dp, self.groups.pp) if model.arch.is_moe else None
+        self.balance = (
+            LoadBalancing(
+                model, cfg.algo.moe_aux_loss, cfg.algo.moe_aux_loss_coef, self.groups.tp, self.groups.dp, self.groups.pp
+            )
+            if model.arch.is_moe
+            else None
+        )
         self.skipped_updates = 0
         self.skip_zero_advantage = skips_zero_advantage(cfg, model.arch.is_moe)
 
@@ -67,23 +82,37 @@ class Updater:
         t = self.cfg.trainer
         rows, width = batch["input_ids"].shape
         per_update = rows // t.mini_batches
-        skipped = rows_without_signal(batch["rewards"], batch["baseline"], batch["response_mask"]) \
-            if self.skip_zero_advantage else torch.zeros(rows, dtype=torch.bool)
+        skipped = (
+            rows_without_signal(batch["rewards"], batch["baseline"], batch["response_mask"])
+            if self.skip_zero_advantage
+            else torch.zeros(rows, dtype=torch.bool)
+        )
         # A rank whose rows all tie still runs its first one (no gradient: exact): the step's entropy, engine gap
         # and health checks keep a forward to read, where a padding-only micro-batch would cost as much.
         skipped[0] = skipped[0] & ~skipped.all()
         batch = dict(batch, update_index=torch.arange(rows) // per_update, skipped=skipped)
         if not t.micro_batch_tokens:
-            plan = [fixed_micro_batches([r for r in range(u * per_update, (u + 1) * per_update) if not skipped[r]],
-                                        t.micro_batch_size, width) for u in range(t.mini_batches)]
+            plan = [
+                fixed_micro_batches(
+                    [r for r in range(u * per_update, (u + 1) * per_update) if not skipped[r]],
+                    t.micro_batch_size,
+                    width,
+                )
+                for u in range(t.mini_batches)
+            ]
             return batch, self._same_count(plan, width) if self.skip_zero_advantage else plan
         shapes = [(batch["lengths"].tolist(), width, skipped.tolist())]  # every DP rank's rows and batch width
         if self.groups.dp_size > 1:
             mine, shapes = shapes[0], [None] * self.groups.dp_size
             dist.all_gather_object(shapes, mine, group=self.groups.dp)
-        plan = plan_step([lengths for lengths, _, _ in shapes], t.mini_batches, t.micro_batch_tokens,
-                         sequence_multiple(self.actor_module), t.pack_sequences,
-                         skipped_by_rank=[skips for _, _, skips in shapes])
+        plan = plan_step(
+            [lengths for lengths, _, _ in shapes],
+            t.mini_batches,
+            t.micro_batch_tokens,
+            sequence_multiple(self.actor_module),
+            t.pack_sequences,
+            skipped_by_rank=[skips for _, _, skips in shapes],
+        )
         if self.groups.dp_size == 1:
             return take_rows([batch], plan.sources[0]), plan.updates[0]
         me, widest = self.groups.dp_rank, max(w for _, w, _ in shapes)
@@ -96,8 +125,9 @@ class Updater:
         collective of the schedule, the gradient sync and the optimizer step."""
         counts = {f"u{u}": float(len(m)) for u, m in enumerate(plan)}
         most = self.reduce.totals(counts, maximum=tuple(counts))
-        return [m + [MicroBatch([], width) for _ in range(max(1, int(most[f"u{u}"])) - len(m))]
-                for u, m in enumerate(plan)]
+        return [
+            m + [MicroBatch([], width) for _ in range(max(1, int(most[f"u{u}"])) - len(m))] for u, m in enumerate(plan)
+        ]
 
     def micro_batches(self, batch: dict, micro: list[MicroBatch], extra: dict | None = None) -> list[dict]:
         """The micro-batches' tensors (batching.assemble)."""
@@ -110,10 +140,14 @@ class Updater:
         """Per-token log-probs [B, S] of the batch's labels under `model` (last stage; None elsewhere)."""
         temperature = self.cfg.rollout.temperature
         micro = [m for update in plan for m in update]
-        out = forward_only(model, self.micro_batches(batch, micro),
-                           lambda m, hidden, mb: to_sequences(mb, m.token_logprobs(hidden, model_labels(mb),
-                                                                                   temperature=temperature)[0]),
-                           inputs=model_inputs)
+        out = forward_only(
+            model,
+            self.micro_batches(batch, micro),
+            lambda m, hidden, mb: to_sequences(
+                mb, m.token_logprobs(hidden, model_labels(mb), temperature=temperature)[0]
+            ),
+            inputs=model_inputs,
+        )
         return scatter_rows(out, micro, batch["input_ids"].shape) if out else None
 
     @property
@@ -131,8 +165,9 @@ class Updater:
         with adapters_disabled(self.actor_module):
             return self.logprobs(self.actor_module, batch, plan)
 
-    def train_on(self, batch, old_logprobs, ref_logprobs, plan: list[list[MicroBatch]] | None = None,
-                 step: int = 1) -> Update:
+    def train_on(
+        self, batch, old_logprobs, ref_logprobs, plan: list[list[MicroBatch]] | None = None, step: int = 1
+    ) -> Update:
         """One optimizer update per entry of `plan` (its micro-batches; default `micro_batch_plan(batch)`'s)
         over the rollout batch of step `step`.
 
@@ -144,8 +179,12 @@ class Updater:
         cfg = self.cfg
         if plan is None:
             batch, plan = self.micro_batch_plan(batch)
-        summed = {k: 0.0 for k in LOSS_STATS + (MOE_STATS if self.balance else ())
-                  + (REPLAY_STATS if self.balance and cfg.rollout.routing_replay else ())}
+        summed = {
+            k: 0.0
+            for k in LOSS_STATS
+            + (MOE_STATS if self.balance else ())
+            + (REPLAY_STATS if self.balance and cfg.rollout.routing_replay else ())
+        }
         grad_norms, behaviour, advantages, computed = [], [], [], 0
         for u, update in enumerate(plan):
             rows = torch.tensor([r for m in update for r in m.rows], dtype=torch.long)
@@ -153,9 +192,17 @@ class Updater:
             counted = torch.cat([rows, _skipped_rows(batch, u)])
             # A sequence counts when it has a response token in the loss (trainer.mask_truncated empties some).
             mask = batch["response_mask"]
-            num_tokens, num_seqs, run_tokens, run_seqs = self.reduce.dp_sum(torch.tensor(
-                [mask[counted].sum(), mask[counted].any(dim=1).sum(), mask[rows].sum(), mask[rows].any(dim=1).sum()],
-                dtype=torch.float64)).tolist()
+            num_tokens, num_seqs, run_tokens, run_seqs = self.reduce.dp_sum(
+                torch.tensor(
+                    [
+                        mask[counted].sum(),
+                        mask[counted].any(dim=1).sum(),
+                        mask[rows].sum(),
+                        mask[rows].any(dim=1).sum(),
+                    ],
+                    dtype=torch.float64,
+                )
+            ).tolist()
             micro = self.micro_batches(batch, update, {"old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs})
             computed += sum(mb["input_ids"].numel() for mb in micro)
             if self.balance:  # normalised by every token the routers see (prompt and response, no padding)
@@ -176,11 +223,13 @@ class Updater:
         micro = [m for update in plan for m in update]
         shape = batch["input_ids"].shape
         # The step's bookkeeping stays on the CPU: one transfer each, not a host sync per micro-batch.
-        return Update(stats=summed, logprobs=scatter_rows(behaviour, micro, shape) if last else None,
-                      advantages=scatter_rows(advantages, micro, shape) if last else None,
-                      computed_tokens=self.reduce.global_sum(float(computed)),
-                      skipped_rows=self.reduce.global_sum(float(batch["skipped"].sum())) if "skipped" in batch
-                      else 0.0)
+        return Update(
+            stats=summed,
+            logprobs=scatter_rows(behaviour, micro, shape) if last else None,
+            advantages=scatter_rows(advantages, micro, shape) if last else None,
+            computed_tokens=self.reduce.global_sum(float(computed)),
+            skipped_rows=self.reduce.global_sum(float(batch["skipped"].sum())) if "skipped" in batch else 0.0,
+        )
 
     def _optimizer_step(self, step: int) -> float:
         """The optimizer and schedule step (a non-finite gradient skips the update); the gradient norm."""
@@ -194,8 +243,9 @@ class Updater:
         parts.optimizer.zero_grad()
         return norm
 
-    def _forward_backward(self, micro: list[dict], num_tokens: float, num_seqs: float,
-                          behaviour: list, advantages: list) -> dict:
+    def _forward_backward(
+        self, micro: list[dict], num_tokens: float, num_seqs: float, behaviour: list, advantages: list
+    ) -> dict:
         """Megatron's schedule over the micro-batches (gradients accumulate); appends each micro-batch's
         rollout-policy log-probs and advantages [b, w] to `behaviour` / `advantages` (last stage).
 
@@ -221,8 +271,11 @@ class Updater:
         finally:
             if self.balance:
                 end_replay(model)
-        local = {k: sum(float(out[k]) for out in outputs if k in out) for k in LOSS_STATS} \
-            if self.groups.is_last_stage else None
+        local = (
+            {k: sum(float(out[k]) for out in outputs if k in out) for k in LOSS_STATS}
+            if self.groups.is_last_stage
+            else None
+        )
         return self.reduce.totals(self.reduce.from_last_stage(local, LOSS_STATS))
 
     def _loss(self, mb: dict, output, num_tokens: float, num_seqs: float, behaviour: list, advantages: list):
@@ -234,31 +287,59 @@ class Updater:
         agg = dict(loss_agg_mode=cfg.algo.loss_agg, global_num_tokens=num_tokens, global_num_seqs=num_seqs)
         clip = cfg.algo.advantage_clip or None
         # Without a KL in the reward the advantages need no log-probs [b, S].
-        adv = None if kl_in_reward else compute_advantages(mb["rewards"], mb["baseline"], mb["response_mask"],
-                                                           clip=clip)
+        adv = (
+            None if kl_in_reward else compute_advantages(mb["rewards"], mb["baseline"], mb["response_mask"], clip=clip)
+        )
         # On-policy without KL the loss is linear in the log-probs: its gradient is known before the output
         # layer runs, and the fused kernel takes it in its forward pass (no logits recomputed). A rollout
         # correction weighs each token by its own log-prob: not known before.
-        hint = logprob_gradient(adv, mb["response_mask"], **agg) \
-            if old is None and ref is None and correction == "none" else None
-        logprobs, entropy = model.token_logprobs(output, model_labels(mb), temperature=cfg.rollout.temperature,
-                                                 with_entropy=True,
-                                                 grad_hint=to_rows(mb, hint) if hint is not None else None)
+        hint = (
+            logprob_gradient(adv, mb["response_mask"], **agg)
+            if old is None and ref is None and correction == "none"
+            else None
+        )
+        logprobs, entropy = model.token_logprobs(
+            output,
+            model_labels(mb),
+            temperature=cfg.rollout.temperature,
+            with_entropy=True,
+            grad_hint=to_rows(mb, hint) if hint is not None else None,
+        )
         logprobs, entropy = to_sequences(mb, logprobs), to_sequences(mb, entropy)  # [b, w]
         rollout_policy = old if old is not None else logprobs.detach()  # [b, S]
         if kl_in_reward:
-            adv = compute_advantages(mb["rewards"], mb["baseline"], mb["response_mask"], rollout_policy,
-                                     ref, kl_coef=self.parts.kl.coef, clip=clip)  # [b, S]
+            adv = compute_advantages(
+                mb["rewards"],
+                mb["baseline"],
+                mb["response_mask"],
+                rollout_policy,
+                ref,
+                kl_coef=self.parts.kl.coef,
+                clip=clip,
+            )  # [b, S]
         behaviour.append(rollout_policy)  # stays on the device: one copy to the host per update
         advantages.append(adv)
         # algo.rollout_correction: pi_actor_old / pi_engine per token, from the rollout policy's log-probs
-        is_weights = None if correction == "none" else correction_weights(
-            rollout_policy, mb["engine_logprobs"], mb["response_mask"], correction, cfg.algo.rollout_is_cap)[0]
+        is_weights = (
+            None
+            if correction == "none"
+            else correction_weights(
+                rollout_policy, mb["engine_logprobs"], mb["response_mask"], correction, cfg.algo.rollout_is_cap
+            )[0]
+        )
         loss, stats = remax_loss(
-            logprobs, adv, mb["response_mask"], **agg,
-            old_logprobs=old if cfg.trainer.mini_batches > 1 else None, clip_eps=cfg.algo.clip_ratio,
-            ref_logprobs=ref if kl_in_loss else None, kl_coef=self.parts.kl.coef,
-            kl_estimator=cfg.algo.kl_estimator, entropy=entropy, is_weights=is_weights)
+            logprobs,
+            adv,
+            mb["response_mask"],
+            **agg,
+            old_logprobs=old if cfg.trainer.mini_batches > 1 else None,
+            clip_eps=cfg.algo.clip_ratio,
+            ref_logprobs=ref if kl_in_loss else None,
+            kl_coef=self.parts.kl.coef,
+            kl_estimator=cfg.algo.kl_estimator,
+            entropy=entropy,
+            is_weights=is_weights,
+        )
         # A non-finite loss gives non-finite grads: the optimizer skips that update.
         local_tokens = mb["response_mask"].sum().to(torch.int)
         return loss, local_tokens, {k: v.detach().float() for k, v in stats.items()}
@@ -273,7 +354,7 @@ def scatter_rows(outputs: list[torch.Tensor], micro: list[MicroBatch], shape) ->
     for m in micro:
         count = max(len(m.rows), 1)  # a ghost ran one row
         if not m.ghost:
-            out[torch.tensor(m.rows)] = rows[at:at + count]
+            out[torch.tensor(m.rows)] = rows[at : at + count]
         at += count
     return out
 

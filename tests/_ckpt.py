@@ -22,8 +22,11 @@ def saved_weights(ckpt_dir) -> dict[str, torch.Tensor]:
         state = torch.load(path, weights_only=False)
     with open(os.path.join(str(ckpt_dir), "hf_config", "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    return {name: value[:vocab] if name in VOCAB_ROWS else value
-            for name, value in state.items() if isinstance(value, torch.Tensor)}
+    return {
+        name: value[:vocab] if name in VOCAB_ROWS else value
+        for name, value in state.items()
+        if isinstance(value, torch.Tensor)
+    }
 
 
 def max_difference(a: dict, b: dict) -> float:

@@ -78,10 +78,23 @@ def _worker(rank, world_size, port, fn, args, errors, environ=None, cwd=None):
 # What every rank imports: the fork server imports it once, and each rank is forked from there with it
 # already imported (a spawned rank spent ~6 s of CPU importing torch, megatron-core and transformers; a
 # 4-process launch on 2 cores waited ~24 s before its first line).
-PRELOAD = ["torch", "torch.distributed", "transformers", "megatron.core", "megatron.core.models.gpt",
-           "megatron.core.pipeline_parallel", "megatron.core.distributed", "megatron.core.optimizer",
-           "megatron.core.dist_checkpointing", "remax_megatron.models.gpt", "remax_megatron.trainer",
-           "remax_megatron.weights", "tests._dist", "vllm", "vllm.entrypoints.llm"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "megatron.core",
+    "megatron.core.models.gpt",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "megatron.core.dist_checkpointing",
+    "remax_megatron.models.gpt",
+    "remax_megatron.trainer",
+    "remax_megatron.weights",
+    "tests._dist",
+    "vllm",
+    "vllm.entrypoints.llm",
+]
 
 
 def _context():
@@ -167,8 +180,9 @@ class SharedLaunches:
     def check(self, name: str) -> None:
         world = next(w for w, cases in self.cases.items() if name in cases)
         if world not in self.outcome:
-            self.outcome[world] = run_distributed_cases(self.cases[world], world,
-                                                        os.path.join(self.done_dir, f"world{world}"))
+            self.outcome[world] = run_distributed_cases(
+                self.cases[world], world, os.path.join(self.done_dir, f"world{world}")
+            )
         assert self.outcome[world][name] is None, self.outcome[world][name]
 
 
@@ -190,8 +204,15 @@ def _main_worker(rank, world_size, port, module, argv, out_dir, environ, cwd):
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+    )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -224,8 +245,10 @@ def run_main(module: str, argv: list[str], nproc: int, env: dict | None = None, 
     out_dir = tempfile.mkdtemp(prefix="remax-main-")
     port = _free_port()
     environ = dict(os.environ if env is None else env)
-    procs = [ctx.Process(target=_main_worker, args=(r, nproc, port, module, argv, out_dir, environ, os.getcwd()))
-             for r in range(nproc)]
+    procs = [
+        ctx.Process(target=_main_worker, args=(r, nproc, port, module, argv, out_dir, environ, os.getcwd()))
+        for r in range(nproc)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -235,6 +258,9 @@ def run_main(module: str, argv: list[str], nproc: int, env: dict | None = None, 
             p.kill()
             p.join()
     codes = [p.exitcode for p in procs]
-    read = lambda name: "".join(open(os.path.join(out_dir, f"rank{r}.{name}")).read() for r in range(nproc)
-                                if os.path.exists(os.path.join(out_dir, f"rank{r}.{name}")))
+    read = lambda name: "".join(
+        open(os.path.join(out_dir, f"rank{r}.{name}")).read()
+        for r in range(nproc)
+        if os.path.exists(os.path.join(out_dir, f"rank{r}.{name}"))
+    )
     return Completed(max(codes, key=lambda c: c != 0), read("out"), read("err"))

@@ -11,8 +11,10 @@ import os
 import pytest
 
 WITHOUT_VLLM = os.environ.get("REMAX_TESTS_WITHOUT_VLLM") == "1" and importlib.util.find_spec("vllm") is None
-needs_vllm = pytest.mark.skipif(WITHOUT_VLLM, reason="vLLM is not installed (REMAX_TESTS_WITHOUT_VLLM=1: the "
-                                                     "Python 3.12 lane runs the native engine)")
+needs_vllm = pytest.mark.skipif(
+    WITHOUT_VLLM,
+    reason="vLLM is not installed (REMAX_TESTS_WITHOUT_VLLM=1: the Python 3.12 lane runs the native engine)",
+)
 
 
 def engine_overrides() -> list[str]:

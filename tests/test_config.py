@@ -10,8 +10,16 @@ R = "reward.functions=[exact_match]"
 def test_overrides_convert_to_field_types(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("actor:\n  tp: 2\nrollout:\n  n: 4\nreward:\n  functions: [exact_match]\n")
-    cfg = load_config(str(path), ["trainer.steps=7", "optim.lr=3e-6", "actor.sequence_parallel=true",
-                                  "rollout.stop=[\"\\n\", END]", "reward.weights=0.5"])
+    cfg = load_config(
+        str(path),
+        [
+            "trainer.steps=7",
+            "optim.lr=3e-6",
+            "actor.sequence_parallel=true",
+            'rollout.stop=["\\n", END]',
+            "reward.weights=0.5",
+        ],
+    )
     assert (cfg.actor.tp, cfg.rollout.n, cfg.trainer.steps) == (2, 4, 7)
     assert cfg.optim.lr == 3e-6 and cfg.actor.sequence_parallel is True
     assert cfg.rollout.stop == ["\n", "END"] and cfg.reward.weights == [0.5]
@@ -24,31 +32,34 @@ def test_saved_config_reloads_identically(tmp_path):
     assert load_config(path) == cfg
 
 
-@pytest.mark.parametrize("override,message", [
-    ("actor.tpp=2", "unknown config key 'actor.tpp'; did you mean actor.tp?"),
-    ("trainer.step=3", "did you mean trainer.steps?"),
-    ("nosection.x=1", "unknown config key 'nosection.x'"),
-    ("trainer.steps=abc", "trainer.steps expects an integer, got 'abc'"),
-    ("trainer.steps=1.5", "trainer.steps expects an integer, got 1.5"),
-    ("actor.sequence_parallel=maybe", "actor.sequence_parallel expects true or false"),
-    ("actor.offload_during_rollout=maybe", "actor.offload_during_rollout expects true or false"),
-    ("trainer.peak_tflops=-3", "trainer.peak_tflops=-3.0 must be >= 0"),
-    ("optim.lr=fast", "optim.lr expects a number"),
-    ("actor.tp=0", "actor.tp=0 must be > 0"),
-    ("actor.dtype=fp8", "actor.dtype='fp8' is not one of"),
-    ("rollout.kv_cache_gib=-1", "rollout.kv_cache_gib=-1.0 must be >= 0"),
-    ("rollout.n=0", "rollout.n=0 must be > 0"),
-    ("rollout.max_new_tokens=0", "rollout.max_new_tokens=0 must be > 0"),
-    ("rollout.sync_bucket_mb=0", "rollout.sync_bucket_mb=0 must be > 0"),
-    ("algo.loss_agg=sum", "algo.loss_agg='sum' is not one of"),
-    ("algo.kl_coef=0.1", "needs a reference model"),
-    ("checkpoint.resume=/no/such/ckpt", "no such path"),
-    ("trainer.steps", "is not key=value"),
-    ("trainer.skip_zero_advantage=maybe", "trainer.skip_zero_advantage='maybe' is not one of auto, on, off"),
-    ("algo.dynamic_sampling_max_rounds=0", "algo.dynamic_sampling_max_rounds=0 must be > 0"),
-    ("reward.overlong_buffer=-1", "reward.overlong_buffer=-1 must be >= 0"),
-    ("logging.rollouts_every=-2", "logging.rollouts_every=-2 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("actor.tpp=2", "unknown config key 'actor.tpp'; did you mean actor.tp?"),
+        ("trainer.step=3", "did you mean trainer.steps?"),
+        ("nosection.x=1", "unknown config key 'nosection.x'"),
+        ("trainer.steps=abc", "trainer.steps expects an integer, got 'abc'"),
+        ("trainer.steps=1.5", "trainer.steps expects an integer, got 1.5"),
+        ("actor.sequence_parallel=maybe", "actor.sequence_parallel expects true or false"),
+        ("actor.offload_during_rollout=maybe", "actor.offload_during_rollout expects true or false"),
+        ("trainer.peak_tflops=-3", "trainer.peak_tflops=-3.0 must be >= 0"),
+        ("optim.lr=fast", "optim.lr expects a number"),
+        ("actor.tp=0", "actor.tp=0 must be > 0"),
+        ("actor.dtype=fp8", "actor.dtype='fp8' is not one of"),
+        ("rollout.kv_cache_gib=-1", "rollout.kv_cache_gib=-1.0 must be >= 0"),
+        ("rollout.n=0", "rollout.n=0 must be > 0"),
+        ("rollout.max_new_tokens=0", "rollout.max_new_tokens=0 must be > 0"),
+        ("rollout.sync_bucket_mb=0", "rollout.sync_bucket_mb=0 must be > 0"),
+        ("algo.loss_agg=sum", "algo.loss_agg='sum' is not one of"),
+        ("algo.kl_coef=0.1", "needs a reference model"),
+        ("checkpoint.resume=/no/such/ckpt", "no such path"),
+        ("trainer.steps", "is not key=value"),
+        ("trainer.skip_zero_advantage=maybe", "trainer.skip_zero_advantage='maybe' is not one of auto, on, off"),
+        ("algo.dynamic_sampling_max_rounds=0", "algo.dynamic_sampling_max_rounds=0 must be > 0"),
+        ("reward.overlong_buffer=-1", "reward.overlong_buffer=-1 must be >= 0"),
+        ("logging.rollouts_every=-2", "logging.rollouts_every=-2 must be >= 0"),
+    ],
+)
 def test_bad_values_give_one_line_errors(override, message):
     with pytest.raises(ValueError) as e:
         load_config(None, [R, override])
@@ -70,10 +81,10 @@ def test_missing_reward_and_missing_file():
         load_config("nope.yaml")
 
 
-@pytest.mark.parametrize("tp,pp,world,message", [
-    (2, 2, 6, "tp(2) * pp(2) = 4 does not divide world(6)"),
-    (4, 1, 2, "tp(4) * pp(1) = 4 does not divide world(2)"),
-])
+@pytest.mark.parametrize(
+    "tp,pp,world,message",
+    [(2, 2, 6, "tp(2) * pp(2) = 4 does not divide world(6)"), (4, 1, 2, "tp(4) * pp(1) = 4 does not divide world(2)")],
+)
 def test_layout_against_world(tp, pp, world, message):
     cfg = load_config(None, [R, f"actor.tp={tp}", f"actor.pp={pp}"])
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
@@ -110,11 +121,14 @@ def test_reward_layout_nests_in_the_actor_layout():
         assert "neither divides actor.tp(2) * actor.pp(1) = 2" in str(e.value)
 
 
-@pytest.mark.parametrize("text,where", [
-    ("actor:\n  tp: [1, 2\nrollout:\n  n: 2\n", ":3:8: invalid YAML, expected ',' or ']', but got"),
-    ("actor:\n tp: 1\n  pp: 2\n", ":3:5: invalid YAML, mapping values are not allowed here"),
-    ("reward:\n  format_pattern: '^\\d+\n", ":3:1: invalid YAML, found unexpected end of stream"),
-])
+@pytest.mark.parametrize(
+    "text,where",
+    [
+        ("actor:\n  tp: [1, 2\nrollout:\n  n: 2\n", ":3:8: invalid YAML, expected ',' or ']', but got"),
+        ("actor:\n tp: 1\n  pp: 2\n", ":3:5: invalid YAML, mapping values are not allowed here"),
+        ("reward:\n  format_pattern: '^\\d+\n", ":3:1: invalid YAML, found unexpected end of stream"),
+    ],
+)
 def test_yaml_syntax_error_in_file_is_one_line_with_line_and_column(tmp_path, text, where):
     path = tmp_path / "c.yaml"
     path.write_text(text)
@@ -130,7 +144,7 @@ def test_yaml_syntax_error_in_override_is_one_line_with_column():
     message = str(e.value)
     assert message.startswith("override 'actor.model=[', column 14: invalid YAML"), message
     assert "\n" not in message and "\"actor.model='['\"" in message
-    assert load_config(None, [R, "actor.model='['"]).actor.model == "["   # the suggested quoting works
+    assert load_config(None, [R, "actor.model='['"]).actor.model == "["  # the suggested quoting works
 
 
 def test_help_lists_every_key_with_type_default_and_doc():
@@ -142,8 +156,9 @@ def test_help_lists_every_key_with_type_default_and_doc():
 
     from remax_megatron.config import Config
 
-    out = subprocess.run([sys.executable, "-m", "remax_megatron.train", "--help"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "remax_megatron.train", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     lines = out.splitlines()
     count = 0
     for section in dataclasses.fields(Config):
@@ -201,9 +216,13 @@ def test_on_and_off_read_as_words_in_yaml(tmp_path):
 
 
 def test_dynamic_sampling_one_step_ahead_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="algo.dynamic_sampling=true with rollout.placement=separate and "
-                                         "rollout.max_staleness=1 is not supported") as e:
+    with pytest.raises(
+        ValueError,
+        match="algo.dynamic_sampling=true with rollout.placement=separate and rollout.max_staleness=1 is not supported",
+    ) as e:
         load_config(None, [R, "rollout.placement=separate", "rollout.ranks=1", "algo.dynamic_sampling=true"])
     assert "\n" not in str(e.value)
-    load_config(None, [R, "rollout.placement=separate", "rollout.ranks=1", "rollout.max_staleness=0",
-                       "algo.dynamic_sampling=true"])
+    load_config(
+        None,
+        [R, "rollout.placement=separate", "rollout.ranks=1", "rollout.max_staleness=0", "algo.dynamic_sampling=true"],
+    )

@@ -6,8 +6,14 @@ import logging
 
 import pytest
 
-from remax_megatron.console import ROTARY_LOGGER, STACK_NOISE, VLLM_NOISE, VllmNoise, quiet_console, \
-    quiet_library_warnings
+from remax_megatron.console import (
+    ROTARY_LOGGER,
+    STACK_NOISE,
+    VLLM_NOISE,
+    VllmNoise,
+    quiet_console,
+    quiet_library_warnings,
+)
 
 
 def _record(name, msg, *args, level=logging.WARNING):
@@ -25,24 +31,36 @@ def test_the_rotary_reload_warning_is_dropped_and_no_other_layer_s():
 
 def test_known_vllm_notices_are_dropped_and_other_warnings_kept():
     cpu_worker = VllmNoise(VLLM_NOISE["vllm.v1.worker.cpu_worker"])
-    assert not cpu_worker.filter(_record("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD. For best "
-                                         "performance, ...", "libtcmalloc"))
-    assert not cpu_worker.filter(_record("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use "
-                                         "`torch.set_num_threads` after the thread binding, skip it."))
-    assert cpu_worker.filter(_record("vllm.v1.worker.cpu_worker", "Node %s is not in available memory nodes %s.",
-                                     1, [0]))
+    assert not cpu_worker.filter(
+        _record("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD. For best performance, ...", "libtcmalloc")
+    )
+    assert not cpu_worker.filter(
+        _record(
+            "vllm.v1.worker.cpu_worker",
+            "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.",
+        )
+    )
+    assert cpu_worker.filter(
+        _record("vllm.v1.worker.cpu_worker", "Node %s is not in available memory nodes %s.", 1, [0])
+    )
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for key in ("VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS",
-                "TORCH_CPP_LOG_LEVEL"):
+    for key in ("VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS", "TORCH_CPP_LOG_LEVEL"):
         monkeypatch.delenv(key, raising=False)
     return monkeypatch
 
 
-@pytest.mark.parametrize("level,rank,vllm,cpp", [("warning", 0, "WARNING", "ERROR"), ("warning", 1, "ERROR", "ERROR"),
-                                                  ("info", 0, "INFO", "WARNING"), ("debug", 0, "DEBUG", "INFO")])
+@pytest.mark.parametrize(
+    "level,rank,vllm,cpp",
+    [
+        ("warning", 0, "WARNING", "ERROR"),
+        ("warning", 1, "ERROR", "ERROR"),
+        ("info", 0, "INFO", "WARNING"),
+        ("debug", 0, "DEBUG", "INFO"),
+    ],
+)
 def test_levels_follow_the_config_on_rank_0_and_errors_elsewhere(clean_env, level, rank, vllm, cpp):
     import os
 
@@ -81,9 +99,11 @@ def test_the_newer_stacks_notices_are_dropped_and_other_records_kept(clean_env):
 def test_torch_dcp_warnings_about_megatrons_calls_are_dropped_and_others_kept():
     import warnings
 
-    noise = ["torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a "
-             "single process.", "The argument order of load has been changed. Please check the document to avoid "
-             "future breakages."]
+    noise = [
+        "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a "
+        "single process.",
+        "The argument order of load has been changed. Please check the document to avoid future breakages.",
+    ]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         quiet_library_warnings(0)
@@ -99,9 +119,11 @@ def test_the_command_line_reads_its_config_before_torch_is_imported():
     import subprocess
     import sys
 
-    code = ("import sys\nimport remax_megatron.train\nfrom remax_megatron.config import load_config\n"
-            "load_config('configs/tiny_cpu.yaml', ['actor.tp=1'])\n"
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'megatron', 'vllm'}))")
+    code = (
+        "import sys\nimport remax_megatron.train\nfrom remax_megatron.config import load_config\n"
+        "load_config('configs/tiny_cpu.yaml', ['actor.tp=1'])\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'megatron', 'vllm'}))"
+    )
     root = __file__.rsplit("/tests/", 1)[0]
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr[-2000:]

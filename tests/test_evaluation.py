@@ -11,13 +11,14 @@ from remax_megatron.step_metrics import DpReduce
 
 class _Scorer:
     def score(self, prompts, responses):
-        rewards = [[float(len(text))] for (ids, text), in responses]
+        rewards = [[float(len(text))] for ((ids, text),) in responses]
         return rewards, {"reward/exact_match_mean": 0.5, "reward/unique_scored": float(len(prompts))}
 
 
 def _evaluator(eval_prompts, dp_size=1, **overrides):
-    cfg = load_config(None, ["reward.functions=[exact_match]", "trainer.eval_every=2",
-                             *[f"{k}={v}" for k, v in overrides.items()]])
+    cfg = load_config(
+        None, ["reward.functions=[exact_match]", "trainer.eval_every=2", *[f"{k}={v}" for k, v in overrides.items()]]
+    )
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "x" * len(ids))
     parts = SimpleNamespace(eval_prompts=eval_prompts, tokenizer=tokenizer, scorer=_Scorer())
     groups = SimpleNamespace(dp_size=dp_size, dp_rank=0, dp=None)
@@ -36,15 +37,18 @@ def _greedy(prompts):
 
 
 def test_the_record_is_the_greedy_reward_and_the_samples_rotate_with_the_step():
-    evaluator, lines = _evaluator([_prompt(i) for i in range(5)], **{"logging.sample_completions": 2,
-                                                                      "trainer.eval_prompts": 4})
+    evaluator, lines = _evaluator(
+        [_prompt(i) for i in range(5)], **{"logging.sample_completions": 2, "trainer.eval_prompts": 4}
+    )
     asked = []
     record = evaluator.evaluate(4, lambda prompts: asked.append(prompts) or _greedy(prompts))
-    assert [q.text for q in asked[0]] == ["q0", "q1", "q2", "q3"]           # trainer.eval_prompts of them
+    assert [q.text for q in asked[0]] == ["q0", "q1", "q2", "q3"]  # trainer.eval_prompts of them
     assert record == {"step": 4, "eval/reward_mean": (1 + 2 + 3 + 4) / 4, "eval/reward/exact_match_mean": 0.5}
     # step 4 at eval_every 2: the third eval, so samples 4 and 5 of the set (mod 4): prompts 0 and 1
-    assert lines == ["  [eval step 4] 'q0' -> 'x'  (answer '0', reward 1)",
-                     "  [eval step 4] 'q1' -> 'xx'  (answer '1', reward 2)"]
+    assert lines == [
+        "  [eval step 4] 'q0' -> 'x'  (answer '0', reward 1)",
+        "  [eval step 4] 'q1' -> 'xx'  (answer '1', reward 2)",
+    ]
     lines.clear()
     evaluator.evaluate(2, _greedy)
     assert [line.split("]")[1].split("->")[0].strip() for line in lines] == ["'q2'", "'q3'"]

@@ -24,8 +24,16 @@ def _cfg(*overrides):
 
 
 def _record(step, ties=1.0, same=0.0, low=0.0, high=1.0, entropy=0.5, grad_norm=1.0):
-    return {"step": step, "reward/tie_frac": ties, "rollout/same_as_greedy_frac": same, "reward/min": low,
-            "reward/max": high, "entropy/mean": entropy, "grad_norm": grad_norm, "reward/sampled_mean": 0.5}
+    return {
+        "step": step,
+        "reward/tie_frac": ties,
+        "rollout/same_as_greedy_frac": same,
+        "reward/min": low,
+        "reward/max": high,
+        "entropy/mean": entropy,
+        "grad_norm": grad_norm,
+        "reward/sampled_mean": 0.5,
+    }
 
 
 def _run(health, records):
@@ -37,8 +45,9 @@ def test_no_signal_warns_once_after_the_steps_naming_top_k():
     lines = _run(health, [_record(1), _record(2, ties=0.5), _record(3), _record(4)])
     assert lines == []  # step 2 had a signal: the run of ties restarted at step 3
     lines = _run(health, [_record(5), _record(6), _record(7)])
-    assert len(lines) == 1 and lines[0].startswith("warning: no learning signal for 3 steps (steps 3-5): every "
-                                                   "sampled response got its prompt's greedy reward"), lines
+    assert len(lines) == 1 and lines[0].startswith(
+        "warning: no learning signal for 3 steps (steps 3-5): every sampled response got its prompt's greedy reward"
+    ), lines
     assert "likely cause: rollout.top_k=1 makes sampling greedy decoding" in lines[0]
     assert "\n" not in lines[0]
 
@@ -65,8 +74,10 @@ def test_collapse_to_uniform_warns_and_refuses_saves_while_it_lasts():
     assert untrained.save_refusal() is None
     assert _run(health, [_record(1, ties=0.0, entropy=0.2)]) == [] and health.save_refusal() is None
     lines = _run(health, [_record(2, ties=0.0, entropy=bound), _record(3, ties=0.0, entropy=bound)])
-    assert len(lines) == 1 and lines[0].startswith("warning: the policy collapsed to uniform at step 2: entropy "
-                                                   f"{bound:.3f}, the uniform bound is ln(vocab) = {bound:.3f}")
+    assert len(lines) == 1 and lines[0].startswith(
+        "warning: the policy collapsed to uniform at step 2: entropy "
+        f"{bound:.3f}, the uniform bound is ln(vocab) = {bound:.3f}"
+    )
     assert health.save_refusal().startswith("the policy has been collapsed to uniform since step 2")
     _run(health, [_record(4, ties=0.0, entropy=1.0)])
     assert health.save_refusal() is None  # recovered: saving again
@@ -74,7 +85,13 @@ def test_collapse_to_uniform_warns_and_refuses_saves_while_it_lasts():
 
 def test_an_exploding_grad_norm_warns_once():
     health = TrainingHealth(_cfg(), VOCAB)
-    lines = _run(health, [_record(s, ties=0.0, grad_norm=g) for s, g in
-                          enumerate([1.0, 2.0, float("nan"), 1.5, 19.0, 25.0, 300.0], start=1)])
-    assert len(lines) == 1 and lines[0].startswith("warning: grad norm 300 at step 7 is over 10x the largest of "
-                                                   "the 5 updates before (25)"), lines
+    lines = _run(
+        health,
+        [
+            _record(s, ties=0.0, grad_norm=g)
+            for s, g in enumerate([1.0, 2.0, float("nan"), 1.5, 19.0, 25.0, 300.0], start=1)
+        ],
+    )
+    assert len(lines) == 1 and lines[0].startswith(
+        "warning: grad norm 300 at step 7 is over 10x the largest of the 5 updates before (25)"
+    ), lines

@@ -26,8 +26,18 @@ LAYERS = [
     # the components of a step and of a run
     {"builtin", "batching", "rollout", "reward", "data", "checkpoint", "optimizer", "metrics", "resume", "run_lock"},
     # top: the trainer and its parts, start-up, the entry points (train, launch, plan) and process control
-    {"trainer", "update", "step_metrics", "evaluation", "run_control", "startup", "train", "launch", "plan",
-     "processes"},
+    {
+        "trainer",
+        "update",
+        "step_metrics",
+        "evaluation",
+        "run_control",
+        "startup",
+        "train",
+        "launch",
+        "plan",
+        "processes",
+    },
 ]
 LAYER = {unit: k for k, units in enumerate(LAYERS) for unit in units}
 
@@ -55,8 +65,11 @@ def _targets(path: pathlib.Path, module: str) -> list[tuple[str, int]]:
             else:
                 out.append((source, node.lineno))
         elif isinstance(node, ast.Dict):  # {name: "remax_megatron.x.y"}: imported by name later
-            out += [(MODULE_STRING.fullmatch(v.value).group(1), v.lineno) for v in node.values
-                    if isinstance(v, ast.Constant) and isinstance(v.value, str) and MODULE_STRING.fullmatch(v.value)]
+            out += [
+                (MODULE_STRING.fullmatch(v.value).group(1), v.lineno)
+                for v in node.values
+                if isinstance(v, ast.Constant) and isinstance(v.value, str) and MODULE_STRING.fullmatch(v.value)
+            ]
     return [(t, line) for t, line in out if t.startswith("remax_megatron.")]
 
 
@@ -114,16 +127,22 @@ def _cycles(edges) -> list[list[str]]:
 
 
 def test_every_unit_has_a_layer():
-    units = {p.stem if p.is_file() else p.name for p in ROOT.iterdir()
-             if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").is_file()}
+    units = {
+        p.stem if p.is_file() else p.name
+        for p in ROOT.iterdir()
+        if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").is_file()
+    }
     missing = sorted(units - set(LAYER))
     assert not missing, f"give these a layer in tests/test_imports.py LAYERS: {missing}"
 
 
 def test_no_import_points_up():
-    up = [f"{a} (layer {LAYER[a]}) -> {b} (layer {LAYER[b]}): {where}"
-          for (a, b), sites in sorted(import_graph().items()) if LAYER.get(b, -1) > LAYER.get(a, -1)
-          for where in sites]
+    up = [
+        f"{a} (layer {LAYER[a]}) -> {b} (layer {LAYER[b]}): {where}"
+        for (a, b), sites in sorted(import_graph().items())
+        if LAYER.get(b, -1) > LAYER.get(a, -1)
+        for where in sites
+    ]
     print("\n".join(up))
     assert not up, f"{len(up)} upward import(s):\n" + "\n".join(up)
 
@@ -133,7 +152,12 @@ def test_no_cycle_between_packages():
     cycles = _cycles(edges)
     lines = []
     for component in cycles:
-        lines.append(" <-> ".join(component) + ": " + "; ".join(
-            site for (a, b), sites in sorted(edges.items()) if a in component and b in component for site in sites))
+        lines.append(
+            " <-> ".join(component)
+            + ": "
+            + "; ".join(
+                site for (a, b), sites in sorted(edges.items()) if a in component and b in component for site in sites
+            )
+        )
     print("\n".join(lines))
     assert not cycles, f"{len(cycles)} import cycle(s) between packages:\n" + "\n".join(lines)

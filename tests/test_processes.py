@@ -51,8 +51,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_forked_child_dies_with_its_parent_and_leaves_the_lock(tmp_path):
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "run")], cwd=ROOT,
-                              stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tmp_path / "run")], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     child = None
     try:
         child = int(parent.stdout.readline())
@@ -93,9 +94,17 @@ print("still running", flush=True)
 
 
 def test_a_second_sigint_stops_at_once_in_one_line():
-    r = subprocess.run([sys.executable, "-c", INTERRUPTED], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                       env={k: v for k, v in os.environ.items() if k not in ("RANK", "REMAX_LAUNCHER")})
+    r = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k not in ("RANK", "REMAX_LAUNCHER")},
+    )
     assert r.returncode == 130, (r.stdout, r.stderr)
     assert r.stdout == "after one: True SIGINT\n", r.stdout
-    assert r.stderr.splitlines() == ["error: stopped by a second SIGINT, without saving: the newest complete "
-                                     "checkpoint stays; rerun with checkpoint.resume=auto to continue from it"]
+    assert r.stderr.splitlines() == [
+        "error: stopped by a second SIGINT, without saving: the newest complete "
+        "checkpoint stays; rerun with checkpoint.resume=auto to continue from it"
+    ]

@@ -6,8 +6,10 @@ import os
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MAIN = ("bash tools/install.sh && python -m remax_megatron.launch --nproc_per_node=2 -m remax_megatron.train "
-        "--config configs/tiny_cpu.yaml")
+MAIN = (
+    "bash tools/install.sh && python -m remax_megatron.launch --nproc_per_node=2 -m remax_megatron.train "
+    "--config configs/tiny_cpu.yaml"
+)
 TESTS = "bash tools/install.sh test && python -m pytest -q -n 2 --dist loadfile"
 
 

@@ -33,8 +33,9 @@ def models(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(tokens)
     tok.add_tokens(["<extra>"])
     tok.save_pretrained(tokens)
-    return {name: str(path) for name, path in dict(base=base, moved=moved, other=other, theta=theta,
-                                                   tokens=tokens).items()}
+    return {
+        name: str(path) for name, path in dict(base=base, moved=moved, other=other, theta=theta, tokens=tokens).items()
+    }
 
 
 def _fingerprint(path):
@@ -43,14 +44,16 @@ def _fingerprint(path):
 
 def test_the_fingerprint_tells_models_apart_and_ignores_where_they_are(models):
     base = _fingerprint(models["base"])
-    assert {k: v for k, v in _fingerprint(models["moved"]).items() if k != "model"} == \
-        {k: v for k, v in base.items() if k != "model"}
-    assert [k for k in ("config", "tokenizer", "weights") if _fingerprint(models["other"])[k] != base[k]] == \
-        ["weights"]
-    assert [k for k in ("config", "tokenizer", "weights") if _fingerprint(models["theta"])[k] != base[k]] == \
-        ["config"]  # same weights, another RoPE
-    assert [k for k in ("config", "tokenizer", "weights") if _fingerprint(models["tokens"])[k] != base[k]] == \
-        ["tokenizer"]
+    assert {k: v for k, v in _fingerprint(models["moved"]).items() if k != "model"} == {
+        k: v for k, v in base.items() if k != "model"
+    }
+    assert [k for k in ("config", "tokenizer", "weights") if _fingerprint(models["other"])[k] != base[k]] == ["weights"]
+    assert [k for k in ("config", "tokenizer", "weights") if _fingerprint(models["theta"])[k] != base[k]] == [
+        "config"
+    ]  # same weights, another RoPE
+    assert [k for k in ("config", "tokenizer", "weights") if _fingerprint(models["tokens"])[k] != base[k]] == [
+        "tokenizer"
+    ]
 
 
 def _prompts(count):
@@ -59,8 +62,9 @@ def _prompts(count):
 
 def _check(models, name, state, *overrides, prompts=80):
     cfg = load_config(None, ["reward.functions=[exact_match]", f"actor.model={models[name]}", *overrides])
-    check_resume(cfg, "/ckpt/step_000004", state, models[name], AutoTokenizer.from_pretrained(models[name]),
-                 _prompts(prompts))
+    check_resume(
+        cfg, "/ckpt/step_000004", state, models[name], AutoTokenizer.from_pretrained(models[name]), _prompts(prompts)
+    )
 
 
 def _state(models, position=16):
@@ -76,7 +80,8 @@ def test_another_model_is_refused_unless_allowed(models):
         f"checkpoint /ckpt/step_000004 was trained from actor.model={models['base']}, and actor.model="
         f"{models['other']} is another model (its weights differ): resume with actor.model={models['base']}, start "
         "fresh with checkpoint.resume=none (or another trainer.output_dir), or set checkpoint.allow_model_change=true "
-        "to train on the checkpoint's weights with this model's config and tokenizer")
+        "to train on the checkpoint's weights with this model's config and tokenizer"
+    )
     with pytest.raises(ValueError, match="is another model \\(its tokenizer differ"):
         _check(models, "tokens", _state(models))
     _check(models, "other", _state(models), "checkpoint.allow_model_change=true")
@@ -89,10 +94,17 @@ def test_a_checkpoint_of_a_newer_megatron_core_is_refused_first(models, tmp_path
 
     (tmp_path / "remax_checkpoint.json").write_text(json.dumps({"versions": {"megatron_core": "99.0.0"}}))
     cfg = load_config(None, ["reward.functions=[exact_match]", f"actor.model={models['other']}"])
-    with pytest.raises(ValueError, match=f"checkpoint {tmp_path} was written by megatron-core 99.0.0 and the "
-                                         "installed megatron-core "):
-        check_resume(cfg, str(tmp_path), _state(models), models["other"],
-                     AutoTokenizer.from_pretrained(models["other"]), _prompts(80))
+    with pytest.raises(
+        ValueError, match=f"checkpoint {tmp_path} was written by megatron-core 99.0.0 and the installed megatron-core "
+    ):
+        check_resume(
+            cfg,
+            str(tmp_path),
+            _state(models),
+            models["other"],
+            AutoTokenizer.from_pretrained(models["other"]),
+            _prompts(80),
+        )
 
 
 def test_a_position_past_the_prompts_is_refused(models):
@@ -102,6 +114,7 @@ def test_a_position_past_the_prompts_is_refused(models):
     assert str(refused.value) == (
         "checkpoint /ckpt/step_000004 cannot resume with data.train=/data/small.jsonl: its data-loader position 64 "
         "of 80 is past the end of the 40 train prompts loaded now: resume with the data it was trained on, or start "
-        "fresh with checkpoint.resume=none")
+        "fresh with checkpoint.resume=none"
+    )
     with pytest.raises(ValueError, match="position 64 of 80 is past the end of the 40 train prompts"):
         PromptSampler(_prompts(40), 0).load_state_dict({"epoch": 1, "position": 64, "size": 80})

@@ -14,8 +14,16 @@ def _control(health_refusal=None, **overrides):
     from remax_megatron.config import load_config
     from remax_megatron.run_control import RunControl
 
-    cfg = load_config(None, ["reward.functions=[exact_match]", "trainer.steps=7", "checkpoint.save_every=3",
-                             "checkpoint.hf_every=2", *[f"{k}={v}" for k, v in overrides.items()]])
+    cfg = load_config(
+        None,
+        [
+            "reward.functions=[exact_match]",
+            "trainer.steps=7",
+            "checkpoint.save_every=3",
+            "checkpoint.hf_every=2",
+            *[f"{k}={v}" for k, v in overrides.items()],
+        ],
+    )
     actor = torch.nn.Linear(2, 2)
     parts = SimpleNamespace(actor=SimpleNamespace(module=actor))
     log = SimpleNamespace(lines=[])
@@ -38,8 +46,15 @@ def _body(rank, world):
     run, events, actor, log = _control()
     for step in range(1, 8):
         assert run.after_step(step, lambda: {"at": step})
-    assert events == [("export", 2), ("save", 3, {"at": 3}), ("export", 4), ("save", 6, {"at": 6}), ("export", 6),
-                      ("save", 7, {"at": 7}), ("export", 7)]  # every 3 and 2 steps, and the last step
+    assert events == [
+        ("export", 2),
+        ("save", 3, {"at": 3}),
+        ("export", 4),
+        ("save", 6, {"at": 6}),
+        ("export", 6),
+        ("save", 7, {"at": 7}),
+        ("export", 7),
+    ]  # every 3 and 2 steps, and the last step
 
     # a stop signal: save now and stop, whatever the schedule
     run, events, actor, log = _control()

@@ -30,10 +30,13 @@ def test_a_locked_directory_is_refused_naming_its_holder(tmp_path):
     with pytest.raises(DirectoryInUse) as refused:  # a second open file description: flock conflicts
         RunLock.acquire({"trainer.output_dir": str(other), "checkpoint.dir": str(out / "checkpoints")})
     line = str(refused.value)
-    assert line.startswith(f"checkpoint.dir={out / 'checkpoints'} is in use by another run (host "
-                           f"{socket.gethostname()}, pid {os.getpid()}, since "), line
-    assert line.endswith("): wait for it to end or stop it, or give this run another checkpoint.dir") and \
-        "\n" not in line
+    assert line.startswith(
+        f"checkpoint.dir={out / 'checkpoints'} is in use by another run (host "
+        f"{socket.gethostname()}, pid {os.getpid()}, since "
+    ), line
+    assert (
+        line.endswith("): wait for it to end or stop it, or give this run another checkpoint.dir") and "\n" not in line
+    )
     assert not other.exists()  # the refused call created nothing, even the directory it took first
     assert {p: (p / LOCK_NAME).read_bytes() for p in held} == held
     first.release()
@@ -43,9 +46,16 @@ def test_a_locked_directory_is_refused_naming_its_holder(tmp_path):
 def test_a_killed_holder_blocks_nothing(tmp_path):
     out = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from remax_megatron.run_lock import RunLock; "
-         f"RunLock.acquire({{'trainer.output_dir': {str(out)!r}}}); print('held', flush=True); time.sleep(600)"],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from remax_megatron.run_lock import RunLock; "
+            f"RunLock.acquire({{'trainer.output_dir': {str(out)!r}}}); print('held', flush=True); time.sleep(600)",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(DirectoryInUse, match=f"pid {holder.pid}, since"):

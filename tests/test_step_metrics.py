@@ -22,9 +22,15 @@ def _global_step():
         rows, width = prompts * N, 7
         mask = torch.rand(rows, width, generator=gen) > 0.4
         batch = {"response_mask": mask, "engine_logprobs": -torch.rand(rows, width, generator=gen) * mask}
-        rollouts = [PromptRollout(sampled=[Completion([p, s] * (1 + s), [-1.0] * 2 * (1 + s), "length" if s else "stop")
-                                           for s in range(N)], greedy=Completion([p, 0], [-1.0, -1.0], "stop"))
-                    for p in range(prompts)]
+        rollouts = [
+            PromptRollout(
+                sampled=[
+                    Completion([p, s] * (1 + s), [-1.0] * 2 * (1 + s), "length" if s else "stop") for s in range(N)
+                ],
+                greedy=Completion([p, 0], [-1.0, -1.0], "stop"),
+            )
+            for p in range(prompts)
+        ]
         r_sampled = torch.randint(0, 3, (rows,), generator=gen).double().tolist()
         r_greedy = torch.randint(0, 3, (prompts,), generator=gen).double().tolist()
         # trainer.skip_zero_advantage: skipped rows have advantage 0 and no log-probs (0 where the forward
@@ -48,9 +54,12 @@ def _record_body(rank, world):
     parts = SimpleNamespace(actor=SimpleNamespace(module=None))
     everything = _global_step()
     batch, rollouts, r_sampled, r_greedy, logprobs, advantages, ref = everything[rank]
-    update = SimpleNamespace(stats={"loss": 1.0, "pg_loss": 2.0, "entropy": 3.0, "clip_frac": 0.0, "grad_norm": 4.0},
-                             logprobs=logprobs, advantages=advantages,
-                             skipped_rows=float(sum(int(e[0]["skipped"].sum()) for e in everything)))
+    update = SimpleNamespace(
+        stats={"loss": 1.0, "pg_loss": 2.0, "entropy": 3.0, "clip_frac": 0.0, "grad_norm": 4.0},
+        logprobs=logprobs,
+        advantages=advantages,
+        skipped_rows=float(sum(int(e[0]["skipped"].sum()) for e in everything)),
+    )
     record = StepMetrics(cfg, parts, DpReduce(groups)).record(5, batch, rollouts, r_sampled, r_greedy, update, ref, {})
 
     # the same statistics over the global batch, in fp64, without any reduction
@@ -67,14 +76,25 @@ def _record_body(rank, world):
     greedy = [r for e in everything for r in e[3]]
     ties = [float(r == e[3][i // N]) for e in everything for i, r in enumerate(e[2])]
     lengths = [len(c.token_ids) for e in everything for r in e[1] for c in r.sampled]
-    want = {"step": 5, "advantage/mean": adv.mean().item(), "advantage/std": adv.std(unbiased=False).item(),
-            "kl/mean": kl.mean().item(), "reward/sampled_mean": sum(sampled) / len(sampled),
-            "reward/greedy_mean": sum(greedy) / len(greedy), "reward/tie_frac": sum(ties) / len(ties),
-            "response/length_mean": sum(lengths) / len(lengths), "reward/min": min(sampled + greedy),
-            "reward/max": max(sampled + greedy), "logprob/engine_vs_actor_max_diff": gap[mask].max().item(),
-            "logprob/engine_vs_actor_mean_diff": gap[mask].double().mean().item(), "loss": 1.0, "grad_norm": 4.0,
-            "batch/zero_advantage_frac": zero_rows.double().mean().item(),
-            "batch/skipped_rows": float(skipped.sum()), "batch/computed_rows": float((~skipped).sum())}
+    want = {
+        "step": 5,
+        "advantage/mean": adv.mean().item(),
+        "advantage/std": adv.std(unbiased=False).item(),
+        "kl/mean": kl.mean().item(),
+        "reward/sampled_mean": sum(sampled) / len(sampled),
+        "reward/greedy_mean": sum(greedy) / len(greedy),
+        "reward/tie_frac": sum(ties) / len(ties),
+        "response/length_mean": sum(lengths) / len(lengths),
+        "reward/min": min(sampled + greedy),
+        "reward/max": max(sampled + greedy),
+        "logprob/engine_vs_actor_max_diff": gap[mask].max().item(),
+        "logprob/engine_vs_actor_mean_diff": gap[mask].double().mean().item(),
+        "loss": 1.0,
+        "grad_norm": 4.0,
+        "batch/zero_advantage_frac": zero_rows.double().mean().item(),
+        "batch/skipped_rows": float(skipped.sum()),
+        "batch/computed_rows": float((~skipped).sum()),
+    }
     assert mask_all.sum() > mask.sum()
     for key, value in want.items():
         assert abs(record[key] - value) < 1e-6, (key, record[key], value)
@@ -85,7 +105,7 @@ def test_the_record_reduces_over_data_parallel_like_the_global_batch():
 
 
 def test_optimizer_state_counts_each_storage_once():
-    moment = torch.zeros(256, dtype=torch.float32)                        # 1 KiB
+    moment = torch.zeros(256, dtype=torch.float32)  # 1 KiB
     optimizer = SimpleNamespace(state_tensors=lambda: [moment, moment, moment[:10], torch.zeros(512)])
     assert optimizer_state_mib(optimizer) * 2**20 == 1024 + 2048
 

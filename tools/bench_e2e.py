@@ -84,11 +84,21 @@ def bench_config(args, overrides: list[str], output_dir: str):
     from remax_megatron.config import load_config
 
     steps = args.warmup + args.steps * args.rounds + args.padded_steps
-    placement = [f"rollout.placement={args.placement}", f"rollout.ranks={args.rollout_ranks}"] \
-        if args.placement == "separate" else []
-    fixed = [*placement, f"actor.model={args.hf_dir}", f"trainer.steps={steps}",
-             f"trainer.output_dir={output_dir}", "trainer.eval_every=0", "checkpoint.save_every=0",
-             "logging.progress_bar=false", "logging.tensorboard=false"]
+    placement = (
+        [f"rollout.placement={args.placement}", f"rollout.ranks={args.rollout_ranks}"]
+        if args.placement == "separate"
+        else []
+    )
+    fixed = [
+        *placement,
+        f"actor.model={args.hf_dir}",
+        f"trainer.steps={steps}",
+        f"trainer.output_dir={output_dir}",
+        "trainer.eval_every=0",
+        "checkpoint.save_every=0",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+    ]
     if args.stop_every:
         fixed.append(f"rollout.stop_token_ids={stop_ids(args.hf_dir, args.stop_every)}")
     return load_config(args.config, fixed + list(overrides))
@@ -188,15 +198,27 @@ class OursRun:
             "tokens_per_s": median([r["throughput/tokens_per_s"] for r in measured]),
             "rollout_tokens_per_s": median([r["rollout/tokens"] / r["time/rollout_s"] for r in measured]),
             "engine": cfg.rollout.engine,
-            "layout": {"world": self.world, "actor_tp": cfg.actor.tp, "actor_pp": cfg.actor.pp,
-                       "dp": self.parts.groups.dp_size, "rollout_tp": cfg.rollout.tp},
-            "workload": {"model": args.hf_dir, "prompts_per_step": cfg.trainer.prompts_per_step, "n": cfg.rollout.n,
-                         "max_new_tokens": cfg.rollout.max_new_tokens,
-                         "micro_batch_size": cfg.trainer.micro_batch_size,
-                         "reward_functions": list(cfg.reward.functions), "lr": cfg.optim.lr, "dtype": cfg.actor.dtype,
-                         "kl": self.parts.reference is not None,
-                         "response_length_mean": median([r["response/length_mean"] for r in measured])},
-            "steps": args.steps, "warmup": args.warmup,
+            "layout": {
+                "world": self.world,
+                "actor_tp": cfg.actor.tp,
+                "actor_pp": cfg.actor.pp,
+                "dp": self.parts.groups.dp_size,
+                "rollout_tp": cfg.rollout.tp,
+            },
+            "workload": {
+                "model": args.hf_dir,
+                "prompts_per_step": cfg.trainer.prompts_per_step,
+                "n": cfg.rollout.n,
+                "max_new_tokens": cfg.rollout.max_new_tokens,
+                "micro_batch_size": cfg.trainer.micro_batch_size,
+                "reward_functions": list(cfg.reward.functions),
+                "lr": cfg.optim.lr,
+                "dtype": cfg.actor.dtype,
+                "kl": self.parts.reference is not None,
+                "response_length_mean": median([r["response/length_mean"] for r in measured]),
+            },
+            "steps": args.steps,
+            "warmup": args.warmup,
             "step_s": [r["time/step_s"] for r in measured],
             # CPU seconds per step (this rank): less sensitive than wall time to other jobs on a shared machine.
             "cpu_s_per_step": median(cpu_s),
@@ -207,18 +229,27 @@ class OursRun:
             "threads": torch.get_num_threads(),
         }
         result.update(token_work(measured))
-        result["placement"] = {"placement": cfg.rollout.placement, "rollout_ranks": cfg.rollout.ranks,
-                               "max_staleness": cfg.rollout.max_staleness if cfg.rollout.ranks else 0,
-                               "staleness": median([r["rollout/staleness"] for r in measured])}
+        result["placement"] = {
+            "placement": cfg.rollout.placement,
+            "rollout_ranks": cfg.rollout.ranks,
+            "max_staleness": cfg.rollout.max_staleness if cfg.rollout.ranks else 0,
+            "staleness": median([r["rollout/staleness"] for r in measured]),
+        }
         result["rollout_wait_s"] = median([r["time/rollout_s"] for r in measured])
-        result["workload"].update(micro_batch_tokens=cfg.trainer.micro_batch_tokens,
-                                  pack_sequences=cfg.trainer.pack_sequences,
-                                  stop_token_ids=len(cfg.rollout.stop_token_ids))
+        result["workload"].update(
+            micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+            pack_sequences=cfg.trainer.pack_sequences,
+            stop_token_ids=len(cfg.rollout.stop_token_ids),
+        )
         if padded:
-            result["padded"] = dict(token_work(padded), step_s=[r["time/step_s"] for r in padded],
-                                    stages={k: median([r[k] for r in padded]) for k in time_keys})
-            result["update_speedup_per_real_token"] = (result["padded"]["update_s_per_real_token"]
-                                                       / result["update_s_per_real_token"])
+            result["padded"] = dict(
+                token_work(padded),
+                step_s=[r["time/step_s"] for r in padded],
+                stages={k: median([r[k] for r in padded]) for k in time_keys},
+            )
+            result["update_speedup_per_real_token"] = (
+                result["padded"]["update_s_per_real_token"] / result["update_s_per_real_token"]
+            )
         if cfg.rollout.placement == "colocated":  # the greedy row is timed on a local engine
             result["greedy_row"] = measure_greedy_row(self.trainer, self.checked.train, args.greedy_repeats)
         return result
@@ -226,10 +257,12 @@ class OursRun:
 
 def token_work(records: list[dict]) -> dict:
     """What the training forward computed per real token, and the update's seconds per real token (medians)."""
-    return {"computed_over_real": median([r["batch/computed_tokens"] / r["batch/real_tokens"] for r in records]),
-            "update_s_per_real_token": median([r["time/update_s"] / r["batch/real_tokens"] for r in records]),
-            "real_tokens": median([r["batch/real_tokens"] for r in records]),
-            "computed_tokens": median([r["batch/computed_tokens"] for r in records])}
+    return {
+        "computed_over_real": median([r["batch/computed_tokens"] / r["batch/real_tokens"] for r in records]),
+        "update_s_per_real_token": median([r["time/update_s"] / r["batch/real_tokens"] for r in records]),
+        "real_tokens": median([r["batch/real_tokens"] for r in records]),
+        "computed_tokens": median([r["batch/computed_tokens"] for r in records]),
+    }
 
 
 def measure_greedy_row(trainer, train_prompts: list, repeats: int) -> dict:
@@ -248,7 +281,7 @@ def measure_greedy_row(trainer, train_prompts: list, repeats: int) -> dict:
 
     cfg, engine, groups = trainer.cfg, trainer.parts.engine, trainer.groups
     n = cfg.rollout.n
-    prompts = trainer.dispatch.share(train_prompts[:cfg.trainer.prompts_per_step])
+    prompts = trainer.dispatch.share(train_prompts[: cfg.trainer.prompts_per_step])
     if engine.group_size == 1 and groups.mp_size > 1:  # as in training: each rank decodes its share
         lo, hi = contiguous_share(len(prompts), groups.mp_size, groups.mp_rank)
         prompts = prompts[lo:hi]
@@ -278,7 +311,7 @@ def measure_greedy_row(trainer, train_prompts: list, repeats: int) -> dict:
     with_greedy, sampling_only = [], []
     for r in range(repeats + 1):
         seeds = [stream_seed(cfg.trainer.seed, 1_000_000 + r, i) for i in range(len(ids))]
-        for greedy in ((True, False) if r % 2 == 0 else (False, True)):
+        for greedy in (True, False) if r % 2 == 0 else (False, True):
             dist.barrier()
             start = time.perf_counter()
             rollout(seeds, greedy)
@@ -289,9 +322,17 @@ def measure_greedy_row(trainer, train_prompts: list, repeats: int) -> dict:
                 (with_greedy if greedy else sampling_only).append(float(elapsed))
     engine.sleep()
     ratio = median(with_greedy) / median(sampling_only)
-    return {"with_greedy_s": median(with_greedy), "sampling_only_s": median(sampling_only), "ratio": ratio,
-            "bound": (n + 1) / n, "within_bound": ratio <= (n + 1) / n, "repeats": repeats,
-            "with_greedy_times": with_greedy, "sampling_only_times": sampling_only, "method": method}
+    return {
+        "with_greedy_s": median(with_greedy),
+        "sampling_only_s": median(sampling_only),
+        "ratio": ratio,
+        "bound": (n + 1) / n,
+        "within_bound": ratio <= (n + 1) / n,
+        "repeats": repeats,
+        "with_greedy_times": with_greedy,
+        "sampling_only_times": sampling_only,
+        "method": method,
+    }
 
 
 # ---- the peer -----------------------------------------------------------------------------
@@ -300,29 +341,48 @@ def check_peer(cfg) -> None:
     if cfg.reward.model:
         raise ValueError("--peer trl compares rule-based rewards only: this config has reward.model set")
     if cfg.actor.dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"--peer trl runs actor.dtype=float32 or bfloat16 (TRL's bf16=True), not "
-                         f"actor.dtype={cfg.actor.dtype}: set one of those")
+        raise ValueError(
+            f"--peer trl runs actor.dtype=float32 or bfloat16 (TRL's bf16=True), not "
+            f"actor.dtype={cfg.actor.dtype}: set one of those"
+        )
 
 
 def peer_spec(args, cfg, checked) -> dict:
     """What tools/bench_e2e_trl.py needs to run the same work through TRL (OursRun ran check_peer)."""
     if cfg.algo.kl_coef:
-        print("note: --peer trl runs TRL with beta=0 (no KL) while this config has algo.kl_coef="
-              f"{cfg.algo.kl_coef}", file=sys.stderr)
+        print(
+            f"note: --peer trl runs TRL with beta=0 (no KL) while this config has algo.kl_coef={cfg.algo.kl_coef}",
+            file=sys.stderr,
+        )
     train = checked.train
     # Rows of the same train split, as many as TRL consumes (each side's sampler picks its own order).
     needed = (args.warmup + args.steps) * cfg.trainer.prompts_per_step
     rows = [dict(q.columns, prompt=q.text) for q in (train * (needed // len(train) + 1))[:needed]]
     return {
-        "hf_dir": checked.actor_dir, "rows": rows, "steps": args.warmup + args.steps, "warmup": args.warmup,
-        "prompts_per_step": cfg.trainer.prompts_per_step, "n": cfg.rollout.n,
-        "max_new_tokens": cfg.rollout.max_new_tokens, "max_prompt_tokens": cfg.data.max_prompt_tokens,
-        "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k,
-        "micro_batch_size": cfg.trainer.micro_batch_size, "lr": cfg.optim.lr, "grad_clip": cfg.optim.grad_clip,
-        "weight_decay": cfg.optim.weight_decay, "seed": cfg.trainer.seed, "dtype": cfg.actor.dtype,
-        "reward_functions": list(cfg.reward.functions), "reward_weights": list(cfg.reward.weights),
-        "reward_options": {"pattern": cfg.reward.format_pattern, "tolerance": cfg.reward.numeric_tolerance,
-                           "limit": cfg.reward.length_limit},
+        "hf_dir": checked.actor_dir,
+        "rows": rows,
+        "steps": args.warmup + args.steps,
+        "warmup": args.warmup,
+        "prompts_per_step": cfg.trainer.prompts_per_step,
+        "n": cfg.rollout.n,
+        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "max_prompt_tokens": cfg.data.max_prompt_tokens,
+        "temperature": cfg.rollout.temperature,
+        "top_p": cfg.rollout.top_p,
+        "top_k": cfg.rollout.top_k,
+        "micro_batch_size": cfg.trainer.micro_batch_size,
+        "lr": cfg.optim.lr,
+        "grad_clip": cfg.optim.grad_clip,
+        "weight_decay": cfg.optim.weight_decay,
+        "seed": cfg.trainer.seed,
+        "dtype": cfg.actor.dtype,
+        "reward_functions": list(cfg.reward.functions),
+        "reward_weights": list(cfg.reward.weights),
+        "reward_options": {
+            "pattern": cfg.reward.format_pattern,
+            "tolerance": cfg.reward.numeric_tolerance,
+            "limit": cfg.reward.length_limit,
+        },
         "stop_token_ids": list(cfg.rollout.stop_token_ids),
         # Same KV-cache budget as our engine (on CPU vLLM's memory fraction is of host memory).
         "kv_cache_gib": cfg.rollout.kv_cache_gib or 0.5,
@@ -332,9 +392,22 @@ def peer_spec(args, cfg, checked) -> dict:
 def run_peer(args, spec: dict) -> dict:
     """TRL in a subprocess: vLLM colocate first, transformers generate when that fails."""
     modes = ["vllm", "transformers"] if args.peer_generation == "auto" else [args.peer_generation]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                        "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "ROLE_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
+        and not k.startswith("TORCHELASTIC")
+    }
     if args.peer_malloc == "ours":  # glibc's environment names for what keep_freed_host_memory sets
         env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(2**30))
     failures = {}
@@ -344,11 +417,20 @@ def run_peer(args, spec: dict) -> dict:
             json.dump(spec, f)
         for mode in modes:
             out = os.path.join(tmp, f"{mode}.json")
-            cmd = [args.peer_python, os.path.join(REPO, "tools", "bench_e2e_trl.py"), "--spec", spec_path,
-                   "--generation", mode, "--out", out]
+            cmd = [
+                args.peer_python,
+                os.path.join(REPO, "tools", "bench_e2e_trl.py"),
+                "--spec",
+                spec_path,
+                "--generation",
+                mode,
+                "--out",
+                out,
+            ]
             print(f"peer: {' '.join(cmd)}", file=sys.stderr, flush=True)
-            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  timeout=args.peer_timeout)
+            proc = subprocess.run(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.peer_timeout
+            )
             log_path = os.path.join(args.peer_log_dir, f"trl_{mode}.log") if args.peer_log_dir else None
             if log_path:
                 with open(log_path, "w") as f:
@@ -358,7 +440,8 @@ def run_peer(args, spec: dict) -> dict:
                     peer = json.load(f)
                 peer["fallback_from"] = failures
                 peer["malloc"] = {"default": "glibc default", "ours": "no mmap, trim above 1 GiB (as ours)"}[
-                    args.peer_malloc]
+                    args.peer_malloc
+                ]
                 return peer
             tail = [line for line in proc.stdout.strip().splitlines() if line.strip()][-3:]
             failures[mode] = f"exit {proc.returncode}: " + " | ".join(tail)
@@ -389,7 +472,7 @@ def run_rounds(args, ours: OursRun) -> dict:
     spec = peer_spec(args, ours.cfg, ours.checked)
     rounds, measured, cpu_s, peers, padded = [], [], [], [], []
     for r in range(args.rounds):
-        for side in (("ours", "peer") if r % 2 == 0 else ("peer", "ours")):
+        for side in ("ours", "peer") if r % 2 == 0 else ("peer", "ours"):
             if side == "peer":
                 peers.append(run_peer(args, spec))
                 continue
@@ -401,17 +484,30 @@ def run_rounds(args, ours: OursRun) -> dict:
             padded += more_padded
             ours_step_s = [rec["time/step_s"] for rec in records]
         peer_step_s = peers[-1]["step_s"]
-        rounds.append({"order": "ours, trl" if r % 2 == 0 else "trl, ours", "ours_step_s": ours_step_s,
-                       "peer_step_s": peer_step_s, "ratio": median(peer_step_s) / median(ours_step_s)})
+        rounds.append(
+            {
+                "order": "ours, trl" if r % 2 == 0 else "trl, ours",
+                "ours_step_s": ours_step_s,
+                "peer_step_s": peer_step_s,
+                "ratio": median(peer_step_s) / median(ours_step_s),
+            }
+        )
     result = ours.result(args, measured, cpu_s, padded)
     peer_steps = [t for p in peers for t in p["step_s"]]
     peer_samples = ours.samples / median(peer_steps)
     result.update(
-        peer_samples_per_s=peer_samples, ratio=median([x["ratio"] for x in rounds]), rounds=rounds,
+        peer_samples_per_s=peer_samples,
+        ratio=median([x["ratio"] for x in rounds]),
+        rounds=rounds,
         pooled_ratio=result["samples_per_s"] / peer_samples,
         cpu_ratio=median([p["cpu_s_per_sample"] for p in peers]) / result["cpu_s_per_sample"],
-        peer=dict(peers[-1], step_s=peer_steps, samples_per_s=peer_samples,
-                  generation_s=[t for p in peers for t in (p.get("generation_s") or [])] or None))
+        peer=dict(
+            peers[-1],
+            step_s=peer_steps,
+            samples_per_s=peer_samples,
+            generation_s=[t for p in peers for t in (p.get("generation_s") or [])] or None,
+        ),
+    )
     return result
 
 
@@ -425,24 +521,48 @@ def main(argv=None) -> None:
     p.add_argument("--greedy-repeats", type=int, default=3, help="timed rollouts per greedy-row variant")
     p.add_argument("--peer", choices=["trl"], default=None, help="also run TRL's GRPOTrainer on the same work")
     p.add_argument("--peer-python", default=sys.executable, help="python that can import trl")
-    p.add_argument("--peer-generation", choices=["auto", "vllm", "transformers"], default="auto",
-                   help="TRL's generation backend; auto: vLLM colocate, else transformers generate")
+    p.add_argument(
+        "--peer-generation",
+        choices=["auto", "vllm", "transformers"],
+        default="auto",
+        help="TRL's generation backend; auto: vLLM colocate, else transformers generate",
+    )
     p.add_argument("--peer-timeout", type=int, default=3600, help="seconds per TRL attempt")
-    p.add_argument("--peer-malloc", choices=["default", "ours"], default="default",
-                   help="TRL's host allocator: glibc's default, or ours (freed memory kept for reuse, as "
-                        "remax_megatron.train sets on CPU)")
+    p.add_argument(
+        "--peer-malloc",
+        choices=["default", "ours"],
+        default="default",
+        help="TRL's host allocator: glibc's default, or ours (freed memory kept for reuse, as "
+        "remax_megatron.train sets on CPU)",
+    )
     p.add_argument("--peer-log-dir", default=None, help="keep the TRL subprocesses' output here")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="with --peer: alternate ours and TRL this many rounds (ABBA order); the ratio is the "
-                        "median of the rounds' ratios")
-    p.add_argument("--stop-every", type=int, default=0,
-                   help="every K-th token id stops a completion (rollout.stop_token_ids; TRL gets the same ids): "
-                        "geometric response lengths, mean ~K, on a random model; 0: EOS only")
-    p.add_argument("--padded-steps", type=int, default=0,
-                   help="also run this many steps with today's fixed-count padded micro-batches "
-                        "(trainer.micro_batch_tokens=0), reported under `padded`")
-    p.add_argument("--placement", choices=["colocated", "separate"], default="colocated",
-                   help="separate: the last --rollout-ranks ranks run the engine (rollout.placement=separate)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --peer: alternate ours and TRL this many rounds (ABBA order); the ratio is the "
+        "median of the rounds' ratios",
+    )
+    p.add_argument(
+        "--stop-every",
+        type=int,
+        default=0,
+        help="every K-th token id stops a completion (rollout.stop_token_ids; TRL gets the same ids): "
+        "geometric response lengths, mean ~K, on a random model; 0: EOS only",
+    )
+    p.add_argument(
+        "--padded-steps",
+        type=int,
+        default=0,
+        help="also run this many steps with today's fixed-count padded micro-batches "
+        "(trainer.micro_batch_tokens=0), reported under `padded`",
+    )
+    p.add_argument(
+        "--placement",
+        choices=["colocated", "separate"],
+        default="colocated",
+        help="separate: the last --rollout-ranks ranks run the engine (rollout.placement=separate)",
+    )
     p.add_argument("--rollout-ranks", type=int, default=1, help="with --placement separate: the rollout ranks")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. actor.tp=1 rollout.n=2")
     args = p.parse_args(argv)
@@ -455,8 +575,10 @@ def main(argv=None) -> None:
     if args.stop_every < 0 or args.padded_steps < 0:
         p.error("--stop-every and --padded-steps must be >= 0")
     if args.rounds > 1 and (not args.peer or int(os.environ.get("WORLD_SIZE", "1")) > 1):
-        p.error(f"--rounds {args.rounds} alternates with the peer in one process: add --peer trl and run "
-                "without torchrun (world 1)")
+        p.error(
+            f"--rounds {args.rounds} alternates with the peer in one process: add --peer trl and run "
+            "without torchrun (world 1)"
+        )
 
     load_start = os.getloadavg()
     ours = OursRun(args, args.overrides)
@@ -469,18 +591,24 @@ def main(argv=None) -> None:
         result = ours.result(args, records, cpu_s, padded)
         if args.peer and rank == 0:
             peer = run_peer(args, peer_spec(args, ours.cfg, ours.checked))
-            result.update(peer_samples_per_s=peer["samples_per_s"],
-                          ratio=result["samples_per_s"] / peer["samples_per_s"],
-                          cpu_ratio=peer["cpu_s_per_sample"] / result["cpu_s_per_sample"], peer=peer)
+            result.update(
+                peer_samples_per_s=peer["samples_per_s"],
+                ratio=result["samples_per_s"] / peer["samples_per_s"],
+                cpu_ratio=peer["cpu_s_per_sample"] / result["cpu_s_per_sample"],
+                peer=peer,
+            )
     else:
         result = run_rounds(args, ours)
     if ours.cfg.rollout.placement == "separate":
         ours.parts.engine.shutdown()  # stops the rollout ranks' loop
     if rank == 0:
         # A shared machine's load moves every number here: say what it was.
-        result["machine"] = {"cpus": os.cpu_count(), "loadavg_1_5_15_start": load_start,
-                             "loadavg_1_5_15_end": os.getloadavg(),
-                             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+        result["machine"] = {
+            "cpus": os.cpu_count(),
+            "loadavg_1_5_15_start": load_start,
+            "loadavg_1_5_15_end": os.getloadavg(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        }
         text = json.dumps(result, indent=2)
         print(text, flush=True)
         if args.json:

@@ -45,8 +45,9 @@ def make_reward(spec: dict, columns: list[str]):
     functions = RewardFunctions(spec["reward_functions"], spec["reward_weights"], spec["reward_options"])
 
     def remax_reward(prompts, completions, **kwargs):
-        total, _ = functions(list(prompts), list(completions), {k: list(kwargs[k]) for k in columns},
-                             list(range(len(prompts))))
+        total, _ = functions(
+            list(prompts), list(completions), {k: list(kwargs[k]) for k in columns}, list(range(len(prompts)))
+        )
         return total
 
     remax_reward.__name__ = "+".join(spec["reward_functions"])
@@ -97,13 +98,29 @@ def main(argv=None) -> None:
     use_vllm = args.generation == "vllm"
     bf16 = spec["dtype"] == "bfloat16"  # float32 or bfloat16 (bench_e2e.check_peer); see the docstring
     config = dict(
-        per_device_train_batch_size=mbs, gradient_accumulation_steps=samples // mbs,
-        num_generations=spec["n"], max_completion_length=spec["max_new_tokens"],
-        temperature=spec["temperature"], top_p=spec["top_p"], top_k=spec["top_k"],
-        learning_rate=spec["lr"], max_grad_norm=spec["grad_clip"] or 1e9, weight_decay=spec["weight_decay"],
-        lr_scheduler_type="constant", beta=0.0, num_iterations=1, max_steps=spec["steps"], seed=spec["seed"],
-        bf16=bf16, gradient_checkpointing=False, use_cpu=True, logging_steps=1, save_strategy="no",
-        report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+        per_device_train_batch_size=mbs,
+        gradient_accumulation_steps=samples // mbs,
+        num_generations=spec["n"],
+        max_completion_length=spec["max_new_tokens"],
+        temperature=spec["temperature"],
+        top_p=spec["top_p"],
+        top_k=spec["top_k"],
+        learning_rate=spec["lr"],
+        max_grad_norm=spec["grad_clip"] or 1e9,
+        weight_decay=spec["weight_decay"],
+        lr_scheduler_type="constant",
+        beta=0.0,
+        num_iterations=1,
+        max_steps=spec["steps"],
+        seed=spec["seed"],
+        bf16=bf16,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
         use_vllm=use_vllm,
     )
     if use_vllm:
@@ -111,8 +128,11 @@ def main(argv=None) -> None:
         # a training process overdraws; its own CPU knob sets the size instead (whole GiB, >= ours).
         kv_gib = max(1, math.ceil(spec["kv_cache_gib"]))
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
-        config.update(vllm_mode="colocate", vllm_importance_sampling_correction=False,
-                      vllm_max_model_length=spec["max_prompt_tokens"] + spec["max_new_tokens"])
+        config.update(
+            vllm_mode="colocate",
+            vllm_importance_sampling_correction=False,
+            vllm_max_model_length=spec["max_prompt_tokens"] + spec["max_new_tokens"],
+        )
     out_dir = tempfile.mkdtemp(prefix="bench-e2e-trl-")
     grpo_args = GRPOConfig(output_dir=out_dir, **config)
 
@@ -138,11 +158,18 @@ def main(argv=None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(spec["hf_dir"])
     model_dir = with_stop_tokens(spec["hf_dir"], spec.get("stop_token_ids") or [], tokenizer)
     t0 = time.perf_counter()
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=make_reward(spec, columns), args=grpo_args,
-                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[StepClock()])
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=make_reward(spec, columns),
+        args=grpo_args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[StepClock()],
+    )
     build_s = time.perf_counter() - t0
     generate = getattr(trainer, "_generate", None)  # TRL 1.x: the rollout of one generation batch
     if generate is not None:
+
         def timed_generate(*a, **k):
             start = time.perf_counter()
             try:
@@ -152,25 +179,29 @@ def main(argv=None) -> None:
 
         trainer._generate = timed_generate
     trainer.train()
-    step_s = [b - a for a, b in zip(step_ends, step_ends[1:])][spec["warmup"]:]
+    step_s = [b - a for a, b in zip(step_ends, step_ends[1:])][spec["warmup"] :]
     if not step_s:
         raise RuntimeError(f"TRL ran {len(step_ends) - 1} steps, none after the {spec['warmup']} warm-up steps")
-    cpu_s = [b - a for a, b in zip(cpu_ends, cpu_ends[1:])][spec["warmup"]:]
+    cpu_s = [b - a for a, b in zip(cpu_ends, cpu_ends[1:])][spec["warmup"] :]
     lengths = [entry["completions/mean_length"] for entry in history if "completions/mean_length" in entry]
     result = {
         "samples_per_s": samples / statistics.median(step_s),
         "step_s": step_s,
         # Per measured step: seconds generating (TRL's _generate) and the rest (rewards, forward/backward,
         # optimizer, bookkeeping); None where this TRL has no _generate.
-        "generation_s": generating[spec["warmup"]:len(step_s) + spec["warmup"]] if generate is not None else None,
+        "generation_s": generating[spec["warmup"] : len(step_s) + spec["warmup"]] if generate is not None else None,
         "cpu_s_per_step": statistics.median(cpu_s),
         "cpu_s_per_sample": statistics.median(cpu_s) / samples,
         "build_s": build_s,
-        "response_length_mean": statistics.median(lengths[spec["warmup"]:] or lengths) if lengths else None,
+        "response_length_mean": statistics.median(lengths[spec["warmup"] :] or lengths) if lengths else None,
         "config": {
-            "trainer": "trl.GRPOTrainer", "trl": trl.__version__, "transformers": transformers.__version__,
-            "torch": torch.__version__, "generation": "vllm colocate" if use_vllm else "transformers generate",
-            "threads": torch.get_num_threads(), "weights_dtype": str(trainer.model.dtype).replace("torch.", ""),
+            "trainer": "trl.GRPOTrainer",
+            "trl": trl.__version__,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "generation": "vllm colocate" if use_vllm else "transformers generate",
+            "threads": torch.get_num_threads(),
+            "weights_dtype": str(trainer.model.dtype).replace("torch.", ""),
             "stop_token_ids": len(trainer.eos_token_ids),
             **{k: v for k, v in config.items() if k != "report_to"},
         },

@@ -57,7 +57,7 @@ def _worker(args) -> dict:
     dtype = getattr(torch, _DTYPES[args.dtype])
     n, d, v = args.tokens, args.hidden, args.vocab
     gen = torch.Generator().manual_seed(0)
-    hidden = (torch.randn(n, d, generator=gen) / d ** 0.5).to(dev, dtype).requires_grad_()
+    hidden = (torch.randn(n, d, generator=gen) / d**0.5).to(dev, dtype).requires_grad_()
     weight = torch.randn(v, d, generator=gen).to(dev, dtype).requires_grad_()
     labels = torch.randint(0, v, (n,), generator=gen).to(dev)
     adv = torch.randn(1, generator=gen).to(dev)
@@ -70,8 +70,9 @@ def _worker(args) -> dict:
             logits = hidden.float() @ weight.float().T  # [N, V]
             logp = torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)
         else:
-            logp, _ = fused_logprobs(hidden, weight, labels, grad_hint=hint,
-                                     impl="triton" if args.impl == "triton" else "torch")
+            logp, _ = fused_logprobs(
+                hidden, weight, labels, grad_hint=hint, impl="triton" if args.impl == "triton" else "torch"
+            )
         loss, _ = remax_loss(logp[None], adv, mask, global_num_tokens=n)
         loss.backward()
 
@@ -85,7 +86,7 @@ def _worker(args) -> dict:
         base = torch.cuda.memory_allocated()
         step()
         sync()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     else:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -113,11 +114,20 @@ def _worker(args) -> dict:
             floor.append((time.perf_counter() - t0) * 1e3)
     floor_ms = statistics.median(floor)
     return dict(
-        impl=args.impl, tokens=n, hidden=d, vocab=v, tp=args.tp, dtype=args.dtype,
-        device=args.device, fwd_bwd_ms=round(fwd_bwd, 2), peak_mem_mib=round(peak, 1),
+        impl=args.impl,
+        tokens=n,
+        hidden=d,
+        vocab=v,
+        tp=args.tp,
+        dtype=args.dtype,
+        device=args.device,
+        fwd_bwd_ms=round(fwd_bwd, 2),
+        peak_mem_mib=round(peak, 1),
         tflops=round(8 * n * d * v / (fwd_bwd * 1e-3) / 1e12, 4),
-        gemm_floor_ms=round(floor_ms, 2), ratio_to_gemm_floor=round(fwd_bwd / floor_ms, 3),
-        repeats=args.repeats, times_ms=[round(t, 2) for t in times],
+        gemm_floor_ms=round(floor_ms, 2),
+        ratio_to_gemm_floor=round(fwd_bwd / floor_ms, 3),
+        repeats=args.repeats,
+        times_ms=[round(t, 2) for t in times],
     )
 
 
@@ -139,15 +149,18 @@ def main(argv=None) -> None:
     if args.impl is not None:
         print(json.dumps(_worker(args)))
         return
-    impls = (args.impls.split(",") if args.impls else
-             ["naive", "fused", "fused-hint"] + (["triton"] if args.device == "cuda" else []))
+    impls = (
+        args.impls.split(",")
+        if args.impls
+        else ["naive", "fused", "fused-hint"] + (["triton"] if args.device == "cuda" else [])
+    )
     rows = []
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for impl in impls:
         cmd = [sys.executable, os.path.abspath(__file__), "--impl", impl] + [
-            f"--{k}={getattr(args, k)}" for k in
-            ("device", "tokens", "hidden", "vocab", "dtype", "repeats", "tp")]
+            f"--{k}={getattr(args, k)}" for k in ("device", "tokens", "hidden", "vocab", "dtype", "repeats", "tp")
+        ]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode != 0:
             raise SystemExit(f"{impl} failed:\n{out.stderr}")

@@ -30,16 +30,21 @@ def measured(result: dict) -> list[dict]:
     with open(result["metrics_jsonl"]) as f:
         records = [json.loads(line) for line in f]
     steps = [r for r in records if "loss" in r]
-    return steps[result["warmup"]:result["warmup"] + result["steps"]]
+    return steps[result["warmup"] : result["warmup"] + result["steps"]]
 
 
 def summary(result: dict) -> dict:
     steps = measured(result)
     med = lambda key: statistics.median(r[key] for r in steps) if all(key in r for r in steps) else None  # noqa: E731
     peak = lambda prefix: max((v for r in steps for k, v in r.items() if k.startswith(prefix)), default=None)  # noqa: E731
-    return {"step_s": med("time/step_s"), "update_s": med("time/update_s"), "optim_state_mib": med("optim/state_mib"),
-            "peak_rss_gib": peak("memory/rss_gib_"), "peak_gpu_gib": peak("memory/peak_gib_"),
-            "samples_per_s": result["samples_per_s"]}
+    return {
+        "step_s": med("time/step_s"),
+        "update_s": med("time/update_s"),
+        "optim_state_mib": med("optim/state_mib"),
+        "peak_rss_gib": peak("memory/rss_gib_"),
+        "peak_gpu_gib": peak("memory/peak_gib_"),
+        "samples_per_s": result["samples_per_s"],
+    }
 
 
 def main(argv=None) -> None:
@@ -53,12 +58,24 @@ def main(argv=None) -> None:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     out_dir = tempfile.mkdtemp(prefix="bench-lora-")
-    results = {name: run_bench_e2e(name, args.nproc, args, extra, out_dir) for name, extra in (
-        ("full", []), ("lora", [f"actor.lora_rank={args.rank}", f"actor.lora_alpha={2 * args.rank}"]))}
+    results = {
+        name: run_bench_e2e(name, args.nproc, args, extra, out_dir)
+        for name, extra in (
+            ("full", []),
+            ("lora", [f"actor.lora_rank={args.rank}", f"actor.lora_alpha={2 * args.rank}"]),
+        )
+    }
     full, lora = summary(results["full"]), summary(results["lora"])
     ratio = {k: lora[k] / full[k] for k in full if full[k] and lora[k] is not None}
-    out = {"rank": args.rank, "nproc": args.nproc, "overrides": args.overrides, "full": full, "lora": lora,
-           "lora_over_full": ratio, "runs": results}
+    out = {
+        "rank": args.rank,
+        "nproc": args.nproc,
+        "overrides": args.overrides,
+        "full": full,
+        "lora": lora,
+        "lora_over_full": ratio,
+        "runs": results,
+    }
     text = json.dumps(out, indent=2)
     print(text)
     if args.json:

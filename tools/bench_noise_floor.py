@@ -90,8 +90,9 @@ def _actor(actor, batch: dict):
     """(logits [B, S, V], log-probs [B, S]) of the actor on every rank (forward_only, last stage)."""
     from remax_megatron.models.forward import forward_only
 
-    (out,) = forward_only(actor, [batch], lambda m, hidden, b: (m.full_logits(hidden),
-                                                                m.token_logprobs(hidden, b["labels"])[0]))
+    (out,) = forward_only(
+        actor, [batch], lambda m, hidden, b: (m.full_logits(hidden), m.token_logprobs(hidden, b["labels"])[0])
+    )
     return out
 
 
@@ -113,15 +114,19 @@ def _engine_gap(engine, actor, prompts: list[list[int]], n: int, completion_len:
     from remax_megatron.models.forward import broadcast_from_last_stage, forward_only
     from remax_megatron.rollout import SamplingParams, flatten_rollouts, logprob_mismatch
 
-    rollouts = engine.generate(prompts, n=n, sampling=SamplingParams(max_new_tokens=completion_len),
-                               seeds=list(range(len(prompts))))
+    rollouts = engine.generate(
+        prompts, n=n, sampling=SamplingParams(max_new_tokens=completion_len), seeds=list(range(len(prompts)))
+    )
     shared = [rollouts]
     if dist.get_world_size() > 1:  # the whole TP group scores the same rows
         dist.broadcast_object_list(shared, src=0)
     rows_p, rows_c = flatten_rollouts(prompts, shared[0], include_greedy=True)
     padded = pad_sequences(rows_p, rows_c, pad_id=0)  # pads are masked: any id
-    out = forward_only(actor, [{"input_ids": padded["input_ids"], "labels": padded["labels"]}],
-                       lambda m, hidden, b: m.token_logprobs(hidden, b["labels"])[0])
+    out = forward_only(
+        actor,
+        [{"input_ids": padded["input_ids"], "labels": padded["labels"]}],
+        lambda m, hidden, b: m.token_logprobs(hidden, b["labels"])[0],
+    )
     actor_lp = broadcast_from_last_stage(out[0] if out else None, padded["input_ids"].shape, torch.float32)
     return logprob_mismatch(actor_lp, padded["engine_logprobs"], padded["response_mask"])
 
@@ -131,8 +136,9 @@ def _centered(diff: torch.Tensor) -> torch.Tensor:
     return diff - diff.mean(-1, keepdim=True)
 
 
-def _row(name: str, what: str, layout: str, logprob_diff: float, tokens: int, logit_diff: float | None = None,
-         **extra) -> dict:
+def _row(
+    name: str, what: str, layout: str, logprob_diff: float, tokens: int, logit_diff: float | None = None, **extra
+) -> dict:
     row = {"row": name, "layout": layout, "what": what, "max_logprob_diff": logprob_diff, "tokens": tokens}
     if logit_diff is not None:
         row["max_logit_diff"] = logit_diff
@@ -160,18 +166,20 @@ def run(args) -> dict:
     rows, timings = [], {}
 
     def diffs(lp_a, lp_b, logits_a, logits_b) -> dict:
-        return {"logprob_diff": float((lp_a - lp_b)[mask].abs().max()), "tokens": tokens,
-                "logit_diff": float((logits_a - logits_b).abs().max()),
-                # the part a softmax sees: a shift shared by the whole vocab at a position cancels in log-probs
-                "centered_logit_diff": float(_centered(logits_a - logits_b).abs().max()),
-                "mean_logprob_diff": float((lp_a - lp_b)[mask].abs().mean())}
+        return {
+            "logprob_diff": float((lp_a - lp_b)[mask].abs().max()),
+            "tokens": tokens,
+            "logit_diff": float((logits_a - logits_b).abs().max()),
+            # the part a softmax sees: a shift shared by the whole vocab at a position cancels in log-probs
+            "centered_logit_diff": float(_centered(logits_a - logits_b).abs().max()),
+            "mean_logprob_diff": float((lp_a - lp_b)[mask].abs().mean()),
+        }
 
     start = time.perf_counter()
     if rank == 0:  # transformers on rank 0 only: the other ranks hold actor shards
         eager_logits, eager_lp = _hf(args.model_dir, "eager", batch)
         sdpa_logits, sdpa_lp = _hf(args.model_dir, "sdpa", batch)
-        rows.append(_row("floor", "HF eager vs HF sdpa", layout, **diffs(eager_lp, sdpa_lp, eager_logits,
-                                                                          sdpa_logits)))
+        rows.append(_row("floor", "HF eager vs HF sdpa", layout, **diffs(eager_lp, sdpa_lp, eager_logits, sdpa_logits)))
         logit_std = float(eager_logits.std())
         del sdpa_logits
     timings["hf_s"] = time.perf_counter() - start
@@ -181,8 +189,14 @@ def run(args) -> dict:
     load_hf_weights(actor, args.model_dir)
     actor_logits, actor_lp = _actor(actor, batch)
     if rank == 0:
-        rows.append(_row("actor_vs_hf", f"megatron actor ({layout}) vs HF eager", layout,
-                         **diffs(actor_lp, eager_lp, actor_logits, eager_logits)))
+        rows.append(
+            _row(
+                "actor_vs_hf",
+                f"megatron actor ({layout}) vs HF eager",
+                layout,
+                **diffs(actor_lp, eager_lp, actor_logits, eager_logits),
+            )
+        )
     del actor_logits
     timings["actor_s"] = time.perf_counter() - start
 
@@ -200,31 +214,64 @@ def run(args) -> dict:
         merged_sdpa_logits, merged_sdpa_lp = _hf(args.model_dir, "sdpa", batch, state_dict=merged)
         del merged
         # The adapted model's own floor: random adapters make larger activations than the base model's.
-        rows.append(_row("floor_merged", f"HF eager vs HF sdpa on the LoRA actor's ({layout}) merged export",
-                         layout, **diffs(merged_lp, merged_sdpa_lp, merged_logits, merged_sdpa_logits),
-                         logit_std=float(merged_logits.std())))
+        rows.append(
+            _row(
+                "floor_merged",
+                f"HF eager vs HF sdpa on the LoRA actor's ({layout}) merged export",
+                layout,
+                **diffs(merged_lp, merged_sdpa_lp, merged_logits, merged_sdpa_logits),
+                logit_std=float(merged_logits.std()),
+            )
+        )
         del merged_sdpa_logits
-        rows.append(_row("lora_actor_vs_merged_hf", f"LoRA actor ({layout}) vs HF eager on its merged export",
-                         layout, **diffs(lora_lp, merged_lp, lora_logits, merged_logits), floor_row="floor_merged",
-                         adapter_effect_logprob=float((merged_lp - eager_lp)[mask].abs().max())))
+        rows.append(
+            _row(
+                "lora_actor_vs_merged_hf",
+                f"LoRA actor ({layout}) vs HF eager on its merged export",
+                layout,
+                **diffs(lora_lp, merged_lp, lora_logits, merged_logits),
+                floor_row="floor_merged",
+                adapter_effect_logprob=float((merged_lp - eager_lp)[mask].abs().max()),
+            )
+        )
         peft_logits, peft_lp = _hf(args.model_dir, "eager", batch, adapter=adapter_dir)
-        rows.append(_row("peft_vs_merged", "PEFT adapter (written at this layout) on the base HF model vs the "
-                         "merged export (HF eager both)", layout, **diffs(peft_lp, merged_lp, peft_logits,
-                                                                          merged_logits), floor_row="floor_merged"))
+        rows.append(
+            _row(
+                "peft_vs_merged",
+                "PEFT adapter (written at this layout) on the base HF model vs the merged export (HF eager both)",
+                layout,
+                **diffs(peft_lp, merged_lp, peft_logits, merged_logits),
+                floor_row="floor_merged",
+            )
+        )
     timings["lora_s"] = time.perf_counter() - start
 
     prompts = [row[: args.prompt_len].tolist() for row in batch["input_ids"]]
     for engine_name in args.engines:
         start = time.perf_counter()
         cfg = RolloutConfig(engine=engine_name, kv_cache_gib=args.kv_cache_gib)
-        engine = build_engine(cfg, hf_dir=args.model_dir, arch=arch, seed=0, dtype=torch.float32,
-                              max_model_len=args.prompt_len + args.completion_len + 8)
+        engine = build_engine(
+            cfg,
+            hf_dir=args.model_dir,
+            arch=arch,
+            seed=0,
+            dtype=torch.float32,
+            max_model_len=args.prompt_len + args.completion_len + 8,
+        )
         WeightSync(engine, actor, bucket_mb=64, groups=groups)()
         gap = _engine_gap(engine, actor, prompts, args.samples, args.completion_len)
         if rank == 0:
-            rows.append(_row(f"{engine_name}_vs_actor", f"{engine_name} engine's returned log-probs vs the "
-                             f"{layout} actor's (greedy + {args.samples} sampled rows per prompt)", layout, gap["max"],
-                             gap["tokens"], mean_logprob_diff=gap["mean"]))
+            rows.append(
+                _row(
+                    f"{engine_name}_vs_actor",
+                    f"{engine_name} engine's returned log-probs vs the "
+                    f"{layout} actor's (greedy + {args.samples} sampled rows per prompt)",
+                    layout,
+                    gap["max"],
+                    gap["tokens"],
+                    mean_logprob_diff=gap["mean"],
+                )
+            )
         _LIVE_ENGINES.append(engine)  # vLLM's teardown takes torch's default group with it: main() does it last
         timings[f"{engine_name}_s"] = time.perf_counter() - start
     del actor
@@ -233,13 +280,33 @@ def run(args) -> dict:
 
     _in_floors(rows)
     config = json.load(open(os.path.join(args.model_dir, "config.json")))
-    return {"rows": rows, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "model": {k: config.get(k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
-                                                  "num_key_value_heads", "intermediate_size", "vocab_size",
-                                                  "tie_word_embeddings")},
-            "batch": {"prompts": args.prompts, "prompt_len": args.prompt_len, "completion_len": args.completion_len,
-                      "engine_samples_per_prompt": args.samples, "scored_tokens": tokens},
-            "logit_std_hf": logit_std, "world": world, "timings_s": timings, "versions": _versions()}
+    return {
+        "rows": rows,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "model": {
+            k: config.get(k)
+            for k in (
+                "num_hidden_layers",
+                "hidden_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "intermediate_size",
+                "vocab_size",
+                "tie_word_embeddings",
+            )
+        },
+        "batch": {
+            "prompts": args.prompts,
+            "prompt_len": args.prompt_len,
+            "completion_len": args.completion_len,
+            "engine_samples_per_prompt": args.samples,
+            "scored_tokens": tokens,
+        },
+        "logit_std_hf": logit_std,
+        "world": world,
+        "timings_s": timings,
+        "versions": _versions(),
+    }
 
 
 def _in_floors(rows: list[dict]) -> None:
@@ -248,8 +315,11 @@ def _in_floors(rows: list[dict]) -> None:
     floors = {row["row"]: row for row in rows}
     for row in rows:
         floor = floors[row.get("floor_row", "floor")]
-        for key, out in (("max_logprob_diff", "x_floor_logprob"), ("max_logit_diff", "x_floor_logit"),
-                         ("centered_logit_diff", "x_floor_centered_logit")):
+        for key, out in (
+            ("max_logprob_diff", "x_floor_logprob"),
+            ("max_logit_diff", "x_floor_logit"),
+            ("centered_logit_diff", "x_floor_centered_logit"),
+        ):
             if key in row:
                 row[out] = row[key] / floor[key] if floor[key] else None
 
@@ -269,11 +339,32 @@ def _versions() -> dict:
 def _also_tp(args, result: dict) -> None:
     """The TP=N rows from a torchrun launch of N processes, added to `result`."""
     out = os.path.join(args.work_dir, f"tp{args.also_tp}.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.also_tp}",
-           os.path.abspath(__file__), "--model-dir", args.model_dir, "--json", out, "--tp", str(args.also_tp),
-           "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len), "--completion-len",
-           str(args.completion_len), "--samples", str(args.samples), "--engines", *args.engines,
-           "--kv-cache-gib", str(args.kv_cache_gib)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.also_tp}",
+        os.path.abspath(__file__),
+        "--model-dir",
+        args.model_dir,
+        "--json",
+        out,
+        "--tp",
+        str(args.also_tp),
+        "--prompts",
+        str(args.prompts),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--completion-len",
+        str(args.completion_len),
+        "--samples",
+        str(args.samples),
+        "--engines",
+        *args.engines,
+        "--kv-cache-gib",
+        str(args.kv_cache_gib),
+    ]
     subprocess.run(cmd, check=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
     other = json.load(open(out))
     result["rows"] += other["rows"]  # with its own floors: HF runs there on one thread, here on all
@@ -315,9 +406,18 @@ def main(argv=None):
                 sys.exit("error: under torchrun pass --model-dir (every rank must read the same model)")
             from remax_megatron.builtin.tiny import make_tiny_model
 
-            args.model_dir = make_tiny_model(os.path.join(tmp, "model"), "llama", hidden=args.hidden,
-                                             layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                                             ffn=args.ffn, vocab=args.vocab, tie=True, seed=args.seed)
+            args.model_dir = make_tiny_model(
+                os.path.join(tmp, "model"),
+                "llama",
+                hidden=args.hidden,
+                layers=args.layers,
+                heads=args.heads,
+                kv_heads=args.kv_heads,
+                ffn=args.ffn,
+                vocab=args.vocab,
+                tie=True,
+                seed=args.seed,
+            )
         try:
             result = run(args)
         except ValueError as e:

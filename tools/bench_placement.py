@@ -38,9 +38,24 @@ def run_bench_e2e(name: str, nproc: int, args, extra: list[str], out_dir: str, f
     `flags`, the user's args.overrides and then this run's `extra` overrides (which win); its JSON, or exit
     naming the failed run."""
     path = os.path.join(out_dir, f"{name}.json")
-    cmd = [TORCHRUN, f"--nproc_per_node={nproc}", os.path.join(REPO, "tools", "bench_e2e.py"), "--hf-dir",
-           args.hf_dir, "--json", path, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--greedy-repeats", "1", *flags, *args.overrides, *extra]
+    cmd = [
+        TORCHRUN,
+        f"--nproc_per_node={nproc}",
+        os.path.join(REPO, "tools", "bench_e2e.py"),
+        "--hf-dir",
+        args.hf_dir,
+        "--json",
+        path,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--greedy-repeats",
+        "1",
+        *flags,
+        *args.overrides,
+        *extra,
+    ]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if r.returncode != 0:
         sys.exit(f"error: the {name} run failed (exit {r.returncode}): {(r.stdout + r.stderr)[-2000:]}")
@@ -66,14 +81,23 @@ def main(argv=None) -> None:
     runs = {
         "colocated_small": run_bench_e2e("colocated_small", w - 1, args, [f"actor.tp={args.tp}"], out_dir),
         "colocated": run_bench_e2e("colocated", w, args, [f"actor.tp={args.tp_full}"], out_dir),
-        "separate_0": run_bench_e2e("separate_0", w, args, [f"actor.tp={args.tp}", "rollout.max_staleness=0"],
-                                    out_dir, SEPARATE),
-        "separate_1": run_bench_e2e("separate_1", w, args, [f"actor.tp={args.tp}", "rollout.max_staleness=1",
-                                                            "algo.rollout_correction=token-tis"], out_dir, SEPARATE),
+        "separate_0": run_bench_e2e(
+            "separate_0", w, args, [f"actor.tp={args.tp}", "rollout.max_staleness=0"], out_dir, SEPARATE
+        ),
+        "separate_1": run_bench_e2e(
+            "separate_1",
+            w,
+            args,
+            [f"actor.tp={args.tp}", "rollout.max_staleness=1", "algo.rollout_correction=token-tis"],
+            out_dir,
+            SEPARATE,
+        ),
     }
     step = {name: sorted(r["step_s"])[len(r["step_s"]) // 2] for name, r in runs.items()}
     result = {
-        "world": w, "cpus": os.cpu_count(), "overrides": args.overrides,
+        "world": w,
+        "cpus": os.cpu_count(),
+        "overrides": args.overrides,
         "step_s": step,
         "rollout_wait_s": {name: r["rollout_wait_s"] for name, r in runs.items()},
         "hidden_frac": 1 - runs["separate_1"]["rollout_wait_s"] / runs["separate_0"]["rollout_wait_s"],

@@ -36,18 +36,25 @@ def bench_engine(name: str, args, arch) -> dict:
     from remax_megatron.rollout import SamplingParams, build_engine, sync_weights
     from remax_megatron.weights import HFCheckpointReader
 
-    engine = build_engine(RolloutConfig(engine=name, kv_cache_gib=args.kv_cache_gib), hf_dir=args.hf_dir,
-                          arch=arch, seed=0, dtype=torch.float32,
-                          max_model_len=args.prompt_len + args.max_new_tokens)
+    engine = build_engine(
+        RolloutConfig(engine=name, kv_cache_gib=args.kv_cache_gib),
+        hf_dir=args.hf_dir,
+        arch=arch,
+        seed=0,
+        dtype=torch.float32,
+        max_model_len=args.prompt_len + args.max_new_tokens,
+    )
     sync_weights(engine, HFCheckpointReader(args.hf_dir).tensors(), bucket_mb=64)
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(4, arch.vocab_size, (args.prompt_len,), generator=gen).tolist()
-               for _ in range(args.prompts)]
+    prompts = [
+        torch.randint(4, arch.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)
+    ]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
 
     def remax_request(step):
-        return engine.generate(prompts, n=args.n, sampling=sampling,
-                               seeds=[step * 1000 + i for i in range(len(prompts))])
+        return engine.generate(
+            prompts, n=args.n, sampling=sampling, seeds=[step * 1000 + i for i in range(len(prompts))]
+        )
 
     remax_request(0)  # warm-up
     times = []
@@ -58,8 +65,14 @@ def bench_engine(name: str, args, arch) -> dict:
     tokens = sum(len(c.token_ids) for r in out for c in r.sampled + [r.greedy])
     seconds = statistics.median(times)
     return {
-        "engine": name, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
-        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "seconds": seconds, "times": times,
+        "engine": name,
+        "prompts": args.prompts,
+        "n": args.n,
+        "prompt_len": args.prompt_len,
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "seconds": seconds,
+        "times": times,
         "samples_per_s": args.prompts * args.n / seconds,
         "rows_per_s": args.prompts * (args.n + 1) / seconds,
         "tokens_per_s": tokens / seconds,

@@ -52,8 +52,9 @@ def _prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
     return [tokenizer(records[i]["prompt"], add_special_tokens=False)["input_ids"] for i in order]
 
 
-def controlled(model_dir: str, dtype: str, prompts: int, n: int, max_new_tokens: int, seed: int,
-               engine_name: str = "native") -> dict:
+def controlled(
+    model_dir: str, dtype: str, prompts: int, n: int, max_new_tokens: int, seed: int, engine_name: str = "native"
+) -> dict:
     """Part 1 at one dtype: engine routes vs the actor's own, and the log-prob gap with and without replay."""
     import torch
 
@@ -72,24 +73,36 @@ def controlled(model_dir: str, dtype: str, prompts: int, n: int, max_new_tokens:
 
     ParallelLayout(tp=1, pp=1, world_size=1).initialize(seed=seed)
     arch = read_hf_config(model_dir)
-    actor = build_policy(arch, tp=1, pp=1, params_dtype=getattr(torch, dtype), trainable=False,
-                         experts=ExpertOptions(routing_replay=True))
+    actor = build_policy(
+        arch,
+        tp=1,
+        pp=1,
+        params_dtype=getattr(torch, dtype),
+        trainable=False,
+        experts=ExpertOptions(routing_replay=True),
+    )
     load_hf_weights(actor, model_dir)
-    engine = build_engine(RolloutConfig(engine=engine_name, routing_replay=True), hf_dir=model_dir, arch=arch,
-                          seed=seed, dtype=getattr(torch, dtype))
+    engine = build_engine(
+        RolloutConfig(engine=engine_name, routing_replay=True),
+        hf_dir=model_dir,
+        arch=arch,
+        seed=seed,
+        dtype=getattr(torch, dtype),
+    )
     sync_weights(engine, export_hf_weights(actor), bucket_mb=64)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     asked = _prompts(tokenizer, prompts, seed)
-    out = engine.generate(asked, n=n, sampling=SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens,
-                                                              seed=seed))
+    out = engine.generate(
+        asked, n=n, sampling=SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=seed)
+    )
     rows_p, rows_c = flatten_rollouts(asked, out)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     batch = pad_sequences(rows_p, rows_c, pad_id=pad, routes=True)
-    given = batch["routed_experts"]                                              # [B, S, layers, k]
-    fed = given[..., 0] >= 0                                                     # [B, S, layers]
+    given = batch["routed_experts"]  # [B, S, layers, k]
+    fed = given[..., 0] >= 0  # [B, S, layers]
     actor_routes = own_routes(actor, batch)
     differ = (given.sort(-1).values != actor_routes.sort(-1).values).any(-1) & fed
-    response_fed = fed & batch["response_mask"][..., None]                       # response tokens fed
+    response_fed = fed & batch["response_mask"][..., None]  # response tokens fed
     mb = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
 
     def logprobs(replay: bool):
@@ -100,31 +113,54 @@ def controlled(model_dir: str, dtype: str, prompts: int, n: int, max_new_tokens:
         return lp.float().cpu()
 
     engine.shutdown()
-    result = {"engine": engine_name, "dtype": dtype, "rows": int(batch["input_ids"].shape[0]),
-              "fed_token_layers": int(fed.sum()), "route_mismatch_frac": float(differ.sum() / fed.sum()),
-              "response_route_mismatch_frac": float((differ & response_fed).sum() / max(int(response_fed.sum()), 1))}
+    result = {
+        "engine": engine_name,
+        "dtype": dtype,
+        "rows": int(batch["input_ids"].shape[0]),
+        "fed_token_layers": int(fed.sum()),
+        "route_mismatch_frac": float(differ.sum() / fed.sum()),
+        "response_route_mismatch_frac": float((differ & response_fed).sum() / max(int(response_fed.sum()), 1)),
+    }
     for replay in (False, True):
         gap = logprob_mismatch(logprobs(replay), batch["engine_logprobs"], batch["response_mask"])
         key = "replay" if replay else "no_replay"
         result[f"gap_max_{key}"], result[f"gap_mean_{key}"] = gap["max"], gap["mean"]
         result["response_tokens"] = gap["tokens"]
-    result["gap_mean_ratio_replay_over_no_replay"] = result["gap_mean_replay"] / max(result["gap_mean_no_replay"],
-                                                                                     1e-30)
+    result["gap_mean_ratio_replay_over_no_replay"] = result["gap_mean_replay"] / max(
+        result["gap_mean_no_replay"], 1e-30
+    )
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
     return result
 
 
-def trained(model: str, max_new_tokens: int, steps: int, replay: bool, out: str, engine: str = "native",
-            nproc: int = 2) -> dict:
+def trained(
+    model: str, max_new_tokens: int, steps: int, replay: bool, out: str, engine: str = "native", nproc: int = 2
+) -> dict:
     """Part 2: one trainer run of the MoE default (with `model` as the actor, experts over `nproc` ranks) in bf16."""
-    cmd = [sys.executable, "-m", "remax_megatron.launch", f"--nproc_per_node={nproc}", "-m", "remax_megatron.train",
-           "--config", "configs/tiny_cpu_moe.yaml", f"actor.model={model}", f"rollout.max_new_tokens={max_new_tokens}",
-           f"actor.ep={nproc}", f"rollout.engine={engine}", f"rollout.routing_replay={str(replay).lower()}",
-           "actor.dtype=bfloat16",
-           f"trainer.steps={steps}", "trainer.eval_every=0", "checkpoint.save_every=0", f"trainer.output_dir={out}",
-           "logging.progress_bar=false", "logging.tensorboard=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "remax_megatron.launch",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "remax_megatron.train",
+        "--config",
+        "configs/tiny_cpu_moe.yaml",
+        f"actor.model={model}",
+        f"rollout.max_new_tokens={max_new_tokens}",
+        f"actor.ep={nproc}",
+        f"rollout.engine={engine}",
+        f"rollout.routing_replay={str(replay).lower()}",
+        "actor.dtype=bfloat16",
+        f"trainer.steps={steps}",
+        "trainer.eval_every=0",
+        "checkpoint.save_every=0",
+        f"trainer.output_dir={out}",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"trainer run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -132,8 +168,14 @@ def trained(model: str, max_new_tokens: int, steps: int, replay: bool, out: str,
         records = [json.loads(line) for line in f if '"loss"' in line]
     gaps_max = [r["logprob/engine_vs_actor_max_diff"] for r in records]
     gaps_mean = [r["logprob/engine_vs_actor_mean_diff"] for r in records]
-    result = {"replay": replay, "steps": len(records), "gap_max_median": statistics.median(gaps_max),
-              "gap_mean_median": statistics.median(gaps_mean), "gap_max": gaps_max, "gap_mean": gaps_mean}
+    result = {
+        "replay": replay,
+        "steps": len(records),
+        "gap_max_median": statistics.median(gaps_max),
+        "gap_mean_median": statistics.median(gaps_mean),
+        "gap_max": gaps_max,
+        "gap_mean": gaps_mean,
+    }
     if replay:  # the replayed token-layers the live router would have sent elsewhere, per step
         result["route_mismatch_frac"] = [r["moe/route_mismatch_frac"] for r in records]
     return result
@@ -174,17 +216,35 @@ def main(argv=None) -> None:
 
 
 def _report(args, model_dir: str) -> dict:
-    report = {"model": args.model, "engine": args.engine, "prompts": args.prompts, "n": args.n,
-              "max_new_tokens": args.max_new_tokens,
-              "controlled": [controlled(model_dir, d, args.prompts, args.n, args.max_new_tokens, args.seed,
-                                        args.engine) for d in args.dtypes]}
+    report = {
+        "model": args.model,
+        "engine": args.engine,
+        "prompts": args.prompts,
+        "n": args.n,
+        "max_new_tokens": args.max_new_tokens,
+        "controlled": [
+            controlled(model_dir, d, args.prompts, args.n, args.max_new_tokens, args.seed, args.engine)
+            for d in args.dtypes
+        ],
+    }
     if args.train_steps:
         with tempfile.TemporaryDirectory() as tmp:
-            runs = [trained(args.model, args.max_new_tokens, args.train_steps, r, os.path.join(tmp, f"replay-{r}"),
-                            args.engine, args.nproc) for r in (False, True)]
+            runs = [
+                trained(
+                    args.model,
+                    args.max_new_tokens,
+                    args.train_steps,
+                    r,
+                    os.path.join(tmp, f"replay-{r}"),
+                    args.engine,
+                    args.nproc,
+                )
+                for r in (False, True)
+            ]
         report["trained_bf16"] = runs
-        report["trained_gap_mean_median_ratio_replay_over_no_replay"] = (runs[1]["gap_mean_median"]
-                                                                         / max(runs[0]["gap_mean_median"], 1e-30))
+        report["trained_gap_mean_median_ratio_replay_over_no_replay"] = runs[1]["gap_mean_median"] / max(
+            runs[0]["gap_mean_median"], 1e-30
+        )
     return report
 
 

@@ -28,8 +28,17 @@ LAUNCHERS = {
 
 
 def one_run(launcher: list[str], data: str, out: str) -> dict:
-    cmd = [*launcher, "--nproc_per_node=2", "-m", "remax_megatron.train", "--config", "configs/tiny_cpu.yaml",
-           f"data.train={data}", "data.eval_size=0", f"trainer.output_dir={out}"]
+    cmd = [
+        *launcher,
+        "--nproc_per_node=2",
+        "-m",
+        "remax_megatron.train",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        f"data.train={data}",
+        "data.eval_size=0",
+        f"trainer.output_dir={out}",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as a fresh shell has it
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -41,8 +50,14 @@ def one_run(launcher: list[str], data: str, out: str) -> dict:
         if error_s is None and line.startswith("error: "):
             error_s = time.perf_counter() - start
     code = proc.wait()
-    return {"first_line": first, "first_line_s": first_s, "error_line_s": error_s,
-            "exit_s": time.perf_counter() - start, "exit_code": code, "stderr_lines": lines}
+    return {
+        "first_line": first,
+        "first_line_s": first_s,
+        "error_line_s": error_s,
+        "exit_s": time.perf_counter() - start,
+        "exit_code": code,
+        "stderr_lines": lines,
+    }
 
 
 def main(argv=None) -> None:
@@ -57,12 +72,15 @@ def main(argv=None) -> None:
     results = {"load_average": os.getloadavg(), "cpus": os.cpu_count()}
     for name, launcher in LAUNCHERS.items():
         runs = [one_run(launcher, data, os.path.join(tmp, "out")) for _ in range(a.runs)]
-        results[name] = {"first_line": runs[0]["first_line"], "exit_code": runs[0]["exit_code"],
-                         "stderr_lines": runs[0]["stderr_lines"],
-                         "first_line_s_median": statistics.median(r["first_line_s"] for r in runs),
-                         "first_line_s": [round(r["first_line_s"], 2) for r in runs],
-                         "error_line_s": [r["error_line_s"] and round(r["error_line_s"], 2) for r in runs],
-                         "exit_s": [round(r["exit_s"], 2) for r in runs]}
+        results[name] = {
+            "first_line": runs[0]["first_line"],
+            "exit_code": runs[0]["exit_code"],
+            "stderr_lines": runs[0]["stderr_lines"],
+            "first_line_s_median": statistics.median(r["first_line_s"] for r in runs),
+            "first_line_s": [round(r["first_line_s"], 2) for r in runs],
+            "error_line_s": [r["error_line_s"] and round(r["error_line_s"], 2) for r in runs],
+            "exit_s": [round(r["exit_s"], 2) for r in runs],
+        }
     text = json.dumps(results, indent=1)
     print(text)
     if a.json:

@@ -76,15 +76,20 @@ def _max_logprob_diff(actor, engine, vocab: int) -> float:
 
     gen = torch.Generator().manual_seed(dist.get_rank())
     prompts = [torch.randint(4, vocab, (16,), generator=gen).tolist() for _ in range(2)]
-    rollouts = engine.generate(prompts, n=1, sampling=SamplingParams(max_new_tokens=16),
-                               seeds=[dist.get_rank() * 2, dist.get_rank() * 2 + 1])
+    rollouts = engine.generate(
+        prompts, n=1, sampling=SamplingParams(max_new_tokens=16), seeds=[dist.get_rank() * 2, dist.get_rank() * 2 + 1]
+    )
     shares = [None] * dist.get_world_size()
     dist.all_gather_object(shares, (prompts, rollouts))
-    rows_p, rows_c = flatten_rollouts([p for ps, _ in shares for p in ps], [r for _, rs in shares for r in rs],
-                                      include_greedy=True)
+    rows_p, rows_c = flatten_rollouts(
+        [p for ps, _ in shares for p in ps], [r for _, rs in shares for r in rs], include_greedy=True
+    )
     batch = pad_sequences(rows_p, rows_c, pad_id=0)
-    out = forward_only(actor, [{"input_ids": batch["input_ids"], "labels": batch["labels"]}],
-                       lambda m, hidden, b: m.token_logprobs(hidden, b["labels"])[0])
+    out = forward_only(
+        actor,
+        [{"input_ids": batch["input_ids"], "labels": batch["labels"]}],
+        lambda m, hidden, b: m.token_logprobs(hidden, b["labels"])[0],
+    )
     actor_lp = broadcast_from_last_stage(out[0] if out else None, batch["input_ids"].shape, torch.float32)
     mask = batch["response_mask"]
     return float((batch["engine_logprobs"] - actor_lp.float())[mask].abs().max())
@@ -104,9 +109,14 @@ def run(args) -> dict:
     dtype = DTYPES[args.dtype]
     actor = build_policy(arch, tp=args.tp, pp=args.pp, params_dtype=dtype, trainable=False)
     load_hf_weights(actor, args.hf_dir)
-    engine = build_engine(RolloutConfig(engine=args.engine, sync_bucket_mb=args.bucket_mb,
-                                        kv_cache_gib=args.kv_cache_gib), hf_dir=args.hf_dir, arch=arch,
-                          seed=0, dtype=dtype, max_model_len=64)
+    engine = build_engine(
+        RolloutConfig(engine=args.engine, sync_bucket_mb=args.bucket_mb, kv_cache_gib=args.kv_cache_gib),
+        hf_dir=args.hf_dir,
+        arch=arch,
+        seed=0,
+        dtype=dtype,
+        max_model_len=64,
+    )
     weight_sync = WeightSync(engine, actor, bucket_mb=args.bucket_mb)
     stats = {}
 
@@ -130,7 +140,7 @@ def run(args) -> dict:
     # Interleaved, the order reversed every repeat: a machine whose speed drifts moves all parts alike.
     times = {name: [] for name in parts}
     for r in range(args.repeats):
-        for name in (list(parts) if r % 2 == 0 else list(parts)[::-1]):
+        for name in list(parts) if r % 2 == 0 else list(parts)[::-1]:
             times[name] += _timed(parts[name], 1)
     sync()  # the engine ends on the synced weights (the same values either way)
     sync_times, bcast_times, floor_times = times["sync"], times["broadcast"], times.get("floor", [])
@@ -143,9 +153,16 @@ def run(args) -> dict:
         "memcpy_gbps": _memcpy_gbps(nbytes, args.repeats),
         "buckets": stats["buckets"],
         "max_logprob_diff": _max_logprob_diff(actor, engine, arch.vocab_size),
-        "engine": args.engine, "tp": args.tp, "pp": args.pp, "world": world, "backend": dist.get_backend(),
-        "dtype": args.dtype, "bucket_mb": args.bucket_mb, "sync_times": sync_times,
-        "broadcast_times": bcast_times, "transport_s": bcast,
+        "engine": args.engine,
+        "tp": args.tp,
+        "pp": args.pp,
+        "world": world,
+        "backend": dist.get_backend(),
+        "dtype": args.dtype,
+        "bucket_mb": args.bucket_mb,
+        "sync_times": sync_times,
+        "broadcast_times": bcast_times,
+        "transport_s": bcast,
     }
     result["ratio"] = result["gbps"] / result["transport_gbps"]
     if floor_times:
@@ -169,8 +186,10 @@ def main(argv=None):
     if args.repeats < 3:
         sys.exit(f"error: --repeats {args.repeats}: the median needs at least 3")
     if not os.path.isfile(os.path.join(args.hf_dir, "config.json")):
-        sys.exit(f"error: --hf-dir {args.hf_dir} has no config.json: make one with tools/make_tiny_model.py "
-                 "(see this file's docstring)")
+        sys.exit(
+            f"error: --hf-dir {args.hf_dir} has no config.json: make one with tools/make_tiny_model.py "
+            "(see this file's docstring)"
+        )
     try:
         result = run(args)
     except ValueError as e:

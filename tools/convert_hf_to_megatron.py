@@ -25,8 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from remax_megatron.console import quiet_console  # noqa: E402
 
 
-def convert(hf_dir: str, out: str, tp: int = 1, pp: int = 1, overwrite: bool = False, ep: int = 1,
-            etp: int = 0) -> str:
+def convert(hf_dir: str, out: str, tp: int = 1, pp: int = 1, overwrite: bool = False, ep: int = 1, etp: int = 0) -> str:
     import torch.distributed as dist
 
     from remax_megatron.models.arch import ExpertOptions
@@ -41,17 +40,21 @@ def convert(hf_dir: str, out: str, tp: int = 1, pp: int = 1, overwrite: bool = F
     replacing = check_out_dir(out, overwrite, model_checkpoint_entries, "a model checkpoint")
     arch = read_hf_config(hf_dir)
     check_layout(arch, tp, pp, what="--", ep=ep)
-    reader = HFCheckpointReader(hf_dir)          # opens and checks every file before any work
+    reader = HFCheckpointReader(hf_dir)  # opens and checks every file before any work
     _, world = init_distributed()
     ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize()
     dtype = reader.dtype(family_named(arch.family).hf_embedding)
-    model = build_model_for(arch, tp=tp, pp=pp, params_dtype=dtype, init_weights=False,
-                            experts=ExpertOptions(ep=ep, etp=etp or tp))
+    model = build_model_for(
+        arch, tp=tp, pp=pp, params_dtype=dtype, init_weights=False, experts=ExpertOptions(ep=ep, etp=etp or tp)
+    )
     load_hf_weights(model, reader)
 
     # Every rank writes into one temporary directory that rank 0 created.
-    tmp = [tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out) + "-", dir=os.path.dirname(out) or ".")
-           if dist.get_rank() == 0 else None]
+    tmp = [
+        tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out) + "-", dir=os.path.dirname(out) or ".")
+        if dist.get_rank() == 0
+        else None
+    ]
     dist.broadcast_object_list(tmp, src=0)
     try:
         save_model(model, tmp[0], hf_dir)
@@ -75,8 +78,11 @@ def main(argv=None):
     p.add_argument("--pp", type=int, default=1, help="PP used to split the work")
     p.add_argument("--ep", type=int, default=1, help="MoE: expert parallel used to split the work")
     p.add_argument("--etp", type=int, default=0, help="MoE: expert tensor parallel, 1 or --tp (default: --tp)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace a model checkpoint this tool wrote before at --out (nothing else)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a model checkpoint this tool wrote before at --out (nothing else)",
+    )
     a = p.parse_args(argv)
     quiet_console()  # the libraries' warnings and progress bars, as in a training run
     try:

@@ -30,8 +30,17 @@ from remax_megatron.console import quiet_console  # noqa: E402
 TOOL = "convert_megatron_to_hf"  # recorded in the HF directory it writes (what --overwrite may replace)
 
 
-def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
-            overwrite: bool = False, ep: int = 1, etp: int = 0, peft: bool = False) -> str:
+def convert(
+    ckpt: str,
+    out: str,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    ep: int = 1,
+    etp: int = 0,
+    peft: bool = False,
+) -> str:
     import torch.distributed as dist
 
     from remax_megatron.models.arch import DTYPES, ExpertOptions
@@ -39,8 +48,12 @@ def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = N
     from remax_megatron.parallel import ParallelLayout, init_distributed
     from remax_megatron.weights.export import save_hf_dir
     from remax_megatron.weights.hf_io import check_out_dir, hf_dir_entries
-    from remax_megatron.weights.megatron_ckpt import build_model_for, load_model, read_checkpoint_lora, \
-        read_checkpoint_meta
+    from remax_megatron.weights.megatron_ckpt import (
+        build_model_for,
+        load_model,
+        read_checkpoint_lora,
+        read_checkpoint_meta,
+    )
 
     out = os.path.abspath(out)
     replacing = check_out_dir(out, overwrite, lambda path: hf_dir_entries(path, TOOL), "a Hugging Face directory")
@@ -49,8 +62,10 @@ def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = N
     arch, params_dtype = read_checkpoint_meta(ckpt)
     lora = read_checkpoint_lora(ckpt)
     if peft and lora is None:
-        raise ValueError(f"--peft: {ckpt} holds no LoRA adapters (it was not trained with actor.lora_rank > 0): "
-                         "drop --peft to export its weights")
+        raise ValueError(
+            f"--peft: {ckpt} holds no LoRA adapters (it was not trained with actor.lora_rank > 0): "
+            "drop --peft to export its weights"
+        )
     if peft and (overwrite or dtype):
         raise ValueError("--peft writes the adapters as trained: --dtype and --overwrite do not apply to it")
     check_layout(arch, tp, pp, what="--", ep=ep)
@@ -58,12 +73,21 @@ def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = N
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; checked before any process group exists
     if world % needed:
         layout = f"tp({tp}) * pp({pp})" + (f" with ep({ep}) * etp({etp or tp})" if ep > 1 else "")
-        raise ValueError(f"world size {world} but {layout} needs {needed} processes (or a multiple): launch with "
-                         f"torchrun --nproc_per_node={needed}")
+        raise ValueError(
+            f"world size {world} but {layout} needs {needed} processes (or a multiple): launch with "
+            f"torchrun --nproc_per_node={needed}"
+        )
     init_distributed()
     ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize()
-    model = build_model_for(arch, tp=tp, pp=pp, params_dtype=params_dtype, init_weights=False,
-                            experts=ExpertOptions(ep=ep, etp=etp or tp), lora=lora)
+    model = build_model_for(
+        arch,
+        tp=tp,
+        pp=pp,
+        params_dtype=params_dtype,
+        init_weights=False,
+        experts=ExpertOptions(ep=ep, etp=etp or tp),
+        lora=lora,
+    )
     load_model(model, ckpt)  # a LoRA checkpoint's adapters too: the export writes W + (alpha/r) B A
     if peft:
         from remax_megatron.weights.peft_export import write_peft_dir
@@ -71,8 +95,15 @@ def convert(ckpt: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = N
         write_peft_dir(model, out, base_model=os.path.join(ckpt, "hf_config"))
         dist.barrier()
         return out
-    save_hf_dir(model, out, os.path.join(ckpt, "hf_config"), tool=TOOL, writer=dist.get_rank() == 0,
-                dtype=DTYPES[dtype] if dtype else None, overwrite=overwrite)
+    save_hf_dir(
+        model,
+        out,
+        os.path.join(ckpt, "hf_config"),
+        tool=TOOL,
+        writer=dist.get_rank() == 0,
+        dtype=DTYPES[dtype] if dtype else None,
+        overwrite=overwrite,
+    )
     if replacing and dist.get_rank() == 0:
         print(replacing, flush=True)
     dist.barrier()
@@ -88,10 +119,16 @@ def main(argv=None):
     p.add_argument("--ep", type=int, default=1, help="MoE: expert parallel")
     p.add_argument("--etp", type=int, default=0, help="MoE: expert tensor parallel, 1 or --tp (default: --tp)")
     p.add_argument("--dtype", default=None, help="cast to float32 | bfloat16 | float16 (default: as saved)")
-    p.add_argument("--peft", action="store_true",
-                   help="a LoRA checkpoint: write its adapters as a PEFT adapter directory (not merged weights)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an HF directory this tool wrote before at --out (nothing else)")
+    p.add_argument(
+        "--peft",
+        action="store_true",
+        help="a LoRA checkpoint: write its adapters as a PEFT adapter directory (not merged weights)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an HF directory this tool wrote before at --out (nothing else)",
+    )
     a = p.parse_args(argv)
     quiet_console()  # the libraries' warnings and progress bars, as in a training run
     try:

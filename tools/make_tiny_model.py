@@ -42,8 +42,12 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=None, help="qwen3, mistral: head_dim (default hidden / heads)")
     p.add_argument("--sliding-window", type=int, default=None, help="mistral: an attention window (default none)")
     p.add_argument("--experts", type=int, default=None, help="qwen3_moe, mixtral: experts per layer (default 4)")
-    p.add_argument("--top-k", type=int, default=None, help="qwen3_moe, mixtral: experts per token (default 2); "
-                   "--ffn is each expert's width")
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="qwen3_moe, mixtral: experts per token (default 2); --ffn is each expert's width",
+    )
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--max-positions", type=int, default=512)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -52,10 +56,34 @@ def main(argv=None):
     a = p.parse_args(argv)
     quiet_console()  # the libraries' warnings and progress bars, as in a training run
     try:
-        options = {k: v for k, v in (("head_dim", a.head_dim), ("sliding_window", a.sliding_window),
-                                     ("experts", a.experts), ("top_k", a.top_k)) if v is not None}
-        out = make_tiny_model(a.out, a.family, a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, a.vocab, a.tie,
-                              a.reward, a.rope_theta, a.max_positions, a.dtype, a.seed, a.overwrite, **options)
+        options = {
+            k: v
+            for k, v in (
+                ("head_dim", a.head_dim),
+                ("sliding_window", a.sliding_window),
+                ("experts", a.experts),
+                ("top_k", a.top_k),
+            )
+            if v is not None
+        }
+        out = make_tiny_model(
+            a.out,
+            a.family,
+            a.hidden,
+            a.layers,
+            a.heads,
+            a.kv_heads,
+            a.ffn,
+            a.vocab,
+            a.tie,
+            a.reward,
+            a.rope_theta,
+            a.max_positions,
+            a.dtype,
+            a.seed,
+            a.overwrite,
+            **options,
+        )
     except (ValueError, FileExistsError) as e:
         sys.exit(f"error: {e}")
     print(f"wrote {out}")

@@ -13,8 +13,17 @@ import math
 import os
 import sys
 
-DEFAULT_KEYS = ["eval/reward_mean", "reward/sampled_mean", "reward/greedy_mean", "loss", "entropy/mean",
-                "kl/mean", "response/length_mean", "logprob/engine_vs_actor_max_diff", "time/step_s"]
+DEFAULT_KEYS = [
+    "eval/reward_mean",
+    "reward/sampled_mean",
+    "reward/greedy_mean",
+    "loss",
+    "entropy/mean",
+    "kl/mean",
+    "response/length_mean",
+    "logprob/engine_vs_actor_max_diff",
+    "time/step_s",
+]
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -29,8 +38,9 @@ def plot(records: list[dict], keys: list[str], out: str) -> str:
     try:
         import matplotlib
     except ImportError:
-        raise ValueError("tools/plot_metrics.py needs matplotlib: pip install -e .[plot] (or pip install "
-                         "matplotlib)") from None
+        raise ValueError(
+            "tools/plot_metrics.py needs matplotlib: pip install -e .[plot] (or pip install matplotlib)"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -47,7 +57,7 @@ def plot(records: list[dict], keys: list[str], out: str) -> str:
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(out, dpi=100)

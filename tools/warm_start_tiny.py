@@ -57,8 +57,18 @@ def main(argv=None):
         else:
             path = bm.ensure_builtin_model(name, a.cache_dir)
         info = bm.read_build_info(path)
-        print(json.dumps(dict(name=name, path=path, seconds=round(time.time() - t, 1),
-                              build_seconds=info["build_seconds"], metrics=info["metrics"])), flush=True)
+        print(
+            json.dumps(
+                dict(
+                    name=name,
+                    path=path,
+                    seconds=round(time.time() - t, 1),
+                    build_seconds=info["build_seconds"],
+                    metrics=info["metrics"],
+                )
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

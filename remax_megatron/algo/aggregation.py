@@ -35,15 +35,16 @@ def aggregate(
     if mode not in AGG_MODES:
         raise ValueError(f"loss_agg_mode: unknown value {mode!r}; use one of {AGG_MODES}")
     if values.shape != mask.shape or values.dim() != 2:
-        raise ValueError(f"mask: shape {tuple(mask.shape)} must be [B, T] and equal "
-                         f"the per-token values {tuple(values.shape)}")
+        raise ValueError(
+            f"mask: shape {tuple(mask.shape)} must be [B, T] and equal the per-token values {tuple(values.shape)}"
+        )
     m = mask.to(values.dtype)  # [B, T]
     if mode == "token-mean":
-        denom = m.sum().clamp(min=1.0) if global_num_tokens is None else _positive("global_num_tokens",
-                                                                      global_num_tokens)
+        denom = (
+            m.sum().clamp(min=1.0) if global_num_tokens is None else _positive("global_num_tokens", global_num_tokens)
+        )
         return (values * m).sum() / denom
-    denom = float(mask.shape[0]) if global_num_seqs is None else _positive("global_num_seqs",
-                                                                          global_num_seqs)
+    denom = float(mask.shape[0]) if global_num_seqs is None else _positive("global_num_seqs", global_num_seqs)
     per_seq = (values * m).sum(dim=1)  # [B]
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / m.sum(dim=1).clamp(min=1.0)

@@ -26,8 +26,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator: unknown value {kind!r}; use one of {KL_ESTIMATORS}")
     if logprobs.shape != ref_logprobs.shape:
-        raise ValueError(f"ref_logprobs: shape {tuple(ref_logprobs.shape)} must equal "
-                         f"logprobs {tuple(logprobs.shape)}")
+        raise ValueError(f"ref_logprobs: shape {tuple(ref_logprobs.shape)} must equal logprobs {tuple(logprobs.shape)}")
     d = logprobs - ref_logprobs.to(logprobs.dtype)
     if kind == "k1":
         return d

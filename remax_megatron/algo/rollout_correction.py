@@ -31,8 +31,9 @@ CORRECTIONS = typing.get_args(RolloutCorrection)
 STAT_KEYS = ("ratio_sum", "ratio_count", "ratio_max", "corrected")
 
 
-def correction_weights(actor_old: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor, mode: str,
-                       cap: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def correction_weights(
+    actor_old: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss weights [B, T] (detached, 0 off the mask) and this batch's local statistics.
 
     actor_old, engine: [B, T] log-probs of the same tokens (any float dtype; compared in fp32);
@@ -46,20 +47,21 @@ def correction_weights(actor_old: torch.Tensor, engine: torch.Tensor, mask: torc
     if not cap >= 1.0 or not math.isfinite(cap):
         raise ValueError(f"algo.rollout_is_cap={cap!r} must be a finite number >= 1")
     if actor_old.shape != engine.shape or actor_old.shape != mask.shape:
-        raise ValueError(f"rollout correction: shapes differ: actor {tuple(actor_old.shape)}, engine "
-                         f"{tuple(engine.shape)}, mask {tuple(mask.shape)}")
+        raise ValueError(
+            f"rollout correction: shapes differ: actor {tuple(actor_old.shape)}, engine "
+            f"{tuple(engine.shape)}, mask {tuple(mask.shape)}"
+        )
     m = mask.bool()
-    log_ratio = torch.where(m, actor_old.detach().float() - engine.detach().float().to(actor_old.device),
-                            0.0)                                                      # [B, T]
+    log_ratio = torch.where(m, actor_old.detach().float() - engine.detach().float().to(actor_old.device), 0.0)  # [B, T]
     if mode == "token-tis":
-        ratio = torch.exp(log_ratio)                                                  # [B, T]
+        ratio = torch.exp(log_ratio)  # [B, T]
         weights = torch.where(m, ratio.clamp(max=cap), 0.0)
         unit_ratio, units = ratio[m], m
         corrected = (m & (ratio > cap)).sum()
     else:
-        tokens = m.sum(dim=1)                                                         # [B]
+        tokens = m.sum(dim=1)  # [B]
         has_response = tokens > 0
-        seq_ratio = torch.exp(log_ratio.sum(dim=1) / tokens.clamp(min=1))             # [B] geometric mean
+        seq_ratio = torch.exp(log_ratio.sum(dim=1) / tokens.clamp(min=1))  # [B] geometric mean
         keep = (seq_ratio >= 1.0 / cap) & (seq_ratio <= cap)
         weights = (keep[:, None] & m).float()
         unit_ratio, units = seq_ratio[has_response], has_response
@@ -77,5 +79,8 @@ def correction_metrics(totals: dict[str, float], mode: str) -> dict[str, float]:
     """The step's is/* metrics from STAT_KEYS summed (ratio_max: maximised) over micro-batches and DP."""
     count = max(totals["ratio_count"], 1.0)
     frac = "is/clipped_frac" if mode == "token-tis" else "is/masked_frac"
-    return {"is/ratio_mean": totals["ratio_sum"] / count, "is/ratio_max": totals["ratio_max"],
-            frac: totals["corrected"] / count}
+    return {
+        "is/ratio_mean": totals["ratio_sum"] / count,
+        "is/ratio_max": totals["ratio_max"],
+        frac: totals["corrected"] / count,
+    }

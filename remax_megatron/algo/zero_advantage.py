@@ -37,8 +37,10 @@ def skips_zero_advantage(cfg, is_moe: bool) -> bool:
     blocks it is refused (ValueError, one line)."""
     mode, blocker = cfg.trainer.skip_zero_advantage, skip_blocker(cfg, is_moe)
     if mode == "on" and blocker:
-        raise ValueError(f"trainer.skip_zero_advantage=on would change the update here: {blocker}; use "
-                         "trainer.skip_zero_advantage=auto (skips only when it changes nothing) or off")
+        raise ValueError(
+            f"trainer.skip_zero_advantage=on would change the update here: {blocker}; use "
+            "trainer.skip_zero_advantage=auto (skips only when it changes nothing) or off"
+        )
     return mode == "on" or (mode == "auto" and blocker is None)
 
 
@@ -50,8 +52,7 @@ def skip_start_line(cfg, is_moe: bool) -> str | None:
     return None
 
 
-def rows_without_signal(rewards: torch.Tensor, baseline: torch.Tensor, response_mask: torch.Tensor
-                        ) -> torch.Tensor:
+def rows_without_signal(rewards: torch.Tensor, baseline: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """[B] bool: rows whose loss term is 0 at every token before any forward (reward equal to the greedy
     baseline, exactly; or no response token in the loss). Only valid where `skip_blocker` is None."""
     return (rewards == baseline) | (response_mask.sum(dim=1) == 0)

@@ -80,7 +80,7 @@ class StepPlan:
 
 def fixed_micro_batches(rows: list[int], micro_batch_size: int, width: int) -> list[MicroBatch]:
     """Fixed-count micro-batches: `rows` in order, `micro_batch_size` of them each, all `width` wide."""
-    return [MicroBatch(rows[s:s + micro_batch_size], width) for s in range(0, len(rows), micro_batch_size)]
+    return [MicroBatch(rows[s : s + micro_batch_size], width) for s in range(0, len(rows), micro_batch_size)]
 
 
 def balance_rows(lengths_by_rank: list[list[int]]) -> list[list[tuple[int, int]]]:
@@ -88,8 +88,10 @@ def balance_rows(lengths_by_rank: list[list[int]]) -> list[list[tuple[int, int]]
     first, each to the rank with the fewest tokens so far (then the fewest rows, then the lowest rank).
     Every rank computes the same result from the same lengths."""
     ranks = len(lengths_by_rank)
-    rows = sorted(((length, r, i) for r, lengths in enumerate(lengths_by_rank) for i, length in enumerate(lengths)),
-                  key=lambda x: (-x[0], x[1], x[2]))
+    rows = sorted(
+        ((length, r, i) for r, lengths in enumerate(lengths_by_rank) for i, length in enumerate(lengths)),
+        key=lambda x: (-x[0], x[1], x[2]),
+    )
     tokens, dealt = [0] * ranks, [[] for _ in range(ranks)]
     for length, r, i in rows:
         target = min(range(ranks), key=lambda k: (tokens[k], len(dealt[k]), k))
@@ -98,8 +100,9 @@ def balance_rows(lengths_by_rank: list[list[int]]) -> list[list[tuple[int, int]]
     return [sorted(d) for d in dealt]
 
 
-def plan_micro_batches(lengths: list[int], budget: int, multiple: int = 1, pack: bool = False,
-                       rows: list[int] | None = None) -> list[MicroBatch]:
+def plan_micro_batches(
+    lengths: list[int], budget: int, multiple: int = 1, pack: bool = False, rows: list[int] | None = None
+) -> list[MicroBatch]:
     """Rows (`rows`, default 0..n-1, with `lengths`) grouped into micro-batches of <= `budget` tokens
     computed (padding included; see the module docstring)."""
     rows = list(range(len(lengths))) if rows is None else list(rows)
@@ -119,8 +122,9 @@ def plan_micro_batches(lengths: list[int], budget: int, multiple: int = 1, pack:
     return out
 
 
-def _packed(order: list[int], lengths: list[int], rows: list[int], row_width: int,
-            rows_per_micro: int) -> list[MicroBatch]:
+def _packed(
+    order: list[int], lengths: list[int], rows: list[int], row_width: int, rows_per_micro: int
+) -> list[MicroBatch]:
     """First-fit decreasing into packed rows of `row_width`, `rows_per_micro` packed rows per micro-batch."""
     bins: list[list[int]] = []
     room: list[int] = []
@@ -134,11 +138,14 @@ def _packed(order: list[int], lengths: list[int], rows: list[int], row_width: in
         room[k] -= lengths[j]
     out = []
     for s in range(0, len(bins), rows_per_micro):
-        group = bins[s:s + rows_per_micro]
+        group = bins[s : s + rows_per_micro]
         members = [j for b in group for j in b]
         index = {j: p for p, j in enumerate(members)}
-        out.append(MicroBatch([rows[j] for j in members], row_width,
-                              bins=[[index[j] for j in b] for b in group], row_width=row_width))
+        out.append(
+            MicroBatch(
+                [rows[j] for j in members], row_width, bins=[[index[j] for j in b] for b in group], row_width=row_width
+            )
+        )
     return out
 
 
@@ -156,16 +163,23 @@ def equalize(micro: list[MicroBatch], count: int, lengths: dict[int, int], multi
         halves = [order[0::2], order[1::2]]  # alternate: both halves keep long and short rows
         for half in halves:
             if big.bins is not None:
-                micro.insert(k, _packed(list(range(len(half))), [lengths[r] for r in half], half, big.row_width,
-                                        len(half))[0])
+                micro.insert(
+                    k, _packed(list(range(len(half))), [lengths[r] for r in half], half, big.row_width, len(half))[0]
+                )
             else:
                 micro.insert(k, MicroBatch(half, round_up(max(lengths[r] for r in half), multiple)))
             k += 1
     return micro
 
 
-def plan_step(lengths_by_rank: list[list[int]], mini_batches: int, budget: int, multiple: int = 1,
-              pack: bool = False, skipped_by_rank: list[list[bool]] | None = None) -> StepPlan:
+def plan_step(
+    lengths_by_rank: list[list[int]],
+    mini_batches: int,
+    budget: int,
+    multiple: int = 1,
+    pack: bool = False,
+    skipped_by_rank: list[list[bool]] | None = None,
+) -> StepPlan:
     """The whole step's plan, the same on every rank: per update (each rank's u-th contiguous share of
     its rows), the rows balanced over the DP ranks by tokens, then grouped into micro-batches under
     `budget`; every rank gets as many micro-batches as the busiest one (at least one).
@@ -201,12 +215,13 @@ def exchange_rows(batch: dict, sources: list[list[tuple[int, int]]], rank: int, 
     takes (one all-to-all). Per-token tensors padded to `width` (the widest batch of the DP group), as
     `take_rows` over every rank's batch gives."""
     tensors = {k: v for k, v in batch.items() if torch.is_tensor(v)}
-    outgoing = [{k: v[[i for r, i in sources[dest] if r == rank]] for k, v in tensors.items()}
-                for dest in range(len(sources))]
-    mine, outgoing[rank] = outgoing[rank], {}                  # this rank's own rows stay here
+    outgoing = [
+        {k: v[[i for r, i in sources[dest] if r == rank]] for k, v in tensors.items()} for dest in range(len(sources))
+    ]
+    mine, outgoing[rank] = outgoing[rank], {}  # this rank's own rows stay here
     incoming = all_to_all_objects(outgoing, group)
     incoming[rank] = mine
-    taken, local = [0] * len(sources), []                      # (source rank, row within what it sent)
+    taken, local = [0] * len(sources), []  # (source rank, row within what it sent)
     for r, _ in sources[rank]:
         local.append((r, taken[r]))
         taken[r] += 1
@@ -223,12 +238,13 @@ def all_to_all_objects(objects: list, group) -> list:
     dist.all_to_all_single(recv_sizes, send_sizes, group=group)
     sent = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).to(device)
     received = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(received, sent, output_split_sizes=recv_sizes.tolist(),
-                           input_split_sizes=send_sizes.tolist(), group=group)
+    dist.all_to_all_single(
+        received, sent, output_split_sizes=recv_sizes.tolist(), input_split_sizes=send_sizes.tolist(), group=group
+    )
     data = received.cpu().numpy().tobytes()
     out, start = [], 0
     for size in recv_sizes.tolist():
-        out.append(pickle.loads(data[start:start + size]))
+        out.append(pickle.loads(data[start : start + size]))
         start += size
     return out
 
@@ -255,8 +271,7 @@ def take_rows(batches: list[dict], sources: list[tuple[int, int]], width: int | 
     return out
 
 
-def assemble(batch: dict, micro: MicroBatch, path: str = "mask", extra: dict | None = None,
-             multiple: int = 1) -> dict:
+def assemble(batch: dict, micro: MicroBatch, path: str = "mask", extra: dict | None = None, multiple: int = 1) -> dict:
     """The tensors of one micro-batch: every tensor of `batch` (and of `extra`, e.g. reference
     log-probs [B, S]) at the micro-batch's rows, per-token ones trimmed to its width (the sequence
     layout), and `padding` [b, w] (True past each row's length) when the batch has `lengths`.
@@ -278,7 +293,7 @@ def assemble(batch: dict, micro: MicroBatch, path: str = "mask", extra: dict | N
     for key, value in sources.items():
         picked = value[index]
         if value.dim() >= 2 and value.shape[1] == width_of_batch:
-            picked = picked[:, :micro.width]
+            picked = picked[:, : micro.width]
         mb[key] = picked
     if "lengths" in mb:
         mb["padding"] = torch.arange(micro.width)[None, :] >= mb["lengths"][:, None]
@@ -308,7 +323,7 @@ def _pack_rows(mb: dict, micro: MicroBatch, path: str, multiple: int) -> dict:
     else:
         layout, row_width = micro.bins, micro.row_width
     rows = len(layout)
-    unpack = torch.full((b, w), rows * row_width, dtype=torch.long)   # default: the zero slot past the rows
+    unpack = torch.full((b, w), rows * row_width, dtype=torch.long)  # default: the zero slot past the rows
     segments = torch.full((rows, row_width), -1, dtype=torch.long)
     row_ids = torch.zeros(rows, row_width, dtype=mb["input_ids"].dtype)
     row_labels = torch.full((rows, row_width), IGNORE_INDEX, dtype=mb["labels"].dtype)
@@ -318,13 +333,18 @@ def _pack_rows(mb: dict, micro: MicroBatch, path: str, multiple: int) -> dict:
         for j in members:
             n = lengths[j]
             unpack[j, :n] = r * row_width + at + torch.arange(n)
-            segments[r, at:at + n] = j
-            row_ids[r, at:at + n] = mb["input_ids"][j, :n]
-            row_labels[r, at:at + n] = mb["labels"][j, :n]
+            segments[r, at : at + n] = j
+            row_ids[r, at : at + n] = mb["input_ids"][j, :n]
+            row_labels[r, at : at + n] = mb["labels"][j, :n]
             at += n
             bounds.append(r * row_width + at)
-    out = {"input_ids": row_ids, "row_labels": row_labels, "padding": segments < 0, "segments": segments,
-           "unpack": unpack}
+    out = {
+        "input_ids": row_ids,
+        "row_labels": row_labels,
+        "padding": segments < 0,
+        "segments": segments,
+        "unpack": unpack,
+    }
     if "routed_experts" in mb:
         routes = mb["routed_experts"]
         flat = torch.full((rows * row_width + 1, *routes.shape[2:]), -1, dtype=routes.dtype)
@@ -385,6 +405,10 @@ def model_inputs(mb: dict) -> tuple[torch.Tensor, dict]:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu, longest = mb["cu_seqlens"], int(mb["max_seqlen"])
-        return mb["input_ids"], {"attention_mask": None, "packed_seq_params": PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)}
+        return mb["input_ids"], {
+            "attention_mask": None,
+            "packed_seq_params": PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+            ),
+        }
     return mb["input_ids"], {"attention_mask": mb.get("attention_mask")}

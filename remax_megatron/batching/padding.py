@@ -24,9 +24,14 @@ from remax_megatron.kernels import IGNORE_INDEX
 from remax_megatron.sizes import round_up
 
 
-def pad_sequences(prompt_ids: list[list[int]], completions: list, pad_id: int,
-                  pad_to_multiple: int = 1, routes: bool = False, mask_truncated: bool = False
-                  ) -> dict[str, torch.Tensor]:
+def pad_sequences(
+    prompt_ids: list[list[int]],
+    completions: list,
+    pad_id: int,
+    pad_to_multiple: int = 1,
+    routes: bool = False,
+    mask_truncated: bool = False,
+) -> dict[str, torch.Tensor]:
     """Rows of prompt + response, right-padded, with labels and masks for the loss.
 
     prompt_ids:  B prompts (one per row; repeat a prompt for each of its completions)
@@ -63,10 +68,10 @@ def pad_sequences(prompt_ids: list[list[int]], completions: list, pad_id: int,
         input_ids[b, :p] = torch.tensor(prompt, dtype=torch.long)
         if r:
             response = torch.tensor(list(comp.token_ids), dtype=torch.long)
-            input_ids[b, p:p + r] = response
+            input_ids[b, p : p + r] = response
             # The token at position p + i is predicted at position p + i - 1.
-            labels[b, p - 1:p - 1 + r] = response
-            engine_logprobs[b, p - 1:p - 1 + r] = torch.tensor(list(comp.logprobs), dtype=torch.float32)
+            labels[b, p - 1 : p - 1 + r] = response
+            engine_logprobs[b, p - 1 : p - 1 + r] = torch.tensor(list(comp.logprobs), dtype=torch.float32)
     response_mask = labels != IGNORE_INDEX
     if mask_truncated:
         response_mask[[c.finish_reason == "length" for c in completions]] = False
@@ -87,8 +92,10 @@ def pad_sequences(prompt_ids: list[list[int]], completions: list, pad_id: int,
 def _check_rows(prompt_ids: list[list[int]], completions: list, pad_to_multiple: int, routes: bool) -> None:
     """pad_sequences' refusals, one line each, naming the row."""
     if len(prompt_ids) != len(completions):
-        raise ValueError(f"pad_sequences got {len(prompt_ids)} prompts for {len(completions)} completions: "
-                         "repeat each prompt once per completion")
+        raise ValueError(
+            f"pad_sequences got {len(prompt_ids)} prompts for {len(completions)} completions: "
+            "repeat each prompt once per completion"
+        )
     if not prompt_ids:
         raise ValueError("pad_sequences got no rows")
     if pad_to_multiple < 1:
@@ -99,8 +106,10 @@ def _check_rows(prompt_ids: list[list[int]], completions: list, pad_to_multiple:
         if len(c.logprobs) != len(c.token_ids):
             raise ValueError(f"row {b}: {len(c.token_ids)} tokens but {len(c.logprobs)} log-probs")
         if routes and getattr(c, "routed_experts", None) is None:
-            raise ValueError(f"row {b} has no routed experts but rollout.routing_replay=true: the engine must return "
-                             "them (the native engine, or vLLM on CUDA); set rollout.routing_replay=false")
+            raise ValueError(
+                f"row {b} has no routed experts but rollout.routing_replay=true: the engine must return "
+                "them (the native engine, or vLLM on CUDA); set rollout.routing_replay=false"
+            )
 
 
 def pad_routes(routes: list, lengths: list[int], width: int) -> torch.Tensor:

@@ -63,18 +63,43 @@ from remax_megatron.builtin.tiny import make_tiny_model, tiny_config
 BUILTIN_VERSION = "3"  # 3: built on one thread (2: on min(2, cores) threads)
 MARKER = "remax_builtin.json"  # written last inside the directory: its presence marks a complete build
 
-ARCH = dict(family="llama", hidden=128, layers=4, heads=4, kv_heads=2, ffn=256, tie=False)  # head_dim 32: vLLM CPU runs it
+ARCH = dict(
+    family="llama", hidden=128, layers=4, heads=4, kv_heads=2, ffn=256, tie=False
+)  # head_dim 32: vLLM CPU runs it
 # The dense default's shape with its MLP as 4 experts, 2 per token (Mixtral: Llama's attention, so the
 # upcycled model starts as exactly the dense one up to the experts' noise).
 MOE_ARCH = dict(ARCH, family="mixtral", options=dict(experts=4, top_k=2))
 RECIPES = {
-    "tiny-arith": dict(kind="actor", task="arith", arch=ARCH, seed=0, p_correct=0.25, wrong_offset=1,
-                       steps=400, lr=3e-3, warmup_frac=0.1, betas=(0.9, 0.98), clip=1.0),
-    "tiny-arith-moe": dict(kind="upcycled", base="tiny-arith", task="arith", arch=MOE_ARCH, seed=0,
-                           expert_noise=0.01, router_std=0.02),
-    "tiny-arith-rm": dict(kind="reward", task="arith", arch=ARCH, seed=0, negatives_per_prompt=1,
-                          max_answer=19, steps=600, lr=3e-3, warmup_frac=0.1, betas=(0.9, 0.98), clip=1.0,
-                          lm_aux_weight=1.0),
+    "tiny-arith": dict(
+        kind="actor",
+        task="arith",
+        arch=ARCH,
+        seed=0,
+        p_correct=0.25,
+        wrong_offset=1,
+        steps=400,
+        lr=3e-3,
+        warmup_frac=0.1,
+        betas=(0.9, 0.98),
+        clip=1.0,
+    ),
+    "tiny-arith-moe": dict(
+        kind="upcycled", base="tiny-arith", task="arith", arch=MOE_ARCH, seed=0, expert_noise=0.01, router_std=0.02
+    ),
+    "tiny-arith-rm": dict(
+        kind="reward",
+        task="arith",
+        arch=ARCH,
+        seed=0,
+        negatives_per_prompt=1,
+        max_answer=19,
+        steps=600,
+        lr=3e-3,
+        warmup_frac=0.1,
+        betas=(0.9, 0.98),
+        clip=1.0,
+        lm_aux_weight=1.0,
+    ),
 }
 # One thread: the built weights do not depend on the machine's core count (a GEMM's reduction order
 # does), and these tiny GEMMs gain nothing from a second thread, which only stalls behind other work
@@ -120,8 +145,10 @@ def ensure_builtin_model(name: str, cache_dir: str | None = None, verbose: bool 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # transformers' save_pretrained writes only on rank 0 of an initialised process group: a build that
         # another rank wins would leave a directory without its config and weights (startup.prepare_models)
-        raise RuntimeError(f"built-in model {name} is not built yet and torch.distributed is initialised: build "
-                           "built-in models before the process group (remax_megatron.startup.prepare_models)")
+        raise RuntimeError(
+            f"built-in model {name} is not built yet and torch.distributed is initialised: build "
+            "built-in models before the process group (remax_megatron.startup.prepare_models)"
+        )
     root = os.path.dirname(final)
     os.makedirs(root, exist_ok=True)
     with open(final + ".lock", "a+") as lock:
@@ -137,16 +164,22 @@ def ensure_builtin_model(name: str, cache_dir: str | None = None, verbose: bool 
             tmp = tempfile.mkdtemp(dir=root, prefix=f".{os.path.basename(final)}.tmp-")
             try:
                 if verbose:
-                    print(f"[remax] building built-in model {name} into {final} (one-time, ~1 min on CPU)",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"[remax] building built-in model {name} into {final} (one-time, ~1 min on CPU)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 info = build_model(name, tmp)
                 os.rename(tmp, final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
             if verbose:
-                print(f"[remax] built {name} in {info['build_seconds']:.0f}s: {info['metrics']}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[remax] built {name} in {info['build_seconds']:.0f}s: {info['metrics']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return final
@@ -158,6 +191,7 @@ def read_build_info(path: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- building
+
 
 @contextlib.contextmanager
 def _torch_threads(n: int):
@@ -180,16 +214,21 @@ def build_model(name: str, out: str) -> dict:
             model, tok = _train_actor(out, recipe)
             metrics = evaluate_actor(model, tok, recipe["task"])
         elif recipe["kind"] == "upcycled":
-            model, tok = _upcycle(out, ensure_builtin_model(recipe["base"], os.path.dirname(out)),
-                                  recipe)
+            model, tok = _upcycle(out, ensure_builtin_model(recipe["base"], os.path.dirname(out)), recipe)
             metrics = evaluate_actor(model, tok, recipe["task"])
         else:
             model, tok = _train_reward(out, recipe)
             metrics = evaluate_reward(model, tok, recipe["task"])
         model.save_pretrained(out)
         tok.save_pretrained(out)
-    info = dict(name=name, version=BUILTIN_VERSION, recipe_hash=recipe_hash(name), recipe=recipe,
-                metrics=metrics, build_seconds=round(time.time() - t0, 1))
+    info = dict(
+        name=name,
+        version=BUILTIN_VERSION,
+        recipe_hash=recipe_hash(name),
+        recipe=recipe,
+        metrics=metrics,
+        build_seconds=round(time.time() - t0, 1),
+    )
     with open(os.path.join(out, MARKER), "w") as f:
         json.dump(info, f, indent=1)
     return info
@@ -198,8 +237,17 @@ def build_model(name: str, out: str) -> dict:
 def _tiny_args(recipe: dict) -> dict:
     """remax_megatron.builtin.tiny's arguments for a recipe's architecture."""
     a = recipe["arch"]
-    return dict(family=a["family"], hidden=a["hidden"], layers=a["layers"], heads=a["heads"], kv_heads=a["kv_heads"],
-                ffn=a["ffn"], tie=a["tie"], reward=recipe["kind"] == "reward", **a.get("options", {}))
+    return dict(
+        family=a["family"],
+        hidden=a["hidden"],
+        layers=a["layers"],
+        heads=a["heads"],
+        kv_heads=a["kv_heads"],
+        ffn=a["ffn"],
+        tie=a["tie"],
+        reward=recipe["kind"] == "reward",
+        **a.get("options", {}),
+    )
 
 
 def builtin_model_spec(name: str, cache_dir: str | None = None) -> str:
@@ -301,8 +349,10 @@ def _upcycle(out: str, dense_dir: str, recipe: dict):
     moe, prefixes = family.moe, [family.hf_layer(i) for i in range(model.config.num_hidden_layers)]
     routers = {f"{p}{moe.model_router}.weight" for p in prefixes}
     # transformers' fused experts [E, ...] of each layer <- the dense layer's [gate; up] and down
-    experts = {**{f"{p}{moe.model_gate_up}": (f"{p}{gate}", f"{p}{up}") for p in prefixes},
-               **{f"{p}{moe.model_down}": (f"{p}{down}",) for p in prefixes}}
+    experts = {
+        **{f"{p}{moe.model_gate_up}": (f"{p}{gate}", f"{p}{up}") for p in prefixes},
+        **{f"{p}{moe.model_down}": (f"{p}{down}",) for p in prefixes},
+    }
     for name, param in model.named_parameters():
         if name in routers:
             param.normal_(0.0, recipe["router_std"])
@@ -361,24 +411,29 @@ def _train_reward(out: str, recipe: dict):
     good = [_encode(tok, r["prompt"] + r["answer"]) + [eos] for r in train]
 
     def loss():
-        bad = [_encode(tok, r["prompt"] + str(_wrong_answer(int(r["answer"]), gen, recipe["max_answer"]))) + [eos]
-               for _ in range(k) for r in train]
+        bad = [
+            _encode(tok, r["prompt"] + str(_wrong_answer(int(r["answer"]), gen, recipe["max_answer"]))) + [eos]
+            for _ in range(k)
+            for r in train
+        ]
         ids = _pad(good + bad, tok.pad_token_id)
         scores, h = _reward_scores(model, ids)
         target = torch.cat([torch.ones(n), torch.zeros(n * k)])
         weight = torch.cat([torch.ones(n), torch.full((n * k,), 1.0 / k)])
         mse = (weight * (scores - target) ** 2).sum() / weight.sum()
         # auxiliary LM loss on the correct answers via the tied embedding: teaches the backbone to add
-        logits = h[:n, plen - 1:-1] @ model.model.embed_tokens.weight.T
+        logits = h[:n, plen - 1 : -1] @ model.model.embed_tokens.weight.T
         tgt = ids[:n, plen:]
         return mse + recipe["lm_aux_weight"] * F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1), ignore_index=tok.pad_token_id)
+            logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1), ignore_index=tok.pad_token_id
+        )
 
     _fit(model, recipe, loss)
     return model, tok
 
 
 # --------------------------------------------------------------------------------------------- evaluation
+
 
 def greedy_answers(model, tok, prompts: list[str], max_new_tokens: int = 4) -> list[str | None]:
     """Greedy continuation of each prompt; the text before </s>, or None if no </s> within the budget."""
@@ -399,8 +454,9 @@ def greedy_answers(model, tok, prompts: list[str], max_new_tokens: int = 4) -> l
     return out
 
 
-def sample_answers(model, tok, prompts: list[str], seed: int = 0, temperature: float = 1.0,
-                   max_new_tokens: int = 4) -> list[str | None]:
+def sample_answers(
+    model, tok, prompts: list[str], seed: int = 0, temperature: float = 1.0, max_new_tokens: int = 4
+) -> list[str | None]:
     """One temperature sample per prompt (batched, seeded), as greedy_answers."""
     gen = torch.Generator().manual_seed(seed)
     rows = [_encode(tok, p) for p in prompts]
@@ -430,8 +486,12 @@ def evaluate_actor(model, tok, task: str = "arith", split: str = "eval") -> dict
     with torch.no_grad():
         p_right = response_logprobs(model, tok, prompts, answers).exp()
         p_wrong = response_logprobs(model, tok, prompts, [str(int(a) + 1) for a in answers]).exp()
-    return dict(split=split, greedy_acc=sum(g == a for g, a in zip(greedy, answers)) / len(recs),
-                p_correct=round(p_right.mean().item(), 4), p_off_by_one=round(p_wrong.mean().item(), 4))
+    return dict(
+        split=split,
+        greedy_acc=sum(g == a for g, a in zip(greedy, answers)) / len(recs),
+        p_correct=round(p_right.mean().item(), 4),
+        p_off_by_one=round(p_wrong.mean().item(), 4),
+    )
 
 
 def reward_scores(model, tok, prompts: list[str], responses: list[str]):
@@ -451,10 +511,15 @@ def evaluate_reward(model, tok, task: str = "arith", split: str = "eval", max_an
     is_right = torch.arange(len(vals))[None] == right[:, None]
     c, w = sc[is_right], sc[~is_right].view(len(recs), -1)
     off = sc[torch.arange(len(recs)), right + 1]
-    return dict(split=split, correct=round(c.mean().item(), 4), wrong=round(w.mean().item(), 4),
-                off_by_one=round(off.mean().item(), 4), gap=round((c.mean() - w.mean()).item(), 4),
-                gap_off_by_one=round((c.mean() - off.mean()).item(), 4),
-                pair_rank_acc=round((c[:, None] > w).float().mean().item(), 4))
+    return dict(
+        split=split,
+        correct=round(c.mean().item(), 4),
+        wrong=round(w.mean().item(), 4),
+        off_by_one=round(off.mean().item(), 4),
+        gap=round((c.mean() - w.mean()).item(), 4),
+        gap_off_by_one=round((c.mean() - off.mean()).item(), 4),
+        pair_rank_acc=round((c[:, None] > w).float().mean().item(), 4),
+    )
 
 
 def resolve_model(spec: str, what: str, build: bool = True) -> str:

@@ -17,9 +17,21 @@ from remax_megatron.builtin.tokenizer import build_tokenizer
 from remax_megatron.models import families
 
 
-def tiny_config(family: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                ffn: int = 128, vocab: int | None = None, tie: bool = False, reward: bool = False,
-                rope_theta: float = 10000.0, max_positions: int = 512, dtype: str = "float32", **options):
+def tiny_config(
+    family: str = "llama",
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 128,
+    vocab: int | None = None,
+    tie: bool = False,
+    reward: bool = False,
+    rope_theta: float = 10000.0,
+    max_positions: int = 512,
+    dtype: str = "float32",
+    **options,
+):
     """(HF config, character tokenizer, model class). vocab: total size with filler tokens (None: the
     characters only); reward: a *ForSequenceClassification with one label (never tied); options: the
     family's own (e.g. head_dim for qwen3 and mistral, sliding_window for mistral)."""
@@ -29,12 +41,20 @@ def tiny_config(family: str = "llama", hidden: int = 64, layers: int = 2, heads:
     fam = families.family_named(family)
     tokenizer = build_tokenizer(vocab)
     common = dict(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-        rms_norm_eps=1e-6, tie_word_embeddings=tie and not reward,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie and not reward,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, dtype=dtype,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        dtype=dtype,
     )
     config = fam.tiny_config(common, **options)
     if reward:
@@ -44,10 +64,24 @@ def tiny_config(family: str = "llama", hidden: int = 64, layers: int = 2, heads:
     return config, tokenizer, cls
 
 
-def make_tiny_model(out: str, family: str = "llama", hidden: int = 64, layers: int = 2, heads: int = 4,
-                    kv_heads: int = 2, ffn: int = 128, vocab: int | None = None, tie: bool = False,
-                    reward: bool = False, rope_theta: float = 10000.0, max_positions: int = 512,
-                    dtype: str = "float32", seed: int = 0, overwrite: bool = False, **options) -> str:
+def make_tiny_model(
+    out: str,
+    family: str = "llama",
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 128,
+    vocab: int | None = None,
+    tie: bool = False,
+    reward: bool = False,
+    rope_theta: float = 10000.0,
+    max_positions: int = 512,
+    dtype: str = "float32",
+    seed: int = 0,
+    overwrite: bool = False,
+    **options,
+) -> str:
     """Write a random tiny model and its tokenizer into `out`; returns `out`. options: the family's own
     (tiny_config)."""
     # Here, not at the top: the weights package imports megatron-core, which building a model never needs.
@@ -55,8 +89,9 @@ def make_tiny_model(out: str, family: str = "llama", hidden: int = 64, layers: i
 
     if holds_checkpoint(out) and not overwrite:
         raise FileExistsError(f"{out} already holds a model: choose a new --out or pass --overwrite")
-    config, tokenizer, cls = tiny_config(family, hidden, layers, heads, kv_heads, ffn, vocab, tie, reward,
-                                         rope_theta, max_positions, dtype, **options)
+    config, tokenizer, cls = tiny_config(
+        family, hidden, layers, heads, kv_heads, ffn, vocab, tie, reward, rope_theta, max_positions, dtype, **options
+    )
     torch.manual_seed(seed)
     model = cls(config).to(getattr(torch, dtype))
     with torch.no_grad():  # HF inits norms to 1 and biases to 0: perturb so parity tests see them

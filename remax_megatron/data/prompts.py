@@ -28,14 +28,14 @@ from remax_megatron.reward.functions import resolve
 
 @dataclass
 class Prompt:
-    index: int                 # position in its split (names the prompt in errors)
-    text: str                  # what the model sees (after the chat template)
+    index: int  # position in its split (names the prompt in errors)
+    text: str  # what the model sees (after the chat template)
     token_ids: list[int]
     columns: dict = field(default_factory=dict)  # the other columns (answer, ...)
-    source: str = ""           # where the row came from ("data.jsonl:12"): names it in errors
-    raw: str | list = ""       # the row's prompt value: a string, or a list of {role, content} messages
+    source: str = ""  # where the row came from ("data.jsonl:12"): names it in errors
+    raw: str | list = ""  # the row's prompt value: a string, or a list of {role, content} messages
     messages: list[dict] | None = None  # the conversation the chat template rendered (system turn included);
-                                        # None: the prompt text went in as it is
+    # None: the prompt text went in as it is
 
     @property
     def is_chat(self) -> bool:
@@ -44,8 +44,15 @@ class Prompt:
         return isinstance(self.raw, list)
 
 
-_JSON_KINDS = {str: "string", int: "number", float: "number", bool: "boolean", list: "array", dict: "object",
-               type(None): "null"}
+_JSON_KINDS = {
+    str: "string",
+    int: "number",
+    float: "number",
+    bool: "boolean",
+    list: "array",
+    dict: "object",
+    type(None): "null",
+}
 
 
 def read_rows(source: str) -> list[tuple[str, dict]]:
@@ -67,14 +74,16 @@ def read_rows(source: str) -> list[tuple[str, dict]]:
                     raise ValueError(f"{source}:{line_no} is not valid JSON ({e.msg})") from None
                 if not isinstance(row, dict):
                     shown = line.strip() if len(line.strip()) <= 40 else line.strip()[:37] + "..."
-                    raise ValueError(f"{source}:{line_no} is a JSON {_JSON_KINDS.get(type(row), 'value')} ({shown}), "
-                                     'not an object: each line must be like {"prompt": ..., "answer": ...}')
+                    raise ValueError(
+                        f"{source}:{line_no} is a JSON {_JSON_KINDS.get(type(row), 'value')} ({shown}), "
+                        'not an object: each line must be like {"prompt": ..., "answer": ...}'
+                    )
                 rows.append((f"{source}:{line_no}", row))
     return rows
 
 
 def prompt_kind(where: str, value, key: str) -> str:
-    """"text" or "chat" for a row's prompt value; anything else is refused naming the row."""
+    """ "text" or "chat" for a row's prompt value; anything else is refused naming the row."""
     expected = f'the prompt column {key!r} must hold a string or a list of {{"role": ..., "content": "..."}} messages'
     if isinstance(value, str):
         return "text"
@@ -82,10 +91,15 @@ def prompt_kind(where: str, value, key: str) -> str:
         if not value:
             raise ValueError(f"{where} has an empty prompt (an empty message list): remove it or fill it")
         for i, message in enumerate(value):
-            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                    and isinstance(message.get("content"), str)):
-                raise ValueError(f"{where}: message {i} of the prompt is {_shown(message)}, not a "
-                                 f'{{"role": ..., "content": "..."}} object of strings: {expected}')
+            if not (
+                isinstance(message, dict)
+                and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)
+            ):
+                raise ValueError(
+                    f"{where}: message {i} of the prompt is {_shown(message)}, not a "
+                    f'{{"role": ..., "content": "..."}} object of strings: {expected}'
+                )
         return "chat"
     kind = _JSON_KINDS.get(type(value), type(value).__name__)
     raise ValueError(f"{where}: the prompt is a {kind} ({_shown(value)}): {expected}; fix or remove the row")
@@ -99,8 +113,11 @@ def _shown(value) -> str:
 def _split_sources(cfg) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]], str]:
     if cfg.train.startswith("builtin:"):
         task = builtin_task(cfg.train.split(":", 1)[1])
-        return ([(f"{cfg.train} train row {i}", r) for i, r in enumerate(task["train"])],
-                [(f"{cfg.train} eval row {i}", r) for i, r in enumerate(task["eval"])], cfg.train)
+        return (
+            [(f"{cfg.train} train row {i}", r) for i, r in enumerate(task["train"])],
+            [(f"{cfg.train} eval row {i}", r) for i, r in enumerate(task["eval"])],
+            cfg.train,
+        )
     train = read_rows(cfg.train)
     if cfg.eval:
         return train, read_rows(cfg.eval), cfg.train
@@ -108,8 +125,7 @@ def _split_sources(cfg) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]],
     order = list(range(len(train)))
     random.Random(1234).shuffle(order)
     held = set(order[: min(cfg.eval_size, max(0, len(train) - 1))])
-    return ([r for i, r in enumerate(train) if i not in held],
-            [r for i, r in enumerate(train) if i in held], cfg.train)
+    return ([r for i, r in enumerate(train) if i not in held], [r for i, r in enumerate(train) if i in held], cfg.train)
 
 
 def required_columns(reward_functions: Sequence[str]) -> dict[str, list[str]]:
@@ -122,8 +138,9 @@ def required_columns(reward_functions: Sequence[str]) -> dict[str, list[str]]:
     return needed
 
 
-def load_prompts(cfg, tokenizer, reward_functions: Sequence[str] | None = None
-                 ) -> tuple[list[Prompt], list[Prompt], dict]:
+def load_prompts(
+    cfg, tokenizer, reward_functions: Sequence[str] | None = None
+) -> tuple[list[Prompt], list[Prompt], dict]:
     """Tokenized train and eval prompts plus counts (dropped / truncated as too long).
 
     `reward_functions` (reward.functions) decides which columns every row must have: those the
@@ -135,12 +152,16 @@ def load_prompts(cfg, tokenizer, reward_functions: Sequence[str] | None = None
         raise ValueError(f"data.train={name} has no rows: give a non-empty dataset")
     first = train_rows[0][1]
     if cfg.prompt_key not in first:
-        raise ValueError(f"data.prompt_key={cfg.prompt_key!r} is not a column of {name} "
-                         f"(columns: {', '.join(sorted(first))}): set data.prompt_key")
+        raise ValueError(
+            f"data.prompt_key={cfg.prompt_key!r} is not a column of {name} "
+            f"(columns: {', '.join(sorted(first))}): set data.prompt_key"
+        )
     needs = _needed_columns(cfg, reward_functions)
     if cfg.answer_key and "answer" in needs and cfg.answer_key not in first:
-        raise ValueError(f"data.answer_key={cfg.answer_key!r} is not a column of {name} "
-                         f"(columns: {', '.join(sorted(first))}): set data.answer_key or data.answer_key=''")
+        raise ValueError(
+            f"data.answer_key={cfg.answer_key!r} is not a column of {name} "
+            f"(columns: {', '.join(sorted(first))}): set data.answer_key or data.answer_key=''"
+        )
     counts = {}
     kinds = _PromptKinds(cfg, tokenizer)
     train = _tokenize(train_rows, cfg, tokenizer, counts, "train", needs, kinds)
@@ -150,12 +171,18 @@ def load_prompts(cfg, tokenizer, reward_functions: Sequence[str] | None = None
         dropped_eval = counts["data/eval_dropped_too_long"]
         if dropped_eval == len(eval_rows):
             files = f"{name} and {cfg.eval}" if cfg.eval else name
-            what = f"all {len(train_rows) + len(eval_rows)} prompts of {files}" + (" (train and eval)" if eval_rows else "")
+            what = f"all {len(train_rows) + len(eval_rows)} prompts of {files}" + (
+                " (train and eval)" if eval_rows else ""
+            )
         else:
-            what = (f"all {len(train_rows)} train prompts of {name} ({dropped_eval} of the {len(eval_rows)} "
-                    "eval prompts too)")
-        raise ValueError(f"{what} are longer than data.max_prompt_tokens={cfg.max_prompt_tokens}: raise it or set "
-                         "data.overlong=truncate")
+            what = (
+                f"all {len(train_rows)} train prompts of {name} ({dropped_eval} of the {len(eval_rows)} "
+                "eval prompts too)"
+            )
+        raise ValueError(
+            f"{what} are longer than data.max_prompt_tokens={cfg.max_prompt_tokens}: raise it or set "
+            "data.overlong=truncate"
+        )
     return train, evals, counts
 
 
@@ -163,11 +190,15 @@ def _needed_columns(cfg, reward_functions) -> dict[str, str]:
     """{kwarg name: 'what needs it'} for the columns every row must hold (see load_prompts)."""
     if reward_functions is None:
         return {"answer": "data.answer_key"} if cfg.answer_key else {}
-    needs = {col: "reward function " + ", ".join(repr(f) for f in fns)
-             for col, fns in required_columns(reward_functions).items()}
+    needs = {
+        col: "reward function " + ", ".join(repr(f) for f in fns)
+        for col, fns in required_columns(reward_functions).items()
+    }
     if "answer" in needs and not cfg.answer_key:
-        raise ValueError(f"{needs['answer']} needs the answer column but data.answer_key is empty: "
-                         "set data.answer_key to the column that holds the answers")
+        raise ValueError(
+            f"{needs['answer']} needs the answer column but data.answer_key is empty: "
+            "set data.answer_key to the column that holds the answers"
+        )
     return needs
 
 
@@ -187,8 +218,10 @@ class _PromptKinds:
         self.cfg, self.first = cfg, None
         self.no_template = _template_missing(cfg, tokenizer)
         if cfg.system_prompt and self.no_template:
-            raise ValueError(f"data.system_prompt is set but {self.no_template}: a system turn needs a chat template "
-                             "(set data.chat_template=true with a tokenizer that has one, or unset data.system_prompt)")
+            raise ValueError(
+                f"data.system_prompt is set but {self.no_template}: a system turn needs a chat template "
+                "(set data.chat_template=true with a tokenizer that has one, or unset data.system_prompt)"
+            )
 
     def conversation(self, where: str, value) -> list[dict] | None:
         """The messages the chat template renders for this row, or None (the text goes in as it is)."""
@@ -197,17 +230,23 @@ class _PromptKinds:
             self.first = (kind, where)
         elif kind != self.first[0]:
             first_kind, first_where = self.first
-            raise ValueError(f"{where} has a {_KIND_NAMES[kind]} prompt but {first_where} has a "
-                             f"{_KIND_NAMES[first_kind]} one: a dataset's prompts (train and eval) are all strings or "
-                             "all message lists; convert the rows to one kind")
+            raise ValueError(
+                f"{where} has a {_KIND_NAMES[kind]} prompt but {first_where} has a "
+                f"{_KIND_NAMES[first_kind]} one: a dataset's prompts (train and eval) are all strings or "
+                "all message lists; convert the rows to one kind"
+            )
         if kind == "chat":
             if self.no_template:
-                raise ValueError(f"{where} has a list of chat messages as its prompt but {self.no_template}: add a "
-                                 "chat template to the tokenizer (tokenizer_config.json's chat_template or "
-                                 "chat_template.jinja) and set data.chat_template=true, or give string prompts")
+                raise ValueError(
+                    f"{where} has a list of chat messages as its prompt but {self.no_template}: add a "
+                    "chat template to the tokenizer (tokenizer_config.json's chat_template or "
+                    "chat_template.jinja) and set data.chat_template=true, or give string prompts"
+                )
             if self.cfg.system_prompt:
-                raise ValueError(f"data.system_prompt is set but {where}'s prompt is a message list: data.system_prompt "
-                                 "applies to string prompts; put the system turn into the rows' messages or unset it")
+                raise ValueError(
+                    f"data.system_prompt is set but {where}'s prompt is a message list: data.system_prompt "
+                    "applies to string prompts; put the system turn into the rows' messages or unset it"
+                )
             return [{"role": m["role"], "content": m["content"]} for m in value]
         if not value.strip():
             raise ValueError(f"{where} has an empty prompt: remove it or fill it")
@@ -228,28 +267,33 @@ def _tokenize(rows, cfg, tokenizer, counts, split, needs, kinds: _PromptKinds) -
         for kwarg, who in needs.items():
             column = cfg.answer_key if kwarg == "answer" else kwarg
             if column not in row:
-                raise ValueError(f"{where} lacks the column {column!r} that {who} needs: add it or remove the row"
-                                 + (", or set data.answer_key='' if no reward function needs it"
-                                    if who == "data.answer_key" else ""))
+                raise ValueError(
+                    f"{where} lacks the column {column!r} that {who} needs: add it or remove the row"
+                    + (", or set data.answer_key='' if no reward function needs it" if who == "data.answer_key" else "")
+                )
         raw = row[cfg.prompt_key]
         messages = kinds.conversation(where, raw)
         # The template's text tokenized without special tokens: apply_chat_template(messages,
         # add_generation_prompt=True) does exactly this (the template writes BOS itself).
-        text = (tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-                if messages is not None else raw)
+        text = (
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            if messages is not None
+            else raw
+        )
         ids = tokenizer(text, add_special_tokens=messages is None)["input_ids"]
         if len(ids) > cfg.max_prompt_tokens:
             if cfg.overlong == "drop":
                 dropped += 1
                 continue
-            ids = ids[-cfg.max_prompt_tokens:]  # keep the end: the question and the generation prompt
+            ids = ids[-cfg.max_prompt_tokens :]  # keep the end: the question and the generation prompt
             text = tokenizer.decode(ids)
             truncated += 1
         columns = {k: v for k, v in row.items() if k != cfg.prompt_key}
         if cfg.answer_key:
             columns["answer"] = row.get(cfg.answer_key)
-        out.append(Prompt(index=i, text=text, token_ids=list(ids), columns=columns, source=where, raw=raw,
-                          messages=messages))
+        out.append(
+            Prompt(index=i, text=text, token_ids=list(ids), columns=columns, source=where, raw=raw, messages=messages)
+        )
     counts[f"data/{split}_prompts"] = len(out)
     counts[f"data/{split}_dropped_too_long"] = dropped
     counts[f"data/{split}_truncated"] = truncated
@@ -288,8 +332,10 @@ class PromptSampler:
         checkpoint was trained on a longer prompt list (another data file, or fewer kept)."""
         if state["position"] > len(self.prompts):
             then = f" of {state['size']}" if "size" in state else ""
-            raise ValueError(f"its data-loader position {state['position']}{then} is past the end of the "
-                             f"{len(self.prompts)} train prompts loaded now: resume with the data it was trained on, "
-                             "or start fresh with checkpoint.resume=none")
+            raise ValueError(
+                f"its data-loader position {state['position']}{then} is past the end of the "
+                f"{len(self.prompts)} train prompts loaded now: resume with the data it was trained on, "
+                "or start fresh with checkpoint.resume=none"
+            )
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._permutation(self.epoch)

@@ -8,11 +8,7 @@ Triton modules are imported lazily, only when dispatched to.
 """
 
 from remax_megatron.kernels.advantages import compute_advantages, compute_advantages_reference
-from remax_megatron.kernels.logprobs import (
-    IGNORE_INDEX,
-    fused_logprobs,
-    fused_logprobs_reference,
-)
+from remax_megatron.kernels.logprobs import IGNORE_INDEX, fused_logprobs, fused_logprobs_reference
 from remax_megatron.kernels.loss import logprob_gradient, remax_loss
 
 __all__ = [

@@ -52,18 +52,22 @@ def compute_advantages(
         # The env preference applies where Triton can run: the trainer's advantages are CPU tensors.
         choice = "triton" if mask.is_cuda else "torch"
     if choice == "torch":
-        return compute_advantages_reference(rewards, baseline, mask, logprobs, ref_logprobs,
-                                            kl_coef=kl_coef, clip=clip)
+        return compute_advantages_reference(rewards, baseline, mask, logprobs, ref_logprobs, kl_coef=kl_coef, clip=clip)
     if choice == "triton":
         if not runs_triton:
             raise ValueError(f"impl: 'triton' needs CUDA tensors or TRITON_INTERPRET=1 (mask is on {mask.device})")
         from remax_megatron.kernels.advantages_triton import advantages_triton
 
         use_kl = kl_coef != 0 and ref_logprobs is not None
-        return advantages_triton(rewards, baseline, mask,
-                                 logprobs if use_kl else None,
-                                 ref_logprobs if use_kl else None,
-                                 float(kl_coef), clip)
+        return advantages_triton(
+            rewards,
+            baseline,
+            mask,
+            logprobs if use_kl else None,
+            ref_logprobs if use_kl else None,
+            float(kl_coef),
+            clip,
+        )
     raise ValueError(f"impl: unknown value {choice!r}; use 'torch', 'triton' or None")
 
 
@@ -100,8 +104,9 @@ def _check(rewards, baseline, mask, logprobs, ref_logprobs, kl_coef, clip):
     if rewards.shape != (b,):
         raise ValueError(f"rewards: shape {tuple(rewards.shape)} must be [{b}] (one per sequence)")
     if baseline.shape != (b,):
-        raise ValueError(f"baseline: shape {tuple(baseline.shape)} must be [{b}] "
-                         "(the greedy reward broadcast per sample)")
+        raise ValueError(
+            f"baseline: shape {tuple(baseline.shape)} must be [{b}] (the greedy reward broadcast per sample)"
+        )
     for name, x in (("logprobs", logprobs), ("ref_logprobs", ref_logprobs)):
         if x is not None and x.shape != (b, t):
             raise ValueError(f"{name}: shape {tuple(x.shape)} must be [{b}, {t}] like mask")
@@ -110,5 +115,4 @@ def _check(rewards, baseline, mask, logprobs, ref_logprobs, kl_coef, clip):
     if clip is not None and not clip > 0:
         raise ValueError(f"clip: {clip!r} must be > 0 or None")
     if not rewards.is_floating_point() or not baseline.is_floating_point():
-        raise ValueError(f"rewards/baseline: dtypes {rewards.dtype}/{baseline.dtype} "
-                         "must be floating point")
+        raise ValueError(f"rewards/baseline: dtypes {rewards.dtype}/{baseline.dtype} must be floating point")

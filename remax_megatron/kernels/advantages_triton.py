@@ -16,9 +16,24 @@ import triton.language as tl
 
 
 @triton.jit
-def _advantages_kernel(R, RB, LP, REF, MASK, OUT, T, stride_lp, stride_ref, stride_m, stride_o,
-                       kl_coef, clip, HAS_KL: tl.constexpr, HAS_CLIP: tl.constexpr,
-                       BLOCK_T: tl.constexpr):
+def _advantages_kernel(
+    R,
+    RB,
+    LP,
+    REF,
+    MASK,
+    OUT,
+    T,
+    stride_lp,
+    stride_ref,
+    stride_m,
+    stride_o,
+    kl_coef,
+    clip,
+    HAS_KL: tl.constexpr,
+    HAS_CLIP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     b = tl.program_id(0)
     base = tl.load(R + b).to(tl.float32) - tl.load(RB + b).to(tl.float32)
     carry = 0.0
@@ -42,8 +57,7 @@ def _advantages_kernel(R, RB, LP, REF, MASK, OUT, T, stride_lp, stride_ref, stri
         tl.store(OUT + b * stride_o + offs, adv, mask=ok)
 
 
-def advantages_triton(rewards, baseline, mask, logprobs, ref_logprobs, kl_coef, clip,
-                      block_t=None):
+def advantages_triton(rewards, baseline, mask, logprobs, ref_logprobs, kl_coef, clip, block_t=None):
     """Launch one program per row; inputs already validated by the caller.
 
     block_t: tile length (a power of 2; default covers T up to 1024 per tile)."""
@@ -57,8 +71,21 @@ def advantages_triton(rewards, baseline, mask, logprobs, ref_logprobs, kl_coef, 
     rf = ref_logprobs.contiguous() if has_kl else m
     block = block_t or min(1024, triton.next_power_of_2(t))
     _advantages_kernel[(b,)](
-        rewards.contiguous(), baseline.contiguous(), lp, rf, m, out, t, lp.stride(0),
-        rf.stride(0), m.stride(0), out.stride(0), float(kl_coef),
-        float(clip) if clip is not None else 0.0, HAS_KL=has_kl, HAS_CLIP=clip is not None,
-        BLOCK_T=block)
+        rewards.contiguous(),
+        baseline.contiguous(),
+        lp,
+        rf,
+        m,
+        out,
+        t,
+        lp.stride(0),
+        rf.stride(0),
+        m.stride(0),
+        out.stride(0),
+        float(kl_coef),
+        float(clip) if clip is not None else 0.0,
+        HAS_KL=has_kl,
+        HAS_CLIP=clip is not None,
+        BLOCK_T=block,
+    )
     return out

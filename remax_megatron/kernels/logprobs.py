@@ -113,9 +113,18 @@ def fused_logprobs(
             raise ValueError(f"grad_hint: shape {tuple(grad_hint.shape)} must be {tuple(labels.shape)} (one per label)")
         grad_hint = (grad_hint if every_row else grad_hint.index_select(0, rows)).detach()
     logp, ent = _FusedLogprobsFn.apply(
-        hidden if every_row else hidden.index_select(0, rows), weight,
-        labels if every_row else labels.index_select(0, rows), scale, tp_group, bool(with_entropy), start,
-        backend, bool(reduce_hidden_grad), grad_hint, total, real_rows,
+        hidden if every_row else hidden.index_select(0, rows),
+        weight,
+        labels if every_row else labels.index_select(0, rows),
+        scale,
+        tp_group,
+        bool(with_entropy),
+        start,
+        backend,
+        bool(reduce_hidden_grad),
+        grad_hint,
+        total,
+        real_rows,
     )
     if not every_row:  # back to [N]: 0 on the ignored rows
         logp = logp.new_zeros(labels.shape[0]).index_copy(0, rows, logp)
@@ -164,24 +173,48 @@ def fused_logprobs_reference(
 
 class _FusedLogprobsFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, scale, group, with_entropy, start, backend,
-                reduce_hidden_grad, hint, total_vocab, real_rows):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        labels,
+        scale,
+        group,
+        with_entropy,
+        start,
+        backend,
+        reduce_hidden_grad,
+        hint,
+        total_vocab,
+        real_rows,
+    ):
         ctx.real_rows = real_rows  # weight[:real_rows]: this shard's rows that are not vocab padding
         full_weight, weight = weight, weight[:real_rows]
         n, v_local = hidden.shape[0], weight.shape[0]
         valid = labels != IGNORE_INDEX  # [N]
         local = labels.long() - start
-        local = torch.where(valid & (local >= 0) & (local < v_local), local,
-                            torch.full_like(local, -1))  # [N], -1 = not in this shard
+        local = torch.where(
+            valid & (local >= 0) & (local < v_local), local, torch.full_like(local, -1)
+        )  # [N], -1 = not in this shard
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ctx.hinted = (hint is not None and (need_x or need_w) and hasattr(backend, "forward_with_grads"))
+        ctx.hinted = hint is not None and (need_x or need_w) and hasattr(backend, "forward_with_grads")
         saved_x = saved_w = None
         if ctx.hinted:
             hint = hint.to(hidden.device, compute_dtype(hidden)) * valid  # [N]
             merge = (lambda *stats: _merge_across(*stats, group)) if group is not None else (lambda *stats: stats)
             (m, s, a, t), saved_x, saved_w = backend.forward_with_grads(
-                hidden, weight, local, scale, with_entropy, hint, total_vocab, merge, need_x, need_w,
-                grad_rows=full_weight.shape[0])
+                hidden,
+                weight,
+                local,
+                scale,
+                with_entropy,
+                hint,
+                total_vocab,
+                merge,
+                need_x,
+                need_w,
+                grad_rows=full_weight.shape[0],
+            )
         else:
             hint = None
             m, s, a, t = backend.forward_stats(hidden, weight, local, scale, with_entropy)  # [K, N]
@@ -206,8 +239,7 @@ class _FusedLogprobsFn(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_ent):
         hidden, weight, local, valid, m, log_s, mean_rel, hint, saved_x, saved_w = ctx.saved_tensors
         vf = valid.to(m.dtype)
-        g = (grad_logp.to(m.dtype) * vf if grad_logp is not None
-             else torch.zeros_like(m))  # [N]
+        g = grad_logp.to(m.dtype) * vf if grad_logp is not None else torch.zeros_like(m)  # [N]
         h = None
         if ctx.with_entropy and grad_ent is not None:
             h = grad_ent.to(m.dtype) * vf  # [N]
@@ -218,8 +250,19 @@ class _FusedLogprobsFn(torch.autograd.Function):
             grad_w = grad_w if grad_w is None else grad_w.to(weight.dtype)
         else:
             grad_x, grad_w = ctx.backend.backward_grads(
-                hidden, weight[:ctx.real_rows], local, ctx.scale, m, log_s, mean_rel, g, h,
-                ctx.needs_input_grad[0], ctx.needs_input_grad[1], grad_rows=weight.shape[0])
+                hidden,
+                weight[: ctx.real_rows],
+                local,
+                ctx.scale,
+                m,
+                log_s,
+                mean_rel,
+                g,
+                h,
+                ctx.needs_input_grad[0],
+                ctx.needs_input_grad[1],
+                grad_rows=weight.shape[0],
+            )
         if grad_x is not None:
             if ctx.group is not None and ctx.reduce_hidden_grad:
                 dist.all_reduce(grad_x, group=ctx.group)
@@ -316,7 +359,7 @@ class _GatherVocab(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[:, ctx.lo:ctx.hi].contiguous(), None
+        return grad[:, ctx.lo : ctx.hi].contiguous(), None
 
 
 def _backend(impl, hidden):
@@ -329,8 +372,7 @@ def _backend(impl, hidden):
         return TorchBackend()
     if choice == "triton":
         if not (hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-            raise ValueError("impl: 'triton' needs CUDA tensors or TRITON_INTERPRET=1 "
-                             f"(hidden is on {hidden.device})")
+            raise ValueError(f"impl: 'triton' needs CUDA tensors or TRITON_INTERPRET=1 (hidden is on {hidden.device})")
         from remax_megatron.kernels.logprobs_triton import TritonBackend
 
         return TritonBackend()
@@ -349,14 +391,18 @@ def _check_tensors(hidden, weight, labels, temperature):
     if not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature: {temperature!r} must be a number > 0")
     if hidden.dim() != 2:
-        raise ValueError(f"hidden: shape {tuple(hidden.shape)} must be [N, D] "
-                         "(reshape megatron's [S, B, D] to [S*B, D])")
+        raise ValueError(
+            f"hidden: shape {tuple(hidden.shape)} must be [N, D] (reshape megatron's [S, B, D] to [S*B, D])"
+        )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"weight: shape {tuple(weight.shape)} must be [V_local, "
-                         f"{hidden.shape[1]}] to match hidden {tuple(hidden.shape)}")
+        raise ValueError(
+            f"weight: shape {tuple(weight.shape)} must be [V_local, "
+            f"{hidden.shape[1]}] to match hidden {tuple(hidden.shape)}"
+        )
     if labels.dim() != 1 or labels.shape[0] != hidden.shape[0]:
-        raise ValueError(f"labels: shape {tuple(labels.shape)} must be "
-                         f"[{hidden.shape[0]}] to match hidden {tuple(hidden.shape)}")
+        raise ValueError(
+            f"labels: shape {tuple(labels.shape)} must be [{hidden.shape[0]}] to match hidden {tuple(hidden.shape)}"
+        )
     if not hidden.is_floating_point():
         raise ValueError(f"hidden: dtype {hidden.dtype} must be floating point")
     if weight.dtype != hidden.dtype:
@@ -364,13 +410,13 @@ def _check_tensors(hidden, weight, labels, temperature):
     if labels.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"labels: dtype {labels.dtype} must be int64 or int32")
     if not (hidden.device == weight.device == labels.device):
-        raise ValueError(f"weight/labels: devices {weight.device}/{labels.device} must "
-                         f"equal hidden's {hidden.device}")
+        raise ValueError(f"weight/labels: devices {weight.device}/{labels.device} must equal hidden's {hidden.device}")
 
 
 def _check_labels(labels, vocab):
     bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab))
     if bool(bad.any()):
         first = int(labels[bad][0])
-        raise ValueError(f"labels: id {first} is outside the global vocab [0, {vocab}) "
-                         f"(use {IGNORE_INDEX} to ignore a position)")
+        raise ValueError(
+            f"labels: id {first} is outside the global vocab [0, {vocab}) (use {IGNORE_INDEX} to ignore a position)"
+        )

@@ -105,8 +105,9 @@ class TorchBackend:
         mm = gemm_dtype(x, w)
         grad_x = torch.zeros(n, d, dtype=ct, device=x.device) if need_x else None
         # every vocab chunk's first row tile writes its rows (with no rows, they stay zero)
-        padded, grad_w = (weight_grad_buffer(grad_rows, v, d, w.dtype, w.device, written=n > 0)
-                          if need_w else (None, None))
+        padded, grad_w = (
+            weight_grad_buffer(grad_rows, v, d, w.dtype, w.device, written=n > 0) if need_w else (None, None)
+        )
         if n == 0 or v == 0:
             return grad_x, padded
         rows, cols = tile_shape(n, v, self.chunk_elems)
@@ -124,9 +125,19 @@ class TorchBackend:
                 gw = grad_w[c0:c1] if single else torch.empty(c1 - c0, d, dtype=ct, device=x.device)
             for r0 in range(0, n, rows):
                 r1 = min(n, r0 + rows)
-                dz = self._dlogits(x32[r0:r1], wc, local_labels[r0:r1], c0, c1, scale,
-                                   m[r0:r1], log_s[r0:r1], mean_rel[r0:r1], gs[r0:r1],
-                                   None if hs is None else hs[r0:r1]).to(mm)  # [rows, cols]
+                dz = self._dlogits(
+                    x32[r0:r1],
+                    wc,
+                    local_labels[r0:r1],
+                    c0,
+                    c1,
+                    scale,
+                    m[r0:r1],
+                    log_s[r0:r1],
+                    mean_rel[r0:r1],
+                    gs[r0:r1],
+                    None if hs is None else hs[r0:r1],
+                ).to(mm)  # [rows, cols]
                 if need_x:
                     _gemm_into(grad_x[r0:r1], dz, wm, add=True)
                 if need_w:
@@ -135,8 +146,9 @@ class TorchBackend:
                 grad_w[c0:c1].copy_(gw)
         return grad_x, padded
 
-    def forward_with_grads(self, x, w, local_labels, scale, with_entropy, g, total_vocab, merge,
-                           need_x, need_w, grad_rows):
+    def forward_with_grads(
+        self, x, w, local_labels, scale, with_entropy, g, total_vocab, merge, need_x, need_w, grad_rows
+    ):
         """Statistics and gradients in one pass over the logits, for the log-prob gradient ``g`` [N].
 
         Row tiles span this rank's whole vocab shard, so after ``merge`` a tile's softmax is final
@@ -154,8 +166,9 @@ class TorchBackend:
         # the first row tile writes grad_w, the others add to it (with no rows, it stays zero); in the
         # GEMM's dtype when one row tile makes it, else summed in fp32
         grad_w_dtype = mm if rows >= n else ct
-        padded, grad_w = (weight_grad_buffer(grad_rows, v, d, grad_w_dtype, x.device, written=n > 0)
-                          if need_w else (None, None))
+        padded, grad_w = (
+            weight_grad_buffer(grad_rows, v, d, grad_w_dtype, x.device, written=n > 0) if need_w else (None, None)
+        )
         x32, w32 = x.to(ct), w.to(ct)  # no copy for fp32 (bf16: one fp32 copy of the shard)
         xm, wm = (x32, w32) if mm == ct else (x.to(mm), w.to(mm))  # the gradient GEMMs' operands (bf16: no copy)
         gs = g.to(ct) * scale  # [N], 1/temperature folded into the chain rule
@@ -241,7 +254,7 @@ def weight_grad_buffer(grad_rows, real_rows, d, dtype, device, *, written: bool 
     """(grad [grad_rows, D], its view [real_rows, D]) of a weight whose rows past real_rows are vocab
     padding: those are zero; the real rows too, unless the caller `written` overwrites them."""
     full = torch.empty(grad_rows, d, dtype=dtype, device=device)
-    full[real_rows if written else 0:].zero_()
+    full[real_rows if written else 0 :].zero_()
     return full, full[:real_rows]
 
 

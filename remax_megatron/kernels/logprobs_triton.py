@@ -38,9 +38,22 @@ _CHUNK_ELEMS = 1 << 26  # [N, chunk] fp32 dz buffer budget: 256 MiB on GPU
 
 
 @triton.jit
-def _logit_tile(X, W, rows, cols, row_ok, col_ok, D, stride_x, stride_w,
-                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def _logit_tile(
+    X,
+    W,
+    rows,
+    cols,
+    row_ok,
+    col_ok,
+    D,
+    stride_x,
+    stride_w,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)  # [rows, cols]
     # 64-bit offsets: V_local * D passes 2^31 for large vocabularies at TP=1 (e.g. 256k x 16k).
     x_rows = rows.to(tl.int64)[:, None] * stride_x
@@ -61,9 +74,25 @@ def _logit_tile(X, W, rows, cols, row_ok, col_ok, D, stride_x, stride_w,
 
 
 @triton.jit
-def _fwd_stats_kernel(X, W, LAB, OUT, N, V, D, stride_x, stride_w, scale, tiles_per_split,
-                      WITH_ENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                      BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def _fwd_stats_kernel(
+    X,
+    W,
+    LAB,
+    OUT,
+    N,
+    V,
+    D,
+    stride_x,
+    stride_w,
+    scale,
+    tiles_per_split,
+    WITH_ENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n_split = tl.num_programs(1)
@@ -77,8 +106,12 @@ def _fwd_stats_kernel(X, W, LAB, OUT, N, V, D, stride_x, stride_w, scale, tiles_
     for k in range(0, tiles_per_split):
         cols = (pid_s * tiles_per_split + k) * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = cols < V
-        z = _logit_tile(X, W, rows, cols, row_ok, col_ok, D, stride_x, stride_w,
-                        BLOCK_N, BLOCK_V, BLOCK_D, UPCAST, IEEE) * scale
+        z = (
+            _logit_tile(
+                X, W, rows, cols, row_ok, col_ok, D, stride_x, stride_w, BLOCK_N, BLOCK_V, BLOCK_D, UPCAST, IEEE
+            )
+            * scale
+        )
         z = tl.where(col_ok[None, :], z, float("-inf"))
         t += tl.sum(tl.where(lab[:, None] == cols[None, :], z, 0.0), axis=1)
         m_new = tl.maximum(m, tl.max(z, axis=1))
@@ -99,10 +132,31 @@ def _fwd_stats_kernel(X, W, LAB, OUT, N, V, D, stride_x, stride_w, scale, tiles_
 
 
 @triton.jit
-def _bwd_dlogits_kernel(X, W, LAB, M, LOGS, MEAN, G, H, DZ, N, C, D, c0, stride_x, stride_w,
-                        stride_dz, scale, WITH_ENT: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-                        IEEE: tl.constexpr):
+def _bwd_dlogits_kernel(
+    X,
+    W,
+    LAB,
+    M,
+    LOGS,
+    MEAN,
+    G,
+    H,
+    DZ,
+    N,
+    C,
+    D,
+    c0,
+    stride_x,
+    stride_w,
+    stride_dz,
+    scale,
+    WITH_ENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -110,8 +164,10 @@ def _bwd_dlogits_kernel(X, W, LAB, M, LOGS, MEAN, G, H, DZ, N, C, D, c0, stride_
     cc = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # column inside the chunk
     col_ok = cc < C
     cols = c0 + cc  # column inside this rank's shard
-    z = _logit_tile(X, W, rows, cols, row_ok, col_ok, D, stride_x, stride_w,
-                    BLOCK_N, BLOCK_V, BLOCK_D, UPCAST, IEEE) * scale
+    z = (
+        _logit_tile(X, W, rows, cols, row_ok, col_ok, D, stride_x, stride_w, BLOCK_N, BLOCK_V, BLOCK_D, UPCAST, IEEE)
+        * scale
+    )
     m = tl.load(M + rows, mask=row_ok, other=0.0)
     log_s = tl.load(LOGS + rows, mask=row_ok, other=0.0)
     g = tl.load(G + rows, mask=row_ok, other=0.0)
@@ -125,8 +181,7 @@ def _bwd_dlogits_kernel(X, W, LAB, M, LOGS, MEAN, G, H, DZ, N, C, D, c0, stride_
         coef += h[:, None] * (zr - mean[:, None])
     dz = -p * coef + tl.where(lab[:, None] == cols[None, :], g[:, None], 0.0)
     dz = dz * scale
-    tl.store(DZ + rows[:, None] * stride_dz + cc[None, :], dz,
-             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(DZ + rows[:, None] * stride_dz + cc[None, :], dz, mask=row_ok[:, None] & col_ok[None, :])
 
 
 class TritonBackend:
@@ -164,9 +219,24 @@ class TritonBackend:
         labels = local_labels.to(torch.int32).contiguous()
         upcast, ieee = self._flags(x)
         _fwd_stats_kernel[(row_blocks, splits)](
-            x, w, labels, out, n, v, d, x.stride(0), w.stride(0), float(scale), per_split,
-            WITH_ENT=bool(with_entropy), BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd,
-            UPCAST=upcast, IEEE=ieee)
+            x,
+            w,
+            labels,
+            out,
+            n,
+            v,
+            d,
+            x.stride(0),
+            w.stride(0),
+            float(scale),
+            per_split,
+            WITH_ENT=bool(with_entropy),
+            BLOCK_N=bn,
+            BLOCK_V=bv,
+            BLOCK_D=bd,
+            UPCAST=upcast,
+            IEEE=ieee,
+        )
         return out[0], out[1], out[2], out[3]
 
     def backward_grads(self, x, w, local_labels, scale, m, log_s, mean_rel, g, h, need_x, need_w, grad_rows):
@@ -194,15 +264,36 @@ class TritonBackend:
         for c0 in range(0, v, chunk):
             c = min(chunk, v - c0)
             _bwd_dlogits_kernel[(triton.cdiv(n, bn), triton.cdiv(c, bv))](
-                x, w, labels, m, log_s, mean_rel, g, hh, dz, n, c, d, c0, x.stride(0),
-                w.stride(0), dz.stride(0), float(scale), WITH_ENT=h is not None,
-                BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, UPCAST=upcast, IEEE=ieee)
+                x,
+                w,
+                labels,
+                m,
+                log_s,
+                mean_rel,
+                g,
+                hh,
+                dz,
+                n,
+                c,
+                d,
+                c0,
+                x.stride(0),
+                w.stride(0),
+                dz.stride(0),
+                float(scale),
+                WITH_ENT=h is not None,
+                BLOCK_N=bn,
+                BLOCK_V=bv,
+                BLOCK_D=bd,
+                UPCAST=upcast,
+                IEEE=ieee,
+            )
             dzc = dz[:, :c].to(mm)  # [N, c]
-            wc = w[c0:c0 + c].to(mm)  # [c, D]
+            wc = w[c0 : c0 + c].to(mm)  # [c, D]
             if need_x:
                 grad_x.add_(torch.matmul(dzc, wc).float())
             if need_w:
-                grad_w[c0:c0 + c].copy_(torch.matmul(dzc.T, xm))
+                grad_w[c0 : c0 + c].copy_(torch.matmul(dzc.T, xm))
         return grad_x, padded
 
 

@@ -57,15 +57,25 @@ def remax_loss(
     over micro-batches (and DP ranks) to the step's value; stats are 0-dim
     detached tensors (no host sync here).
     """
-    _check(logprobs, advantages, mask, old_logprobs, ref_logprobs, entropy, loss_agg_mode,
-           kl_estimator, clip_eps, clip_eps_high, is_weights)
+    _check(
+        logprobs,
+        advantages,
+        mask,
+        old_logprobs,
+        ref_logprobs,
+        entropy,
+        loss_agg_mode,
+        kl_estimator,
+        clip_eps,
+        clip_eps_high,
+        is_weights,
+    )
     b, t = logprobs.shape
     lp = logprobs.float() if logprobs.dtype != torch.float64 else logprobs
     adv = advantages.to(lp.dtype)
     if adv.dim() == 1:
         adv = adv[:, None].expand(b, t)  # [B, T]
-    agg = dict(mode=loss_agg_mode, global_num_tokens=global_num_tokens,
-               global_num_seqs=global_num_seqs)
+    agg = dict(mode=loss_agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs)
     stats = {}
     pg, ratio, clipped = _policy_gradient_term(lp, adv, old_logprobs, clip_eps, clip_eps_high)
     if is_weights is not None:
@@ -90,8 +100,9 @@ def remax_loss(
     return loss, stats
 
 
-def _policy_gradient_term(lp: torch.Tensor, adv: torch.Tensor, old_logprobs: torch.Tensor | None, clip_eps: float,
-                          clip_eps_high: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _policy_gradient_term(
+    lp: torch.Tensor, adv: torch.Tensor, old_logprobs: torch.Tensor | None, clip_eps: float, clip_eps_high: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token policy-gradient loss, ratio and clipped flag, all [B, T]: -A * logprob on-policy (no
     old log-probs), else the clipped-ratio (PPO-style) term with clip range [1 - clip_eps, 1 + high]."""
     if old_logprobs is None:
@@ -108,16 +119,28 @@ def _policy_gradient_term(lp: torch.Tensor, adv: torch.Tensor, old_logprobs: tor
     return pg, ratio, clipped
 
 
-def logprob_gradient(advantages: torch.Tensor, mask: torch.Tensor, *, loss_agg_mode: str = "token-mean",
-                     global_num_tokens=None, global_num_seqs=None) -> torch.Tensor:
+def logprob_gradient(
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens=None,
+    global_num_seqs=None,
+) -> torch.Tensor:
     """d loss / d logprobs ``[B, T]`` of :func:`remax_loss` on-policy without KL or entropy bonus
     (no old or reference log-probs): that loss is linear in the log-probs, so its gradient is the
     same wherever they lie and is known before they are computed (``fused_logprobs``'s
     ``grad_hint``). Taken by autograd through ``remax_loss`` itself, so every aggregation mode agrees."""
     x = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device, requires_grad=True)
     with torch.enable_grad():
-        loss, _ = remax_loss(x, advantages, mask, loss_agg_mode=loss_agg_mode,
-                             global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs)
+        loss, _ = remax_loss(
+            x,
+            advantages,
+            mask,
+            loss_agg_mode=loss_agg_mode,
+            global_num_tokens=global_num_tokens,
+            global_num_seqs=global_num_seqs,
+        )
     return torch.autograd.grad(loss, x)[0]
 
 
@@ -128,16 +151,16 @@ def _check(logprobs, advantages, mask, old, ref, entropy, mode, kl_estimator, ep
     if mask.shape != (b, t):
         raise ValueError(f"mask: shape {tuple(mask.shape)} must be [{b}, {t}] like logprobs")
     if advantages.shape not in ((b,), (b, t)):
-        raise ValueError(f"advantages: shape {tuple(advantages.shape)} must be [{b}] "
-                         f"(per sequence) or [{b}, {t}] (per token)")
+        raise ValueError(
+            f"advantages: shape {tuple(advantages.shape)} must be [{b}] (per sequence) or [{b}, {t}] (per token)"
+        )
     for name, x in (("old_logprobs", old), ("ref_logprobs", ref), ("entropy", entropy), ("is_weights", is_weights)):
         if x is not None and x.shape != (b, t):
             raise ValueError(f"{name}: shape {tuple(x.shape)} must be [{b}, {t}] like logprobs")
     if mode not in AGG_MODES:
         raise ValueError(f"loss_agg_mode: unknown value {mode!r}; use one of {AGG_MODES}")
     if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator: unknown value {kl_estimator!r}; use one of "
-                         f"{KL_ESTIMATORS}")
+        raise ValueError(f"kl_estimator: unknown value {kl_estimator!r}; use one of {KL_ESTIMATORS}")
     if not 0 < eps < 1:
         raise ValueError(f"clip_eps: {eps!r} must lie in (0, 1)")
     if eps_high is not None and not eps_high > 0:

@@ -13,8 +13,14 @@ import torch
 
 from remax_megatron.config import LoraTarget
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def transformer_engine_usable() -> bool:
@@ -40,26 +46,28 @@ def packed_attention() -> str:
 def check_packing(params_dtype: torch.dtype) -> None:
     """Refuse packed rows where the attention cannot keep the sequences apart (one line)."""
     if packed_attention() == "thd" and params_dtype == torch.float32:
-        raise ValueError("trainer.pack_sequences=true with actor.dtype=float32 under Transformer Engine: its THD "
-                         "attention (packed sequences) runs in its flash and cuDNN backends, which take bfloat16 or "
-                         "float16 only, and its unfused fallback has no THD format: use actor.dtype=bfloat16 or "
-                         "trainer.pack_sequences=false")
+        raise ValueError(
+            "trainer.pack_sequences=true with actor.dtype=float32 under Transformer Engine: its THD "
+            "attention (packed sequences) runs in its flash and cuDNN backends, which take bfloat16 or "
+            "float16 only, and its unfused fallback has no THD format: use actor.dtype=bfloat16 or "
+            "trainer.pack_sequences=false"
+        )
 
 
 @dataclass(frozen=True)
 class ModelArch:
     """What remax-megatron reads from an HF config (names follow megatron)."""
 
-    architecture: str          # e.g. "Qwen2ForCausalLM"
-    family: str                # the registered model family (models/families), e.g. "qwen3"
-    task: str                  # "causal_lm" | "reward"
+    architecture: str  # e.g. "Qwen2ForCausalLM"
+    family: str  # the registered model family (models/families), e.g. "qwen3"
+    task: str  # "causal_lm" | "reward"
     hidden_size: int
     ffn_hidden_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    vocab_size: int            # the tokenizer's vocab; megatron pads it for TP
+    vocab_size: int  # the tokenizer's vocab; megatron pads it for TP
     rms_norm_eps: float
     rope_theta: float
     rope_scaling_factor: float | None  # llama3-style scaling, None for plain RoPE
@@ -68,14 +76,14 @@ class ModelArch:
     pad_token_id: int | None
     torch_dtype: str
     # Family features (models/families/<family>.py sets them)
-    qkv_bias: bool = False             # biases on q, k, v (Qwen2)
-    qk_layernorm: bool = False         # RMSNorm over each head's queries and keys (Qwen3)
+    qkv_bias: bool = False  # biases on q, k, v (Qwen2)
+    qk_layernorm: bool = False  # RMSNorm over each head's queries and keys (Qwen3)
     sliding_window: int | None = None  # attention window of some layer; None: full attention everywhere
     # Mixture of experts (Qwen3-MoE, Mixtral): every decoder layer's MLP is routed; 0 experts: dense
     num_experts: int = 0
-    moe_ffn_hidden_size: int = 0       # one expert's FFN width
-    moe_top_k: int = 0                 # experts per token
-    moe_pre_softmax: bool = False      # softmax over all experts, then top-k, no renormalisation
+    moe_ffn_hidden_size: int = 0  # one expert's FFN width
+    moe_top_k: int = 0  # experts per token
+    moe_pre_softmax: bool = False  # softmax over all experts, then top-k, no renormalisation
 
     @property
     def is_moe(self) -> bool:
@@ -86,11 +94,11 @@ class ModelArch:
 class ExpertOptions:
     """How a MoE model's experts run (actor.ep, actor.etp, actor.moe_dispatcher, actor.moe_experts)."""
 
-    ep: int = 1                     # expert parallel: experts split over this many ranks
-    etp: int = 1                    # expert tensor parallel: each expert's MLP split over this many (1 or tp)
-    dispatcher: str = "alltoall"    # megatron's token dispatcher: alltoall | allgather
-    grouped_gemm: bool = False      # TE's grouped experts (CUDA + Transformer Engine); else SequentialMLP
-    routing_replay: bool = False    # megatron's RouterReplay: forward on routes given from outside (the engine's)
+    ep: int = 1  # expert parallel: experts split over this many ranks
+    etp: int = 1  # expert tensor parallel: each expert's MLP split over this many (1 or tp)
+    dispatcher: str = "alltoall"  # megatron's token dispatcher: alltoall | allgather
+    grouped_gemm: bool = False  # TE's grouped experts (CUDA + Transformer Engine); else SequentialMLP
+    routing_replay: bool = False  # megatron's RouterReplay: forward on routes given from outside (the engine's)
 
 
 LORA_TARGETS = typing.get_args(LoraTarget)
@@ -110,7 +118,7 @@ class LoraOptions:
     alpha: float
     targets: tuple[str, ...] = LORA_TARGETS
     dropout: float = 0.0
-    seed: int = 0                   # A's init: the same on every rank and layout (B starts at zero)
+    seed: int = 0  # A's init: the same on every rank and layout (B starts at zero)
 
     @property
     def scale(self) -> float:
@@ -124,32 +132,51 @@ def expert_options(cfg, arch: ModelArch, this_machine: bool = True) -> ExpertOpt
     a = cfg.actor
     if not arch.is_moe:
         if cfg.rollout.routing_replay:
-            raise ValueError(f"rollout.routing_replay=true but {arch.architecture} has no experts to route: "
-                             "set it to false")
+            raise ValueError(
+                f"rollout.routing_replay=true but {arch.architecture} has no experts to route: set it to false"
+            )
         return ExpertOptions()
     if a.tp > 1 and not a.sequence_parallel:
-        raise ValueError(f"actor.tp={a.tp} with a mixture-of-experts model needs actor.sequence_parallel=true "
-                         "(megatron-core trains MoE layers under TP only with sequence parallelism)")
+        raise ValueError(
+            f"actor.tp={a.tp} with a mixture-of-experts model needs actor.sequence_parallel=true "
+            "(megatron-core trains MoE layers under TP only with sequence parallelism)"
+        )
     if cfg.rollout.routing_replay and cfg.actor.recompute == "full":
-        raise ValueError("rollout.routing_replay=true with actor.recompute=full: the recomputed forward would route "
-                         "on its own (megatron's REPLAY_BACKWARD is not driven by the schedule); use "
-                         "actor.recompute=selective or none")
+        raise ValueError(
+            "rollout.routing_replay=true with actor.recompute=full: the recomputed forward would route "
+            "on its own (megatron's REPLAY_BACKWARD is not driven by the schedule); use "
+            "actor.recompute=selective or none"
+        )
     if cfg.trainer.micro_batch_tokens and a.moe_dispatcher == "allgather":
-        raise ValueError("trainer.micro_batch_tokens with actor.moe_dispatcher=allgather: micro-batches of several "
-                         "shapes need megatron's variable_seq_lengths, which its allgather dispatcher refuses; use "
-                         "actor.moe_dispatcher=alltoall")
+        raise ValueError(
+            "trainer.micro_batch_tokens with actor.moe_dispatcher=allgather: micro-batches of several "
+            "shapes need megatron's variable_seq_lengths, which its allgather dispatcher refuses; use "
+            "actor.moe_dispatcher=alltoall"
+        )
     if cfg.trainer.pack_sequences and cfg.algo.moe_aux_loss == "seq_aux" and cfg.actor.recompute == "full":
-        raise ValueError("trainer.pack_sequences=true with algo.moe_aux_loss=seq_aux and actor.recompute=full: the "
-                         "recomputed routers would not know which packed sequence each token belongs to; use "
-                         "actor.recompute=selective, algo.moe_aux_loss=aux, or trainer.pack_sequences=false")
+        raise ValueError(
+            "trainer.pack_sequences=true with algo.moe_aux_loss=seq_aux and actor.recompute=full: the "
+            "recomputed routers would not know which packed sequence each token belongs to; use "
+            "actor.recompute=selective, algo.moe_aux_loss=aux, or trainer.pack_sequences=false"
+        )
     if cfg.rollout.routing_replay and cfg.trainer.mini_batches > 1:
-        raise ValueError(f"rollout.routing_replay=true with trainer.mini_batches={cfg.trainer.mini_batches}: the old "
-                         "log-prob pass does not replay routes yet; use trainer.mini_batches=1")
+        raise ValueError(
+            f"rollout.routing_replay=true with trainer.mini_batches={cfg.trainer.mini_batches}: the old "
+            "log-prob pass does not replay routes yet; use trainer.mini_batches=1"
+        )
     # A LoRA actor runs megatron's local spec (models/gpt.build_policy): its experts are SequentialMLP.
-    grouped = a.moe_experts == "grouped" or (a.moe_experts == "auto" and transformer_engine_usable()
-                                             and not a.lora_rank)
+    grouped = a.moe_experts == "grouped" or (
+        a.moe_experts == "auto" and transformer_engine_usable() and not a.lora_rank
+    )
     if grouped and this_machine and not transformer_engine_usable():
-        raise ValueError("actor.moe_experts=grouped needs CUDA and Transformer Engine (TEGroupedMLP): use "
-                         "actor.moe_experts=sequential (megatron's SequentialMLP) or auto")
-    return ExpertOptions(ep=a.ep, etp=a.etp or a.tp, dispatcher=a.moe_dispatcher, grouped_gemm=grouped,
-                         routing_replay=cfg.rollout.routing_replay)
+        raise ValueError(
+            "actor.moe_experts=grouped needs CUDA and Transformer Engine (TEGroupedMLP): use "
+            "actor.moe_experts=sequential (megatron's SequentialMLP) or auto"
+        )
+    return ExpertOptions(
+        ep=a.ep,
+        etp=a.etp or a.tp,
+        dispatcher=a.moe_dispatcher,
+        grouped_gemm=grouped,
+        routing_replay=cfg.rollout.routing_replay,
+    )

@@ -15,8 +15,7 @@ from remax_megatron.parallel import cpu_compat
 from remax_megatron.parallel.layout import comm_device
 
 
-def run_schedule(model, step_fn: Callable, micro_batches: list[dict], *, forward_only: bool,
-                 wrapped=None) -> list:
+def run_schedule(model, step_fn: Callable, micro_batches: list[dict], *, forward_only: bool, wrapped=None) -> list:
     """megatron's pipeline schedule (any PP, on `model`'s own process groups) over micro-batches
     with [b, s] `input_ids` (the model's input rows); returns the loss functions' outputs (last stage;
     [] elsewhere). Micro-batches of several shapes (token budgets, packed rows) run with megatron's
@@ -34,16 +33,26 @@ def run_schedule(model, step_fn: Callable, micro_batches: list[dict], *, forward
     config.variable_seq_lengths = len(shapes) > 1
     try:
         return cpu_compat.forward_backward_func(pp_size=model.pp_group.size())(
-            forward_step_func=step_fn, data_iterator=iter(micro_batches), model=[wrapped or model],
-            num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b, forward_only=forward_only,
-            **schedule_groups(model))
+            forward_step_func=step_fn,
+            data_iterator=iter(micro_batches),
+            model=[wrapped or model],
+            num_microbatches=len(micro_batches),
+            seq_length=s,
+            micro_batch_size=b,
+            forward_only=forward_only,
+            **schedule_groups(model),
+        )
     finally:
         config.variable_seq_lengths = variable
 
 
 @torch.no_grad()
-def forward_only(model, micro_batches: list[dict], head: Callable[[object, torch.Tensor, dict], object],
-                 inputs: Callable[[dict], tuple[torch.Tensor, dict]] | None = None) -> list:
+def forward_only(
+    model,
+    micro_batches: list[dict],
+    head: Callable[[object, torch.Tensor, dict], object],
+    inputs: Callable[[dict], tuple[torch.Tensor, dict]] | None = None,
+) -> list:
     """Run micro-batches (dicts with `input_ids` [b, s]) through all stages.
 
     On the last stage `head(model, output [b, s, ...], batch)` turns the model output
@@ -72,8 +81,10 @@ def forward_only(model, micro_batches: list[dict], head: Callable[[object, torch
 
 def schedule_groups(model) -> dict:
     """The schedule's process groups: those the model was built on (megatron's global ones or its own layout)."""
-    return dict(p2p_communicator=P2PCommunicator(pp_group=model.pp_group, config=model.config),
-                pg_collection=model.pg_collection)
+    return dict(
+        p2p_communicator=P2PCommunicator(pp_group=model.pp_group, config=model.config),
+        pg_collection=model.pg_collection,
+    )
 
 
 def to_model_device(batch: dict, model) -> dict:
@@ -88,7 +99,6 @@ def broadcast_from_last_stage(tensor: torch.Tensor | None, shape, dtype, device=
         return tensor
     group = ps.get_pipeline_model_parallel_group()
     on_wire = comm_device(group)  # NCCL: through the GPU, whatever device the caller uses
-    buffer = torch.empty(shape, dtype=dtype, device=on_wire) if tensor is None else \
-        tensor.contiguous().to(on_wire)
+    buffer = torch.empty(shape, dtype=dtype, device=on_wire) if tensor is None else tensor.contiguous().to(on_wire)
     dist.broadcast(buffer, src=ps.get_pipeline_model_parallel_last_rank(), group=group)
     return tensor if tensor is not None else buffer.to(device)

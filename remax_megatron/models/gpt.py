@@ -36,8 +36,7 @@ def param_device(config) -> torch.device:
 
     The project's own modules (RMSNorm, ScalarHead) follow it; nothing moves a model afterwards.
     """
-    return torch.device("cpu") if config.use_cpu_initialization else \
-        torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu") if config.use_cpu_initialization else torch.device("cuda", torch.cuda.current_device())
 
 
 class RMSNorm(nn.RMSNorm):
@@ -85,15 +84,20 @@ def layer_spec(config, pp_rank: int | None = None, local: bool = False):
         # megatron's WrappedTorchNorm refuses sequence parallel and builds fp32 weights.
         spec.submodules.self_attention.submodules.q_layernorm = HeadRMSNorm
         spec.submodules.self_attention.submodules.k_layernorm = HeadRMSNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, pp_rank=pp_rank),
-                                      layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config, pp_rank=pp_rank), layer_norm=RMSNorm
+    )
 
 
-def _gpt_kwargs(arch: ModelArch, config, tp: int, divisible_by: int, layout: NestedGroups | None = None,
-                local_spec: bool = False) -> dict:
+def _gpt_kwargs(
+    arch: ModelArch, config, tp: int, divisible_by: int, layout: NestedGroups | None = None, local_spec: bool = False
+) -> dict:
     """GPTModel arguments; `layout` places the model on explicit groups (None: megatron's global ones)."""
-    pp_rank, pp = (layout.pp_rank, layout.pp_size) if layout is not None else \
-        (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size())
+    pp_rank, pp = (
+        (layout.pp_rank, layout.pp_size)
+        if layout is not None
+        else (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size())
+    )
     return dict(
         transformer_layer_spec=layer_spec(config, pp_rank, local=local_spec),
         vocab_size=padded_vocab_size(arch.vocab_size, tp, divisible_by),
@@ -116,8 +120,11 @@ def _mark_tensor_parallel(model) -> None:
     weight-init functions, so with `perform_initialization=False` (weights loaded
     right after) grad-norm clipping would count TP shards as duplicates.
     """
-    dims = {tensor_parallel.ColumnParallelLinear: 0, tensor_parallel.RowParallelLinear: 1,
-            tensor_parallel.VocabParallelEmbedding: 0}
+    dims = {
+        tensor_parallel.ColumnParallelLinear: 0,
+        tensor_parallel.RowParallelLinear: 1,
+        tensor_parallel.VocabParallelEmbedding: 0,
+    }
     for module in model.modules():
         dim = next((d for cls, d in dims.items() if isinstance(module, cls)), None)
         weight = getattr(module, "weight", None)
@@ -177,11 +184,21 @@ class PolicyModel(GPTModel):
 
     def output_weight(self) -> torch.Tensor:
         """This rank's shard of the (padded) vocab-parallel output weight: [V_padded / tp, h]."""
-        return (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
-                else self.output_layer.weight)
+        return (
+            self.shared_embedding_or_output_weight()
+            if self.share_embeddings_and_output_weights
+            else self.output_layer.weight
+        )
 
-    def token_logprobs(self, hidden: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
-                       with_entropy: bool = False, grad_hint: torch.Tensor | None = None):
+    def token_logprobs(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        grad_hint: torch.Tensor | None = None,
+    ):
         """hidden [b, s, h], labels [b, s] (-100 ignored) -> (logprobs [b, s], entropy [b, s] | None).
 
         Vocab padding rows are left out of the softmax (valid_vocab), so these equal
@@ -190,8 +207,12 @@ class PolicyModel(GPTModel):
         """
         b, s, h = hidden.shape
         logprobs, entropy = fused_logprobs(
-            hidden.reshape(b * s, h), self.output_weight(), labels.reshape(b * s),
-            temperature=temperature, tp_group=self.tp_group, with_entropy=with_entropy,
+            hidden.reshape(b * s, h),
+            self.output_weight(),
+            labels.reshape(b * s),
+            temperature=temperature,
+            tp_group=self.tp_group,
+            with_entropy=with_entropy,
             valid_vocab=self.arch.vocab_size,
             grad_hint=grad_hint.reshape(b * s) if grad_hint is not None else None,
         )
@@ -199,7 +220,7 @@ class PolicyModel(GPTModel):
 
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [b, s, h] -> logits [b, s, vocab] gathered over TP (parity checks and decoding only)."""
-        local = (hidden @ self.output_weight().t()).contiguous()   # [b, s, V_padded / tp]
+        local = (hidden @ self.output_weight().t()).contiguous()  # [b, s, V_padded / tp]
         tp = dist.get_world_size(self.tp_group)
         parts = [local]
         if tp > 1:
@@ -241,25 +262,42 @@ class RewardModel(GPTModel):
         return values.gather(1, index).view(-1).float()
 
 
-def build_policy(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32,
-                 sequence_parallel: bool = False, recompute_granularity: str | None = None,
-                 make_vocab_size_divisible_by: int = 128, init_weights: bool = True,
-                 trainable: bool = True, experts: ExpertOptions | None = None,
-                 lora: LoraOptions | None = None) -> PolicyModel:
+def build_policy(
+    arch: ModelArch,
+    *,
+    tp: int,
+    pp: int,
+    params_dtype: torch.dtype = torch.float32,
+    sequence_parallel: bool = False,
+    recompute_granularity: str | None = None,
+    make_vocab_size_divisible_by: int = 128,
+    init_weights: bool = True,
+    trainable: bool = True,
+    experts: ExpertOptions | None = None,
+    lora: LoraOptions | None = None,
+) -> PolicyModel:
     """The actor (trainable=True) or the frozen reference model (trainable=False). experts: how a MoE
     model's experts run (EP must match the layout's expert_model_parallel_size). lora: adapters on the
     actor, base frozen (models/lora.py); its layers use megatron's local spec, whose Column/RowParallelLinear
     the adapters wrap (TE fuses the input norm into linear_qkv / linear_fc1)."""
     if arch.task != "causal_lm":
         raise ValueError(f"{arch.architecture} is a reward model; the actor and reference need a *ForCausalLM")
-    config = transformer_config(arch, tp=tp, pp=pp, params_dtype=params_dtype,
-                                sequence_parallel=sequence_parallel,
-                                recompute_granularity=recompute_granularity, init_weights=init_weights,
-                                experts=experts)
+    config = transformer_config(
+        arch,
+        tp=tp,
+        pp=pp,
+        params_dtype=params_dtype,
+        sequence_parallel=sequence_parallel,
+        recompute_granularity=recompute_granularity,
+        init_weights=init_weights,
+        experts=experts,
+    )
     with cpu_compat.redirect_cuda():
-        model = PolicyModel(config=config, share_embeddings_and_output_weights=arch.tie_word_embeddings,
-                            **_gpt_kwargs(arch, config, tp, make_vocab_size_divisible_by,
-                                          local_spec=lora is not None))
+        model = PolicyModel(
+            config=config,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            **_gpt_kwargs(arch, config, tp, make_vocab_size_divisible_by, local_spec=lora is not None),
+        )
     model.arch, model.lora = arch, lora
     _mark_tensor_parallel(model)
     if model.post_process:
@@ -275,9 +313,16 @@ def build_policy(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype
     return model
 
 
-def build_reward_model(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32,
-                       sequence_parallel: bool = False, make_vocab_size_divisible_by: int = 128,
-                       init_weights: bool = True) -> RewardModel:
+def build_reward_model(
+    arch: ModelArch,
+    *,
+    tp: int,
+    pp: int,
+    params_dtype: torch.dtype = torch.float32,
+    sequence_parallel: bool = False,
+    make_vocab_size_divisible_by: int = 128,
+    init_weights: bool = True,
+) -> RewardModel:
     """Frozen reward model: GPT trunk + scalar head; `scores(values, score_positions(...))` reads HF's token.
 
     (tp, pp) may differ from the actor's layout when tp * pp divides the actor's tp * pp: the model
@@ -285,19 +330,25 @@ def build_reward_model(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch
     calls this).
     """
     if arch.task != "reward":
-        raise ValueError(f"{arch.architecture} is not a reward model: use a *ForSequenceClassification "
-                         "checkpoint with num_labels=1")
+        raise ValueError(
+            f"{arch.architecture} is not a reward model: use a *ForSequenceClassification checkpoint with num_labels=1"
+        )
     layout = nested_groups(tp, pp)
-    config = transformer_config(arch, tp=tp, pp=pp, params_dtype=params_dtype,
-                                sequence_parallel=sequence_parallel, init_weights=init_weights)
+    config = transformer_config(
+        arch, tp=tp, pp=pp, params_dtype=params_dtype, sequence_parallel=sequence_parallel, init_weights=init_weights
+    )
     with cpu_compat.redirect_cuda():
-        model = RewardModel(config=config, share_embeddings_and_output_weights=False,
-                            **_gpt_kwargs(arch, config, tp, make_vocab_size_divisible_by, layout))
+        model = RewardModel(
+            config=config,
+            share_embeddings_and_output_weights=False,
+            **_gpt_kwargs(arch, config, tp, make_vocab_size_divisible_by, layout),
+        )
     model.arch, model.layout = arch, layout
     _mark_tensor_parallel(model)
     if model.post_process:
-        model.output_layer = ScalarHead(arch.hidden_size, params_dtype, config.sequence_parallel,
-                                        model.tp_group, device=param_device(config))
+        model.output_layer = ScalarHead(
+            arch.hidden_size, params_dtype, config.sequence_parallel, model.tp_group, device=param_device(config)
+        )
     model.requires_grad_(False)
     model.eval()
     return model
@@ -313,8 +364,10 @@ def check_sequence_length(model, seq_length: int) -> None:
     """Raise before a schedule starts (on every rank alike) when sequence parallel cannot split `seq_length`."""
     multiple = sequence_multiple(model)
     if seq_length % multiple:
-        raise ValueError(f"sequence length {seq_length} is not a multiple of tp={multiple}, which sequence "
-                         f"parallel needs: pad batches to a multiple of {multiple} (batching.pad_sequences(pad_to_multiple=))")
+        raise ValueError(
+            f"sequence length {seq_length} is not a multiple of tp={multiple}, which sequence "
+            f"parallel needs: pad batches to a multiple of {multiple} (batching.pad_sequences(pad_to_multiple=))"
+        )
 
 
 def params_dtype_of(name: str) -> torch.dtype:

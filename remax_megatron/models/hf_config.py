@@ -36,8 +36,10 @@ def read_hf_config(model_dir: str) -> ModelArch:
         raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object: fix or re-download it")
     archs = raw.get("architectures") or []
     if len(archs) != 1:
-        raise ValueError(f"{path} names {len(archs)} architectures ({archs or raw.get('model_type')!r}): "
-                         f"remax-megatron needs exactly one of {', '.join(families.supported_architectures())}")
+        raise ValueError(
+            f"{path} names {len(archs)} architectures ({archs or raw.get('model_type')!r}): "
+            f"remax-megatron needs exactly one of {', '.join(families.supported_architectures())}"
+        )
     family, task = families.lookup(archs[0], path)
     try:
         cfg = AutoConfig.from_pretrained(model_dir)
@@ -48,9 +50,13 @@ def read_hf_config(model_dir: str) -> ModelArch:
         raise ValueError(f"reward model {path} has num_labels={cfg.num_labels}; a scalar reward needs 1")
     fields = _common_fields(cfg, path)
     fields.update(family.features(cfg, path))
-    return ModelArch(architecture=archs[0], family=family.name, task=task,
-                     tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)) and task == families.CAUSAL_LM,
-                     **fields)
+    return ModelArch(
+        architecture=archs[0],
+        family=family.name,
+        task=task,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)) and task == families.CAUSAL_LM,
+        **fields,
+    )
 
 
 def _common_fields(cfg, path: str) -> dict:
@@ -66,7 +72,9 @@ def _common_fields(cfg, path: str) -> dict:
         expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         for key, value in expected.items():
             if float(rope.get(key, value)) != value:
-                raise ValueError(f"rope_parameters.{key}={rope[key]} in {path} is not supported (megatron uses {value})")
+                raise ValueError(
+                    f"rope_parameters.{key}={rope[key]} in {path} is not supported (megatron uses {value})"
+                )
         scaling = float(rope["factor"])
     elif rope_type != "default":
         raise ValueError(f"rope_type {rope_type!r} in {path} is not supported: use 'default' or 'llama3'")
@@ -94,12 +102,16 @@ def check_run_length(arch: ModelArch, longest: int, what: str, how: str) -> None
     than the model `what` can attend over exactly: its positions, or a sliding window (megatron's
     attention here is full causal, which equals the window only when every sequence fits in it)."""
     if longest > arch.max_position_embeddings:
-        raise ValueError(f"{how} = {longest} exceeds {what}'s max_position_embeddings="
-                         f"{arch.max_position_embeddings}: lower one of them")
+        raise ValueError(
+            f"{how} = {longest} exceeds {what}'s max_position_embeddings="
+            f"{arch.max_position_embeddings}: lower one of them"
+        )
     if arch.sliding_window is not None and longest > arch.sliding_window:
-        raise ValueError(f"{how} = {longest} is longer than {what}'s sliding_window={arch.sliding_window}, "
-                         f"which remax-megatron does not implement (attention is full causal): lower them to at "
-                         f"most {arch.sliding_window} tokens, or use a model without a sliding window")
+        raise ValueError(
+            f"{how} = {longest} is longer than {what}'s sliding_window={arch.sliding_window}, "
+            f"which remax-megatron does not implement (attention is full causal): lower them to at "
+            f"most {arch.sliding_window} tokens, or use a model without a sliding window"
+        )
 
 
 def check_layout(arch: ModelArch, tp: int, pp: int, what: str = "actor", ep: int = 1) -> None:
@@ -111,15 +123,21 @@ def check_layout(arch: ModelArch, tp: int, pp: int, what: str = "actor", ep: int
     tp_name, pp_name = (f"{what}tp", f"{what}pp") if what.endswith("-") else (f"{what}.tp", f"{what}.pp")
     ep_name = f"{what}ep" if what.endswith("-") else f"{what}.ep"
     if ep > 1 and not arch.is_moe:
-        raise ValueError(f"{ep_name}={ep} but {arch.architecture} has no experts: expert parallelism needs a "
-                         f"mixture-of-experts model (set {ep_name}=1)")
+        raise ValueError(
+            f"{ep_name}={ep} but {arch.architecture} has no experts: expert parallelism needs a "
+            f"mixture-of-experts model (set {ep_name}=1)"
+        )
     if arch.is_moe and arch.num_experts % ep:
-        raise ValueError(f"{ep_name}={ep} does not divide the {arch.num_experts} experts of {arch.architecture}: "
-                         f"choose ep from the divisors of {arch.num_experts}")
+        raise ValueError(
+            f"{ep_name}={ep} does not divide the {arch.num_experts} experts of {arch.architecture}: "
+            f"choose ep from the divisors of {arch.num_experts}"
+        )
     check_tp_heads(arch, tp, tp_name)
     if arch.num_layers % pp:
-        raise ValueError(f"{pp_name}={pp} does not divide num_hidden_layers={arch.num_layers}: "
-                         f"choose pp from the divisors of {arch.num_layers}")
+        raise ValueError(
+            f"{pp_name}={pp} does not divide num_hidden_layers={arch.num_layers}: "
+            f"choose pp from the divisors of {arch.num_layers}"
+        )
 
 
 def check_tp_heads(arch: ModelArch, tp: int, tp_name: str) -> None:
@@ -127,8 +145,10 @@ def check_tp_heads(arch: ModelArch, tp: int, tp_name: str) -> None:
     and whole KV heads (query groups): tp divides both."""
     for what, heads in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads)):
         if heads % tp:
-            raise ValueError(f"{tp_name}={tp} does not divide {what}={heads}: choose {tp_name.lstrip('-')} from "
-                             f"the divisors of {heads}")
+            raise ValueError(
+                f"{tp_name}={tp} does not divide {what}={heads}: choose {tp_name.lstrip('-')} from "
+                f"the divisors of {heads}"
+            )
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:

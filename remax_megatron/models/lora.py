@@ -69,7 +69,7 @@ class LoraColumnParallelLinear(ColumnParallelLinear, _LoraLinear):
         output, bias = super().forward(input_, weight, runtime_gather_output)
         if not self.lora_enabled:
             return output, bias
-        h = F.linear(self.lora_dropout(input_), self.lora_A)   # [s, b, r] equal on every TP rank; SP: [s / tp, b, r]
+        h = F.linear(self.lora_dropout(input_), self.lora_A)  # [s, b, r] equal on every TP rank; SP: [s / tp, b, r]
         if self.sequence_parallel:
             h = tensor_parallel.gather_from_sequence_parallel_region(h, group=self.tp_group)  # [s, b, r]
         else:
@@ -78,14 +78,20 @@ class LoraColumnParallelLinear(ColumnParallelLinear, _LoraLinear):
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         out = make_sharded_tensors_for_checkpoint(
-            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0, "bias": 0, "lora_B": 0},
-            sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            {"weight": 0, "bias": 0, "lora_B": 0},
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )
         if self.lora_glu:
             # As megatron's MLP does for fc1's weight: gate and up rows saved as two tensors, so that
             # another TP size reads [gate_r; up_r] shards right (a plain axis-0 split would interleave them).
             key = f"{prefix}lora_B"
-            out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets,
-                                                    (metadata or {}).get("singleton_local_shards", False))
+            out[key] = apply_swiglu_sharded_factory(
+                out[key], sharded_offsets, (metadata or {}).get("singleton_local_shards", False)
+            )
         return out
 
 
@@ -96,7 +102,7 @@ class LoraRowParallelLinear(RowParallelLinear, _LoraLinear):
         output, bias = super().forward(input_)
         if not self.lora_enabled:
             return output, bias
-        h = F.linear(self.lora_dropout(input_), self.lora_A)   # [s, b, r], this rank's input columns only
+        h = F.linear(self.lora_dropout(input_), self.lora_A)  # [s, b, r], this rank's input columns only
         if self.sequence_parallel:
             h = tensor_parallel.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)  # [s / tp, b, r]
         else:
@@ -105,8 +111,13 @@ class LoraRowParallelLinear(RowParallelLinear, _LoraLinear):
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         return make_sharded_tensors_for_checkpoint(
-            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 1, "lora_A": 1},
-            sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            {"weight": 1, "lora_A": 1},
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )
 
 
 _ADAPTED = {ColumnParallelLinear: LoraColumnParallelLinear, RowParallelLinear: LoraRowParallelLinear}
@@ -123,19 +134,21 @@ def _full_A(options: LoraOptions, layer_number: int, path: str, in_features: int
 def _adapt(module, options: LoraOptions, layer_number: int, path: str) -> None:
     cls = _ADAPTED.get(type(module))
     if cls is None:
-        raise ValueError(f"actor.lora_targets: {path} is a {type(module).__name__}, not megatron's "
-                         "ColumnParallelLinear / RowParallelLinear (LoRA runs on the local layer spec)")
+        raise ValueError(
+            f"actor.lora_targets: {path} is a {type(module).__name__}, not megatron's "
+            "ColumnParallelLinear / RowParallelLinear (LoRA runs on the local layer spec)"
+        )
     weight = module.weight
     tp, tp_rank = module.tp_group.size(), module.tp_group.rank()
     out_local, in_local = weight.shape
     kw = dict(dtype=weight.dtype, device=weight.device)
     if cls is LoraColumnParallelLinear:
-        a = _full_A(options, layer_number, path, in_local)                              # [r, in]
-        b = torch.zeros(out_local, options.rank, **kw)                                   # [out / tp, r]
+        a = _full_A(options, layer_number, path, in_local)  # [r, in]
+        b = torch.zeros(out_local, options.rank, **kw)  # [out / tp, r]
     else:
-        full = _full_A(options, layer_number, path, in_local * tp)                       # [r, in]
-        a = full[:, tp_rank * in_local:(tp_rank + 1) * in_local]                         # [r, in / tp]
-        b = torch.zeros(out_local, options.rank, **kw)                                   # [out, r]
+        full = _full_A(options, layer_number, path, in_local * tp)  # [r, in]
+        a = full[:, tp_rank * in_local : (tp_rank + 1) * in_local]  # [r, in / tp]
+        b = torch.zeros(out_local, options.rank, **kw)  # [out, r]
     module.__class__ = cls
     if cls is LoraColumnParallelLinear and path.endswith("linear_fc1") and module.config.gated_linear_unit:
         module.lora_glu = True
@@ -170,8 +183,10 @@ def apply_lora(model, options: LoraOptions) -> list[str]:
             if path.rsplit(".", 1)[-1] not in options.targets:
                 continue
             if ".experts." in f".{path}.":
-                raise ValueError(f"actor.lora_targets: {path} is a MoE expert; LoRA on experts is not supported "
-                                 "(use actor.lora_targets=[linear_qkv,linear_proj])")
+                raise ValueError(
+                    f"actor.lora_targets: {path} is a MoE expert; LoRA on experts is not supported "
+                    "(use actor.lora_targets=[linear_qkv,linear_proj])"
+                )
             _adapt(module, options, layer.layer_number, path)
             adapted.append(f"decoder.layers.{i}.{path}")
     if not adapted:

@@ -82,7 +82,7 @@ class LoadBalancing:
         self.dp_group, self.pp_group = dp_group, pp_group
         self.routers = routers(model)
         self.num_layers = model.config.num_layers  # every layer is MoE (the families refuse dense ones)
-        self._norm: float | None = None            # 1 / global tokens ("aux") or sequences ("seq_aux")
+        self._norm: float | None = None  # 1 / global tokens ("aux") or sequences ("seq_aux")
         self._segments: torch.Tensor | None = None  # packed rows: the sequence of each token [b, s], -1 padding
         self._aux = torch.zeros(len(self.routers), dtype=torch.float64)  # this rank's weighted share per layer
         self._counts = torch.zeros(len(self.routers), model.config.num_moe_experts, dtype=torch.float64)
@@ -111,7 +111,7 @@ class LoadBalancing:
         """The update's load-balancing loss (mean over layers) and expert load, the same on every rank."""
         # CPU statistics; all_reduce_cpu carries them through the GPU where the groups are NCCL
         aux, counts, replayed = self._aux, self._counts, self._replayed
-        if self.tp_group is not None:   # each TP rank's share of the loss covers its sequence shard
+        if self.tp_group is not None:  # each TP rank's share of the loss covers its sequence shard
             aux = all_reduce_cpu(aux, group=self.tp_group)
             replayed = all_reduce_cpu(replayed, group=self.tp_group)
         if dist.get_world_size(self.dp_group) > 1:
@@ -142,9 +142,12 @@ class LoadBalancing:
                 return None
             hidden = args[0]
             padding = args[1] if len(args) > 1 else None
-            probs, routing_map = output                          # [T, E] each, T = local s x b (s-major)
-            valid = torch.ones(routing_map.shape[0], dtype=torch.bool, device=routing_map.device) \
-                if padding is None else ~padding.reshape(-1)       # [T]
+            probs, routing_map = output  # [T, E] each, T = local s x b (s-major)
+            valid = (
+                torch.ones(routing_map.shape[0], dtype=torch.bool, device=routing_map.device)
+                if padding is None
+                else ~padding.reshape(-1)
+            )  # [T]
             counts = (routing_map & valid[:, None]).sum(0).double()  # [E], this rank's shard
             if self.tp_group is not None:
                 dist.all_reduce(counts, group=self.tp_group)
@@ -152,7 +155,7 @@ class LoadBalancing:
             given = getattr(router, "replay_given", None)
             if given is None and not self.active:
                 return None
-            logits = router.gating(hidden).reshape(routing_map.shape)                       # [T, E], one GEMM
+            logits = router.gating(hidden).reshape(routing_map.shape)  # [T, E], one GEMM
             if given is not None:
                 self._replayed += _live_differs(logits.detach(), router.topk, routing_map, given & valid).cpu()
             if not self.active:
@@ -163,34 +166,37 @@ class LoadBalancing:
             scale = router.config.grad_scale_func
             scaled = loss * scale(torch.ones((), device=loss.device)) if scale is not None else loss
             return _AddLoss.apply(probs, scaled.to(probs.dtype)), routing_map
+
         return hook
 
     def _loss(self, router, hidden, logits, valid, routing_map) -> torch.Tensor:
         """coef * this rank's share of the layer's weighted load-balancing loss (differentiable in the
         router's weight through the recomputed logits [T, E])."""
         experts, k = routing_map.shape[1], router.topk
-        scores = torch.softmax(logits.float(), dim=-1)                                       # [T, E]
+        scores = torch.softmax(logits.float(), dim=-1)  # [T, E]
         scores = scores * valid[:, None]
         routed = (routing_map & valid[:, None]).float()
         if self.kind == "aux":
-            stats = torch.stack([routed.sum(0), valid.sum().float().expand(experts)])         # [2, E]
+            stats = torch.stack([routed.sum(0), valid.sum().float().expand(experts)])  # [2, E]
             if self.tp_group is not None:
                 dist.all_reduce(stats, group=self.tp_group)
             counts, tokens = stats[0], stats[1, 0]
             aux = experts * (counts * scores.sum(0)).sum() / (k * tokens * tokens).clamp(min=1.0)
             # token-weighted: this micro-batch's tokens over the update's
             return self.coef * aux * tokens * self._norm
-        sequence, count = self._token_sequences(router, hidden)     # seq_aux: per sequence; [T], int
+        sequence, count = self._token_sequences(router, hidden)  # seq_aux: per sequence; [T], int
         keep = (sequence >= 0)[:, None]
         sequence = sequence.clamp(min=0)
         stats = torch.zeros(count, experts + 1, device=routed.device).index_add(
-            0, sequence, torch.cat([routed, valid.float()[:, None]], dim=1) * keep)              # [n, E + 1]
+            0, sequence, torch.cat([routed, valid.float()[:, None]], dim=1) * keep
+        )  # [n, E + 1]
         if self.tp_group is not None:
             dist.all_reduce(stats, group=self.tp_group)
         counts, tokens = stats[:, :experts], stats[:, experts]
         shares = torch.zeros(count, experts, device=scores.device, dtype=scores.dtype).index_add(
-            0, sequence, scores * keep)                                                          # [n, E]
-        aux = experts * (counts * shares).sum(-1) / (k * tokens * tokens).clamp(min=1.0)         # [n]
+            0, sequence, scores * keep
+        )  # [n, E]
+        aux = experts * (counts * shares).sum(-1) / (k * tokens * tokens).clamp(min=1.0)  # [n]
         return self.coef * aux[tokens > 0].sum() * self._norm
 
     def _token_sequences(self, router, hidden) -> tuple[torch.Tensor, int]:
@@ -203,7 +209,7 @@ class LoadBalancing:
         if self.tp_group is not None and router.config.sequence_parallel:
             tp, rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
             s = segments.shape[1]
-            segments = segments[:, rank * s // tp:(rank + 1) * s // tp]
+            segments = segments[:, rank * s // tp : (rank + 1) * s // tp]
         return segments.transpose(0, 1).reshape(-1), int(self._segments.max()) + 1
 
 
@@ -216,20 +222,24 @@ def _live_differs(logits, topk: int, routing_map, given) -> torch.Tensor:
     return torch.stack([differs.sum(), given.sum()]).double()
 
 
-def padding_mask(model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, *,
-                 padding: torch.Tensor | None = None) -> torch.Tensor:
+def padding_mask(
+    model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, *, padding: torch.Tensor | None = None
+) -> torch.Tensor:
     """[b, s] True past each row's length (right padding), or `padding` as given (packed rows: where no
     sequence sits), as megatron's MoE routing reads it.
 
     megatron's GPTModel splits it over the sequence for sequence parallelism on the first pipeline
     stage only; the later stages get their TP rank's slice here."""
     b, s = input_ids.shape
-    mask = padding.to(input_ids.device) if padding is not None else \
-        torch.arange(s, device=input_ids.device)[None, :] >= lengths.to(input_ids.device)[:, None]
+    mask = (
+        padding.to(input_ids.device)
+        if padding is not None
+        else torch.arange(s, device=input_ids.device)[None, :] >= lengths.to(input_ids.device)[:, None]
+    )
     config = model.config
     if config.sequence_parallel and not model.pre_process:
         tp, rank = model.tp_group.size(), model.tp_group.rank()
-        mask = mask[:, rank * s // tp:(rank + 1) * s // tp]
+        mask = mask[:, rank * s // tp : (rank + 1) * s // tp]
     return mask
 
 
@@ -240,11 +250,11 @@ def replay_routes(model, routes: torch.Tensor) -> None:
 
     b, s, _, k = routes.shape
     filled = torch.where(routes < 0, torch.arange(k, device=routes.device), routes)
-    given = (routes >= 0).all(-1)                                               # [b, s, layers]
+    given = (routes >= 0).all(-1)  # [b, s, layers]
     if model.config.sequence_parallel:
         tp, rank = model.tp_group.size(), model.tp_group.rank()
-        filled = filled[:, rank * s // tp:(rank + 1) * s // tp]
-        given = given[:, rank * s // tp:(rank + 1) * s // tp]
+        filled = filled[:, rank * s // tp : (rank + 1) * s // tp]
+        given = given[:, rank * s // tp : (rank + 1) * s // tp]
     for router in routers(model):
         if router.router_replay is None:
             raise RuntimeError("routing replay: the model was built without moe_enable_routing_replay")
@@ -252,7 +262,7 @@ def replay_routes(model, routes: torch.Tensor) -> None:
         router.router_replay.clear_indices()
         router.router_replay.set_target_indices(filled[:, :, layer].transpose(0, 1).reshape(-1, k).contiguous())
         router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        router.replay_given = given[:, :, layer].transpose(0, 1).reshape(-1)    # [s_local * b]: an engine route
+        router.replay_given = given[:, :, layer].transpose(0, 1).reshape(-1)  # [s_local * b]: an engine route
 
 
 def end_replay(model) -> None:
@@ -278,12 +288,11 @@ def own_routes(model, batch: dict) -> torch.Tensor:
     for router in routers(model):
         router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
     forward_only(model, [{"input_ids": batch["input_ids"]}], lambda m, hidden, mb: None)
-    device = next(model.parameters()).device                                       # the groups' device (NCCL)
-    routes = torch.zeros((b, s, model.config.num_layers, model.config.moe_router_topk), dtype=torch.long,
-                         device=device)
+    device = next(model.parameters()).device  # the groups' device (NCCL)
+    routes = torch.zeros((b, s, model.config.num_layers, model.config.moe_router_topk), dtype=torch.long, device=device)
     tp = sequence_multiple(model.tp_group.size(), model.config.sequence_parallel)  # sequence shards
     for router in routers(model):  # this stage's layers, stored + 1 so that the other stages' stay 0
-        recorded = router.router_replay.get_recorded_indices().view(s // tp, b, -1)   # [s / tp, b, top_k]
+        recorded = router.router_replay.get_recorded_indices().view(s // tp, b, -1)  # [s / tp, b, top_k]
         if tp > 1:  # sequence parallel: each TP rank routed its shard of the sequence
             shards = [torch.empty_like(recorded) for _ in range(tp)]
             dist.all_gather(shards, recorded.contiguous(), group=model.tp_group)

@@ -94,8 +94,16 @@ def _cpu_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
 
 
 _FACTORIES = {
-    torch.empty, torch.zeros, torch.ones, torch.full, torch.tensor, torch.arange,
-    torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like,
+    torch.empty,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.tensor,
+    torch.arange,
+    torch.empty_like,
+    torch.zeros_like,
+    torch.ones_like,
+    torch.full_like,
 }
 
 

@@ -30,8 +30,8 @@ class ParallelLayout:
     tp: int
     pp: int
     world_size: int
-    ep: int = 1    # expert parallel (MoE)
-    etp: int = 0   # expert tensor parallel; 0: tp (megatron's default)
+    ep: int = 1  # expert parallel (MoE)
+    etp: int = 0  # expert tensor parallel; 0: tp (megatron's default)
 
     def __post_init__(self):
         for name in ("tp", "pp", "world_size", "ep"):
@@ -48,16 +48,21 @@ class ParallelLayout:
             )
         ep, etp, ranks = self.ep, self.expert_tp, self.tp * self.dp
         if etp not in (1, self.tp):
-            raise ValueError(f"etp({etp}) with tp({self.tp}): expert tensor parallel must be 1 (whole experts) "
-                             f"or equal to tp")
+            raise ValueError(
+                f"etp({etp}) with tp({self.tp}): expert tensor parallel must be 1 (whole experts) or equal to tp"
+            )
         if ranks % (ep * etp):
-            raise ValueError(f"ep({ep}) * etp({etp}) = {ep * etp} does not divide tp({self.tp}) * dp({self.dp}) = "
-                             f"{ranks}, the ranks of a pipeline stage megatron carves the experts from: choose "
-                             f"ep * etp from the divisors of {ranks}")
+            raise ValueError(
+                f"ep({ep}) * etp({etp}) = {ep * etp} does not divide tp({self.tp}) * dp({self.dp}) = "
+                f"{ranks}, the ranks of a pipeline stage megatron carves the experts from: choose "
+                f"ep * etp from the divisors of {ranks}"
+            )
         if ep == 1 and etp < self.tp:
-            raise ValueError(f"etp({etp}) < tp({self.tp}) with ep(1): experts whole on every TP rank need ep > 1 "
-                             "(megatron only sums expert gradients over TP through expert parallelism): set "
-                             f"etp={self.tp} or ep > 1")
+            raise ValueError(
+                f"etp({etp}) < tp({self.tp}) with ep(1): experts whole on every TP rank need ep > 1 "
+                "(megatron only sums expert gradients over TP through expert parallelism): set "
+                f"etp={self.tp} or ep > 1"
+            )
 
     @property
     def dp(self) -> int:
@@ -108,7 +113,7 @@ class ProcessGroups:
     tp: dist.ProcessGroup
     pp: dist.ProcessGroup
     dp: dist.ProcessGroup
-    mp: dist.ProcessGroup           # model-parallel: the tp x pp ranks of one replica
+    mp: dist.ProcessGroup  # model-parallel: the tp x pp ranks of one replica
     embedding: dist.ProcessGroup | None
     tp_rank: int
     pp_rank: int
@@ -172,10 +177,13 @@ def check_rollout_tp(tp: int, ranks: int, separate: bool = False) -> None:
     if ranks % tp == 0:
         return
     if separate:
-        raise ValueError(f"rollout.tp({tp}) does not divide rollout.ranks({ranks}): the rollout ranks run "
-                         f"rollout.ranks / rollout.tp engines; choose rollout.tp from the divisors of {ranks}")
-    raise ValueError(f"rollout.tp={tp} does not divide the world size {ranks}: choose rollout.tp from the divisors "
-                     f"of {ranks}")
+        raise ValueError(
+            f"rollout.tp({tp}) does not divide rollout.ranks({ranks}): the rollout ranks run "
+            f"rollout.ranks / rollout.tp engines; choose rollout.tp from the divisors of {ranks}"
+        )
+    raise ValueError(
+        f"rollout.tp={tp} does not divide the world size {ranks}: choose rollout.tp from the divisors of {ranks}"
+    )
 
 
 def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
@@ -212,8 +220,10 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
 
 def port_in_use(port: str) -> str:
     """The one line for a rendezvous port another process already listens on (the launcher's too)."""
-    return (f"MASTER_PORT {port} is already in use on this host (EADDRINUSE): another job listens there; "
-            "give this one a free port (torchrun / remax_megatron.launch --master_port=N, or MASTER_PORT=N)")
+    return (
+        f"MASTER_PORT {port} is already in use on this host (EADDRINUSE): another job listens there; "
+        "give this one a free port (torchrun / remax_megatron.launch --master_port=N, or MASTER_PORT=N)"
+    )
 
 
 def _free_port() -> int:

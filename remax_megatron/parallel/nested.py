@@ -38,15 +38,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class NestedGroups:
     collection: ProcessGroupCollection | None  # tp, pp, mp, cp, embd, pos_embd, dp, dp_cp; None: megatron's global
-    outer: dist.ProcessGroup    # ranks that score together: one or more whole actor model-parallel groups
-    replica: int                # this rank's replica of the nested model within `outer`
-    replicas: int               # nested replicas per `outer` group
+    outer: dist.ProcessGroup  # ranks that score together: one or more whole actor model-parallel groups
+    replica: int  # this rank's replica of the nested model within `outer`
+    replicas: int  # nested replicas per `outer` group
     tp_rank: int
     pp_rank: int
     tp_size: int
     pp_size: int
-    actor_replica: int = 0      # which of the actor model-parallel groups in `outer` this rank belongs to
-    actor_replicas: int = 1     # actor model-parallel groups per `outer` group (> 1: items are gathered)
+    actor_replica: int = 0  # which of the actor model-parallel groups in `outer` this rank belongs to
+    actor_replicas: int = 1  # actor model-parallel groups per `outer` group (> 1: items are gathered)
 
     @property
     def is_last_stage(self) -> bool:
@@ -58,17 +58,20 @@ class NestedGroups:
         return range(min(count, self.replica * per), min(count, (self.replica + 1) * per))
 
 
-def check_nested(tp: int, pp: int, outer_tp: int, outer_pp: int, dp: int, what: str = "reward",
-                 outer: str = "actor") -> None:
+def check_nested(
+    tp: int, pp: int, outer_tp: int, outer_pp: int, dp: int, what: str = "reward", outer: str = "actor"
+) -> None:
     """One-line error when a (tp, pp) layout fits neither inside the actor's model-parallel groups nor over
     a whole number of them (dp is the actor's data-parallel size)."""
     size, outer_size = tp * pp, outer_tp * outer_pp
     if outer_size % size == 0 or (size % outer_size == 0 and dp % (size // outer_size) == 0):
         return
-    raise ValueError(f"{what}.tp({tp}) * {what}.pp({pp}) = {size} neither divides {outer}.tp({outer_tp}) * "
-                     f"{outer}.pp({outer_pp}) = {outer_size} nor is a multiple of it that divides "
-                     f"{outer_size} * dp({dp}) = {outer_size * dp}: choose {what}.tp * {what}.pp from the divisors "
-                     f"of {outer_size}, or a multiple of {outer_size} that divides {outer_size * dp}")
+    raise ValueError(
+        f"{what}.tp({tp}) * {what}.pp({pp}) = {size} neither divides {outer}.tp({outer_tp}) * "
+        f"{outer}.pp({outer_pp}) = {outer_size} nor is a multiple of it that divides "
+        f"{outer_size} * dp({dp}) = {outer_size * dp}: choose {what}.tp * {what}.pp from the divisors "
+        f"of {outer_size}, or a multiple of {outer_size} that divides {outer_size * dp}"
+    )
 
 
 def nested_groups(tp: int, pp: int) -> NestedGroups:
@@ -79,15 +82,16 @@ def nested_groups(tp: int, pp: int) -> NestedGroups:
     outer_tp, outer_pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     check_nested(tp, pp, outer_tp, outer_pp, ps.get_data_parallel_world_size())
     if (tp, pp) == (outer_tp, outer_pp):
-        return NestedGroups(None, actor_mp, 0, 1, ps.get_tensor_model_parallel_rank(),
-                            ps.get_pipeline_model_parallel_rank(), tp, pp)
+        return NestedGroups(
+            None, actor_mp, 0, 1, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), tp, pp
+        )
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     size, world, me = tp * pp, dist.get_world_size(), dist.get_rank()
     every: list = [None] * world
     dist.all_gather_object(every, sorted(dist.get_process_group_ranks(actor_mp)))
-    actor_blocks = sorted({tuple(ranks) for ranks in every})     # every actor model-parallel group
-    join = max(1, size // len(actor_blocks[0]))                  # actor groups per outer group
+    actor_blocks = sorted({tuple(ranks) for ranks in every})  # every actor model-parallel group
+    join = max(1, size // len(actor_blocks[0]))  # actor groups per outer group
     blocks = [tuple(sorted(sum(actor_blocks[i : i + join], ()))) for i in range(0, len(actor_blocks), join)]
     replicas = [b[i : i + size] for b in blocks for i in range(0, len(b), size)]
     # Inside a replica: position k = pp_rank * tp + tp_rank (tp fastest).
@@ -105,11 +109,29 @@ def nested_groups(tp: int, pp: int) -> NestedGroups:
             group = dist.new_group(list(ranks))
             if me in ranks:
                 mine[name] = group
-    collection = ProcessGroupCollection(tp=mine["tp"], pp=mine["pp"], mp=mine["mp"], cp=mine["cp"],
-                                        dp=mine["dp"], dp_cp=mine["dp"], embd=None, pos_embd=None)
+    collection = ProcessGroupCollection(
+        tp=mine["tp"],
+        pp=mine["pp"],
+        mp=mine["mp"],
+        cp=mine["cp"],
+        dp=mine["dp"],
+        dp_cp=mine["dp"],
+        embd=None,
+        pos_embd=None,
+    )
     block = next(b for b in blocks if me in b)
     position = block.index(me)
     k = position % size
     actor_replica = next(i for i, b in enumerate(actor_blocks) if me in b) % join
-    return NestedGroups(collection, mine.get("outer", actor_mp), position // size, len(block) // size,
-                        k % tp, k // tp, tp, pp, actor_replica, join)
+    return NestedGroups(
+        collection,
+        mine.get("outer", actor_mp),
+        position // size,
+        len(block) // size,
+        k % tp,
+        k // tp,
+        tp,
+        pp,
+        actor_replica,
+        join,
+    )

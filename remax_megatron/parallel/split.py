@@ -31,11 +31,11 @@ from remax_megatron.parallel.layout import check_rollout_tp
 
 @dataclass(frozen=True)
 class WorldSplit:
-    role: str                         # "train" | "rollout"
+    role: str  # "train" | "rollout"
     global_rank: int
     global_world: int
-    rollout_ranks: int                # K: the last K global ranks
-    bridge: object | None            # c10d ProcessGroup over [training rank 0] + rollout ranks; None elsewhere
+    rollout_ranks: int  # K: the last K global ranks
+    bridge: object | None  # c10d ProcessGroup over [training rank 0] + rollout ranks; None elsewhere
 
     @property
     def train_world(self) -> int:
@@ -54,8 +54,10 @@ class WorldSplit:
 def check_split(world: int, rollout_ranks: int, rollout_tp: int) -> None:
     """One line naming every factor when the world cannot hold K rollout ranks beside the training ranks."""
     if rollout_ranks < 1 or rollout_ranks >= world:
-        raise ValueError(f"rollout.ranks({rollout_ranks}) with rollout.placement=separate must be in [1, world({world})"
-                         f" - 1]: the rest, world({world}) - rollout.ranks, are the training ranks")
+        raise ValueError(
+            f"rollout.ranks({rollout_ranks}) with rollout.placement=separate must be in [1, world({world})"
+            f" - 1]: the rest, world({world}) - rollout.ranks, are the training ranks"
+        )
     check_rollout_tp(rollout_tp, rollout_ranks, separate=True)
 
 
@@ -65,22 +67,30 @@ def split_world(rollout_ranks: int, timeout_minutes: int = 30) -> WorldSplit:
         raise RuntimeError("split_world must run before any process group exists")
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if "MASTER_ADDR" not in os.environ:
-        raise ValueError("rollout.placement=separate needs a launched world: run under torchrun (or "
-                         "python -m remax_megatron.launch) with --nproc_per_node >= 2")
+        raise ValueError(
+            "rollout.placement=separate needs a launched world: run under torchrun (or "
+            "python -m remax_megatron.launch) with --nproc_per_node >= 2"
+        )
     train_world = world - rollout_ranks
     role = "rollout" if rank >= train_world else "train"
     timeout = datetime.timedelta(minutes=timeout_minutes)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=None if agent_store
-                          else world, is_master=not agent_store and rank == 0, timeout=timeout,
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size=None if agent_store else world,
+        is_master=not agent_store and rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
     backend = "nccl" if cpu_compat.cuda_present() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     side_rank = rank - train_world if role == "rollout" else rank
     side_world = rollout_ranks if role == "rollout" else train_world
-    dist.init_process_group(backend, store=dist.PrefixStore(f"remax/{role}", store), rank=side_rank,
-                            world_size=side_world, timeout=timeout)
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(f"remax/{role}", store), rank=side_rank, world_size=side_world, timeout=timeout
+    )
     bridge = None
     if role == "rollout" or rank == 0:
         bridge_rank = 0 if role == "train" else 1 + side_rank

@@ -32,9 +32,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 # The contract, as errors, --help and the README state it.
-CONTRACT = ("a reward function is fn(prompts, responses, **columns) (this project's: two positional lists) or "
-            "TRL's fn(completions, **kwargs) (keywords: prompts, completions, completion_ids and the dataset's "
-            "columns), returning one number per response")
+CONTRACT = (
+    "a reward function is fn(prompts, responses, **columns) (this project's: two positional lists) or "
+    "TRL's fn(completions, **kwargs) (keywords: prompts, completions, completion_ids and the dataset's "
+    "columns), returning one number per response"
+)
 TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
 
 
@@ -42,8 +44,11 @@ def contract_help() -> str:
     """The contract as `python -m remax_megatron.train --help` shows it (this module's docstring, from its
     first convention to the start-up call)."""
     doc = __doc__.split("\n\n", 1)[1].split("Every result is checked")[0]
-    return "reward functions (reward.functions = [name or package.module:function, ...]):\n" + \
-        "\n".join("  " + line if line else "" for line in doc.strip().splitlines())
+    return "reward functions (reward.functions = [name or package.module:function, ...]):\n" + "\n".join(
+        "  " + line if line else "" for line in doc.strip().splitlines()
+    )
+
+
 PLACEHOLDER = "0"  # the completion of the start-up call
 
 REGISTRY: dict[str, Callable] = {}
@@ -123,8 +128,10 @@ def resolve(spec: str) -> Callable:
     if spec in REGISTRY:
         return REGISTRY[spec]
     if ":" not in spec:
-        raise ValueError(f"reward function {spec!r} is not built in ({', '.join(sorted(REGISTRY))}) and is "
-                         "not a 'package.module:function' path")
+        raise ValueError(
+            f"reward function {spec!r} is not built in ({', '.join(sorted(REGISTRY))}) and is "
+            "not a 'package.module:function' path"
+        )
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -140,29 +147,36 @@ def resolve(spec: str) -> Callable:
 class RewardBatch:
     """What reward functions score: one entry per response, each list aligned with `responses`."""
 
-    prompts: list[str]             # as the model saw them (after the chat template)
-    responses: list[str]           # decoded
+    prompts: list[str]  # as the model saw them (after the chat template)
+    responses: list[str]  # decoded
     columns: dict[str, list] = field(default_factory=dict)  # the dataset's other columns (and `answer`)
-    prompt_index: list[int] = field(default_factory=list)   # names the prompt in errors
-    raw_prompts: list | None = None          # the dataset's prompt values (TRL's `prompts`); None: `prompts`
+    prompt_index: list[int] = field(default_factory=list)  # names the prompt in errors
+    raw_prompts: list | None = None  # the dataset's prompt values (TRL's `prompts`); None: `prompts`
     completion_ids: list[list[int]] | None = None
-    chat: bool = False                       # the prompts are message lists: TRL's completions are too
+    chat: bool = False  # the prompts are message lists: TRL's completions are too
 
     def __len__(self) -> int:
         return len(self.responses)
 
     def item(self, i: int) -> "RewardBatch":
         """The batch of response i alone (to name the response a function fails on)."""
-        def one(v):
-            return v[i:i + 1] if isinstance(v, list) and len(v) == len(self) else v
 
-        return RewardBatch(self.prompts[i:i + 1], self.responses[i:i + 1],
-                           {k: one(v) for k, v in self.columns.items()}, self.prompt_index[i:i + 1],
-                           one(self.raw_prompts), one(self.completion_ids), self.chat)
+        def one(v):
+            return v[i : i + 1] if isinstance(v, list) and len(v) == len(self) else v
+
+        return RewardBatch(
+            self.prompts[i : i + 1],
+            self.responses[i : i + 1],
+            {k: one(v) for k, v in self.columns.items()},
+            self.prompt_index[i : i + 1],
+            one(self.raw_prompts),
+            one(self.completion_ids),
+            self.chat,
+        )
 
 
 def convention(fn: Callable) -> str:
-    """"trl" when the signature names `completions` (TRL's keyword call), else "remax" (positional)."""
+    """ "trl" when the signature names `completions` (TRL's keyword call), else "remax" (positional)."""
     try:
         return "trl" if "completions" in inspect.signature(fn).parameters else "remax"
     except (TypeError, ValueError):  # not introspectable (a builtin): the positional call
@@ -178,8 +192,11 @@ def required_columns(fn: Callable) -> list[str]:
         return []
     if convention(fn) == "remax":
         params = params[2:]
-    return [p.name for p in params if p.name not in TRL_ARGUMENTS and p.default is p.empty
-            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return [
+        p.name
+        for p in params
+        if p.name not in TRL_ARGUMENTS and p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
 
 
 class RewardFunction:
@@ -201,10 +218,15 @@ class RewardFunction:
     def __call__(self, batch: RewardBatch):
         if self.convention == "remax":
             return self.fn(batch.prompts, batch.responses, **batch.columns, **self.options)
-        completions = ([[{"role": "assistant", "content": r}] for r in batch.responses] if batch.chat
-                       else list(batch.responses))
-        kwargs = {**batch.columns, "prompts": batch.raw_prompts if batch.raw_prompts is not None else batch.prompts,
-                  "completions": completions, "completion_ids": batch.completion_ids}
+        completions = (
+            [[{"role": "assistant", "content": r}] for r in batch.responses] if batch.chat else list(batch.responses)
+        )
+        kwargs = {
+            **batch.columns,
+            "prompts": batch.raw_prompts if batch.raw_prompts is not None else batch.prompts,
+            "completions": completions,
+            "completion_ids": batch.completion_ids,
+        }
         if self.accepts is not None:  # no **kwargs: the keywords it names
             kwargs = {k: v for k, v in kwargs.items() if k in self.accepts}
         return self.fn(**kwargs)
@@ -218,8 +240,9 @@ class RewardFunctions:
         self.functions = [RewardFunction(s, options) for s in self.specs]
         self.weights = list(weights) or [1.0] * len(self.functions)
 
-    def __call__(self, prompts: list[str], responses: list[str], columns: dict[str, list],
-                 prompt_index: list[int], **batch) -> tuple[list[float], dict[str, list[float]]]:
+    def __call__(
+        self, prompts: list[str], responses: list[str], columns: dict[str, list], prompt_index: list[int], **batch
+    ) -> tuple[list[float], dict[str, list[float]]]:
         """Weighted total per response, and each function's raw values (for metrics). `batch`: the
         other fields of RewardBatch (raw_prompts, completion_ids, chat)."""
         return self.score(RewardBatch(prompts, responses, columns, prompt_index, **batch))
@@ -241,8 +264,10 @@ class RewardFunctions:
             try:
                 call_checked(fn, batch)
             except RewardError as e:
-                raise ValueError(f"{e.bare} at start-up (called on {where} with the placeholder completion "
-                                 f"{PLACEHOLDER!r}); {CONTRACT}") from None
+                raise ValueError(
+                    f"{e.bare} at start-up (called on {where} with the placeholder completion "
+                    f"{PLACEHOLDER!r}); {CONTRACT}"
+                ) from None
 
 
 def call_checked(fn: RewardFunction, batch: RewardBatch) -> list[float]:
@@ -256,23 +281,29 @@ def call_checked(fn: RewardFunction, batch: RewardBatch) -> list[float]:
         where = f"prompt {index[bad]}" if bad is not None else "this batch"
         raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}", f" (on {where})") from None
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-        raise RewardError(f"reward function {name!r} must return a list of numbers, one per response, got "
-                         f"{type(values).__name__}")
+        raise RewardError(
+            f"reward function {name!r} must return a list of numbers, one per response, got {type(values).__name__}"
+        )
     if len(values) != len(batch):
-        raise RewardError(f"reward function {name!r} returned {len(values)} values for {len(batch)} responses",
-                         f" (prompts {index[0]}..{index[-1]})")
+        raise RewardError(
+            f"reward function {name!r} returned {len(values)} values for {len(batch)} responses",
+            f" (prompts {index[0]}..{index[-1]})",
+        )
     out = []
     for i, v in enumerate(values):
         if v is None:  # TRL's "not applicable": counts 0, as in its nansum over functions
             out.append(0.0)
             continue
         if not _is_number(v):
-            raise RewardError(f"reward function {name!r} returned {v!r} ({type(v).__name__}), not a number",
-                             f" for prompt {index[i]}")
+            raise RewardError(
+                f"reward function {name!r} returned {v!r} ({type(v).__name__}), not a number", f" for prompt {index[i]}"
+            )
         v = float(v)
         if not math.isfinite(v):
-            raise RewardError(f"reward function {name!r} returned {v}",
-                             f" for prompt {index[i]} (response {batch.responses[i][:60]!r})")
+            raise RewardError(
+                f"reward function {name!r} returned {v}",
+                f" for prompt {index[i]} (response {batch.responses[i][:60]!r})",
+            )
         out.append(v)
     return out
 

@@ -20,8 +20,9 @@ def overlong_shaping(length: int, max_new_tokens: int, buffer: int, penalty: flo
     return -penalty * min(over, buffer) / buffer if over > 0 else 0.0
 
 
-def shape_rewards(scores: list[list[float]], lengths: list[list[int]], max_new_tokens: int, buffer: int,
-                  penalty: float) -> tuple[list[list[float]], list[float]]:
+def shape_rewards(
+    scores: list[list[float]], lengths: list[list[int]], max_new_tokens: int, buffer: int, penalty: float
+) -> tuple[list[list[float]], list[float]]:
     """scores[i][j] of prompt i's response j (samples then greedy) with their completion lengths -> the
     shaped scores (same shape) and every response's penalty, flat (for reward/overlong_penalty_mean)."""
     shaped, penalties = [], []
@@ -37,7 +38,12 @@ def shape_overlong(scores: list[list[float]], responses: list[list[tuple]], cfg,
     reward/overlong_penalty_mean to `metrics`. responses[i][j] = (token_ids, text) of scores[i][j]."""
     if not cfg.reward.overlong_buffer:
         return scores
-    shaped, penalties = shape_rewards(scores, [[len(ids) for ids, _ in row] for row in responses],
-                                      cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
+    shaped, penalties = shape_rewards(
+        scores,
+        [[len(ids) for ids, _ in row] for row in responses],
+        cfg.rollout.max_new_tokens,
+        cfg.reward.overlong_buffer,
+        cfg.reward.overlong_penalty,
+    )
     metrics["reward/overlong_penalty_mean"] = sum(penalties) / len(penalties)
     return shaped

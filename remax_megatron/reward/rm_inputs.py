@@ -35,8 +35,10 @@ def load_rm_tokenizer(rm_dir: str):
     """The reward model's own tokenizer; FileNotFoundError when its directory has none."""
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     if not any(os.path.isfile(os.path.join(rm_dir, n)) for n in names):
-        raise FileNotFoundError(f"reward.model {rm_dir} has no tokenizer ({', '.join(names)}): copy the tokenizer "
-                                "the reward model was trained with into that directory")
+        raise FileNotFoundError(
+            f"reward.model {rm_dir} has no tokenizer ({', '.join(names)}): copy the tokenizer "
+            "the reward model was trained with into that directory"
+        )
     return AutoTokenizer.from_pretrained(rm_dir)
 
 
@@ -80,18 +82,23 @@ class TemplateFrame:
     """
 
     def __init__(self, tokenizer):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": MARKER}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": MARKER}], tokenize=False, add_generation_prompt=True
+        )
         self.before, found, self.after = text.partition(MARKER)
         if not found or MARKER in self.after:
-            raise ValueError("the actor's chat template does not render the user message once and verbatim, so "
-                             "the reward model's template cannot be applied: set data.chat_template=false or give "
-                             "the reward model the actor's tokenizer")
+            raise ValueError(
+                "the actor's chat template does not render the user message once and verbatim, so "
+                "the reward model's template cannot be applied: set data.chat_template=false or give "
+                "the reward model the actor's tokenizer"
+            )
 
     def user_message(self, prompt_text: str) -> str:
         if not prompt_text.endswith(self.after):
-            raise ValueError(f"prompt {prompt_text[-60:]!r} does not end like the actor's chat template "
-                             f"({self.after!r}): cannot recover the user message for the reward model's template")
+            raise ValueError(
+                f"prompt {prompt_text[-60:]!r} does not end like the actor's chat template "
+                f"({self.after!r}): cannot recover the user message for the reward model's template"
+            )
         body = prompt_text[: len(prompt_text) - len(self.after)]
         for k in range(len(self.before), 0, -1):
             if body.startswith(self.before[-k:]):
@@ -131,11 +138,17 @@ class RewardModelInputs:
             user = self.frame.user_message(prompt_text) if self.frame is not None else prompt_text
             conversation = [{"role": "user", "content": user}]
         rendered = self.rm_tokenizer.apply_chat_template(
-            [*conversation, {"role": "assistant", "content": response_text}], tokenize=False)
+            [*conversation, {"role": "assistant", "content": response_text}], tokenize=False
+        )
         return rendered, False  # the template writes BOS itself, as prompts.py tokenizes templated text
 
-    def sequences(self, prompt_ids: list[list[int]], prompt_texts: list[str],
-                  items: list[tuple[int, list[int], str]], conversations: list | None = None) -> list[list[int]]:
+    def sequences(
+        self,
+        prompt_ids: list[list[int]],
+        prompt_texts: list[str],
+        items: list[tuple[int, list[int], str]],
+        conversations: list | None = None,
+    ) -> list[list[int]]:
         """items = [(prompt i, response ids, response text)] -> the RM's token ids per item; conversations[i]:
         prompt i's messages (None: recovered from its text)."""
         if self.passthrough:

@@ -42,9 +42,17 @@ class ScoredPrompt(Protocol):
 class RewardScorer:
     """reward = sum_k w_k * f_k(response) + model_weight * RM(prompt + response)."""
 
-    def __init__(self, functions: RewardFunctions | None, reward_model: RewardModel | None = None,
-                 model_weight: float = 1.0, micro_batch_size: int = 8, rm_inputs: RewardModelInputs | None = None,
-                 micro_batch_tokens: int = 0, workers: RewardWorkers | None = None, mp_group=None):
+    def __init__(
+        self,
+        functions: RewardFunctions | None,
+        reward_model: RewardModel | None = None,
+        model_weight: float = 1.0,
+        micro_batch_size: int = 8,
+        rm_inputs: RewardModelInputs | None = None,
+        micro_batch_tokens: int = 0,
+        workers: RewardWorkers | None = None,
+        mp_group=None,
+    ):
         """rm_inputs maps the actor's prompt + response to the RM's token ids; None: the actor's ids as they are
         (the reward model shares the actor's tokenizer). micro_batch_tokens (trainer.micro_batch_tokens): > 0
         groups the reward model's rows under that token budget as the training forward does
@@ -64,8 +72,12 @@ class RewardScorer:
         if self.workers is not None:
             self.workers.close()
 
-    def score(self, prompts: Sequence[ScoredPrompt], responses: list[list[tuple[list[int], str]]],
-              wait: Callable[[], ContextManager] = contextlib.nullcontext) -> tuple[list[list[float]], dict]:
+    def score(
+        self,
+        prompts: Sequence[ScoredPrompt],
+        responses: list[list[tuple[list[int], str]]],
+        wait: Callable[[], ContextManager] = contextlib.nullcontext,
+    ) -> tuple[list[list[float]], dict]:
         """responses[i] = [(token_ids, text), ...] for prompts[i] (samples then greedy) -> rewards, same shape.
 
         Returns the rewards and metrics (`reward/<fn>_mean`, `reward/model_mean`, with workers
@@ -90,12 +102,15 @@ class RewardScorer:
         error, timed_out = None, []
         if self.functions is not None:
             keys = sorted({k for q in prompts for k in q.columns})
-            batch = RewardBatch(prompts=[prompts[i].text for i, _, _ in items], responses=[t for _, _, t in items],
-                                columns={k: [prompts[i].columns.get(k) for i, _, _ in items] for k in keys},
-                                prompt_index=[prompts[i].index for i, _, _ in items],
-                                raw_prompts=[prompts[i].raw for i, _, _ in items],
-                                completion_ids=[list(ids) for _, ids, _ in items],
-                                chat=any(q.is_chat for q in prompts))
+            batch = RewardBatch(
+                prompts=[prompts[i].text for i, _, _ in items],
+                responses=[t for _, _, t in items],
+                columns={k: [prompts[i].columns.get(k) for i, _, _ in items] for k in keys},
+                prompt_index=[prompts[i].index for i, _, _ in items],
+                raw_prompts=[prompts[i].raw for i, _, _ in items],
+                completion_ids=[list(ids) for _, ids, _ in items],
+                chat=any(q.is_chat for q in prompts),
+            )
             try:
                 if self.workers is not None:
                     values, parts, timed_out = self.workers.score(batch)
@@ -114,9 +129,13 @@ class RewardScorer:
             if self.workers is not None:
                 metrics["reward/timeouts"] = float(len(timed_out))
         if self.reward_model is not None:
-            sequences = (self.rm_inputs.sequences([q.token_ids for q in prompts], [q.text for q in prompts], items,
-                                                  [q.messages for q in prompts])
-                         if self.rm_inputs is not None else [prompts[i].token_ids + list(ids) for i, ids, _ in items])
+            sequences = (
+                self.rm_inputs.sequences(
+                    [q.token_ids for q in prompts], [q.text for q in prompts], items, [q.messages for q in prompts]
+                )
+                if self.rm_inputs is not None
+                else [prompts[i].token_ids + list(ids) for i, ids, _ in items]
+            )
             scores = self._model_scores(sequences)
             total = [t + self.model_weight * s for t, s in zip(total, scores)]
             metrics["reward/model_mean"] = sum(scores) / max(1, len(scores))
@@ -142,8 +161,10 @@ class RewardScorer:
         padded_count = round_up(len(mine), mbs)
         width = round_up(max(len(s) for s in mine), sequence_multiple(model))
         whole = _padded_rows(model, mine, padded_count, width)
-        return [{"input_ids": whole["input_ids"][s : s + mbs], "positions": whole["positions"][s : s + mbs]}
-                for s in range(0, padded_count, mbs)]
+        return [
+            {"input_ids": whole["input_ids"][s : s + mbs], "positions": whole["positions"][s : s + mbs]}
+            for s in range(0, padded_count, mbs)
+        ]
 
     def _budget_batches(self, mine: list[list[int]]) -> tuple[list[int], list[dict]]:
         """The rows grouped under trainer.micro_batch_tokens by the training forward's own grouping
@@ -152,11 +173,13 @@ class RewardScorer:
         budget (the reward model's own tokenizer can make a longer one) runs alone."""
         model, budget = self.reward_model, self.micro_batch_tokens
         multiple = sequence_multiple(model)
-        over = sorted((j for j, s in enumerate(mine) if round_up(len(s), multiple) > budget),
-                      key=lambda j: (-len(mine[j]), j))
+        over = sorted(
+            (j for j, s in enumerate(mine) if round_up(len(s), multiple) > budget), key=lambda j: (-len(mine[j]), j)
+        )
         rest = sorted(set(range(len(mine))) - set(over))
         micro = [([j], round_up(len(mine[j]), multiple)) for j in over] + [
-            (m.rows, m.width) for m in plan_micro_batches([len(mine[j]) for j in rest], budget, multiple, rows=rest)]
+            (m.rows, m.width) for m in plan_micro_batches([len(mine[j]) for j in rest], budget, multiple, rows=rest)
+        ]
         order = [j for rows, _ in micro for j in rows]
         return order, [_padded_rows(model, [mine[j] for j in rows], len(rows), width) for rows, width in micro]
 
@@ -218,8 +241,10 @@ def _stop_together(error: RewardError | None) -> None:
         return
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    first = int(all_reduce_cpu(torch.tensor([rank if error is not None else world], dtype=torch.int64),
-                               op=dist.ReduceOp.MIN).item())
+    first = int(
+        all_reduce_cpu(
+            torch.tensor([rank if error is not None else world], dtype=torch.int64), op=dist.ReduceOp.MIN
+        ).item()
+    )
     if first < world:
-        raise RewardError(f"{error} (rank {rank})" if rank == first else "failed on another rank",
-                          report=rank == first)
+        raise RewardError(f"{error} (rank {rank})" if rank == first else "failed on another rank", report=rank == first)

@@ -80,7 +80,7 @@ class RewardWorkers:
         n, functions = len(batch), self.functions.functions
         pending = deque(range(n))
         values: list[list[float] | None] = [None] * n  # per response: one value per function
-        errors: dict[int, tuple[int, str, str]] = {}   # response -> (function index, message, where)
+        errors: dict[int, tuple[int, str, str]] = {}  # response -> (function index, message, where)
         timed_out: list[int] = []
         done = 0
         while done < n:
@@ -105,8 +105,10 @@ class RewardWorkers:
                     i = w.task
                     w.stop()
                     if not w.ready:  # died while loading the functions (its predecessor loaded them)
-                        raise RewardError(f"a reward worker exited with code {w.process.exitcode} while loading "
-                                          f"reward.functions {self.functions.specs}")
+                        raise RewardError(
+                            f"a reward worker exited with code {w.process.exitcode} while loading "
+                            f"reward.functions {self.functions.specs}"
+                        )
                     if i is not None:
                         timed_out.append(i)
                         values[i], done = [self.timeout_value] * len(functions), done + 1
@@ -155,8 +157,9 @@ class _Worker:
 
     def __init__(self, context, specs, timeout_s: float):
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child, os.getpid(), specs), daemon=True,
-                                       name="remax-reward-worker")
+        self.process = context.Process(
+            target=_serve, args=(child, os.getpid(), specs), daemon=True, name="remax-reward-worker"
+        )
         self.process.start()
         child.close()  # only the worker holds its end: its death is an EOF here
         self.timeout_s, self.ready, self.task, self.deadline = timeout_s, False, None, None
@@ -168,8 +171,9 @@ class _Worker:
             _, gone = self.receive()
             if gone:
                 self.process.join()
-                raise RewardError(f"a reward worker exited with code {self.process.exitcode} while loading "
-                                  "reward.functions")
+                raise RewardError(
+                    f"a reward worker exited with code {self.process.exitcode} while loading reward.functions"
+                )
 
     def send(self, i: int, batch: RewardBatch) -> bool:
         """Start the call on response i; False when the worker is gone."""
@@ -247,6 +251,6 @@ def _serve(conn, parent: int, specs: list[tuple[str, dict]]) -> None:
             try:
                 values.extend(call_checked(fn, batch))
             except RewardError as e:  # the in-process path calls no further function after a failure
-                error = (k, e.bare, str(e)[len(e.bare):])
+                error = (k, e.bare, str(e)[len(e.bare) :])
                 break
         conn.send((None, values, error))

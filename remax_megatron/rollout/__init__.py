@@ -2,13 +2,7 @@
 prompt padding for decoding and the engine-vs-actor log-prob monitor (see engine.py). The training
 batch the rollouts become is remax_megatron.batching's."""
 
-from remax_megatron.rollout.engine import (
-    Completion,
-    PromptRollout,
-    RolloutEngine,
-    SamplingParams,
-    stream_seed,
-)
+from remax_megatron.rollout.engine import Completion, PromptRollout, RolloutEngine, SamplingParams, stream_seed
 from remax_megatron.rollout.factory import ENGINES, build_engine, check_rollout, register_engine
 from remax_megatron.rollout.monitor import LogprobMismatchWarning, logprob_mismatch
 from remax_megatron.rollout.sequences import flatten_rollouts, left_pad

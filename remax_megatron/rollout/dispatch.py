@@ -20,12 +20,12 @@ class RolloutDispatch:
     def __init__(self, engine, groups, rollout_cfg, seed: int):
         self.engine, self.groups, self.rollout_cfg, self.seed = engine, groups, rollout_cfg, seed
         self.decoded_tokens = 0  # tokens this rank's engine decoded for the last collect
-        self._decoded_seen = 0   # the engine's decoded_tokens at the last collect
+        self._decoded_seen = 0  # the engine's decoded_tokens at the last collect
 
     def share(self, prompts: list) -> list:
         """This DP rank's contiguous share of the global prompt batch."""
         per_rank = len(prompts) // self.groups.dp_size
-        return prompts[self.groups.dp_rank * per_rank:(self.groups.dp_rank + 1) * per_rank]
+        return prompts[self.groups.dp_rank * per_rank : (self.groups.dp_rank + 1) * per_rank]
 
     def generate(self, prompts: list, n: int, step: int) -> list:
         """n sampled + 1 greedy per prompt of this replica; the same list on every rank of its
@@ -42,8 +42,12 @@ class RolloutDispatch:
         # index of this replica's first prompt among the step's prompts
         first = first_index + groups.dp_rank * len(prompts)
         seeds = [stream_seed(self.seed, step, first + i) for i in range(lo, hi)]
-        return self.engine.submit([q.token_ids for q in prompts[lo:hi]], n=n,
-                                  sampling=SamplingParams.from_config(self.rollout_cfg), seeds=seeds)
+        return self.engine.submit(
+            [q.token_ids for q in prompts[lo:hi]],
+            n=n,
+            sampling=SamplingParams.from_config(self.rollout_cfg),
+            seeds=seeds,
+        )
 
     def collect(self, ticket) -> list:
         """The rollouts of `submit`'s ticket, the model-parallel group's shares gathered in order."""

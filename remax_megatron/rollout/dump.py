@@ -21,13 +21,25 @@ import torch.distributed as dist
 
 class RolloutDump:
     def __init__(self, every: int, output_dir: str, groups, tokenizer):
-        self.every, self.dir, self.groups, self.tokenizer = every, os.path.join(output_dir, "rollouts"), groups, tokenizer
+        self.every, self.dir, self.groups, self.tokenizer = (
+            every,
+            os.path.join(output_dir, "rollouts"),
+            groups,
+            tokenizer,
+        )
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 
-    def write(self, step: int, prompts: list, rollouts: list, r_sampled: list[float], r_greedy: list[float],
-              kind: str = "step") -> None:
+    def write(
+        self,
+        step: int,
+        prompts: list,
+        rollouts: list,
+        r_sampled: list[float],
+        r_greedy: list[float],
+        kind: str = "step",
+    ) -> None:
         """Step `step`'s responses (this DP rank's `prompts`, their rollouts, r_sampled [P * n], r_greedy [P]),
         every DP rank's together, when the step is due. A collective over DP: every rank calls it."""
         if not self.due(step):
@@ -38,10 +50,18 @@ class RolloutDump:
             base = {"step": step, "prompt_index": q.index, "prompt": q.messages if q.messages is not None else q.text}
             completions = [(j, c, r_sampled[i * n + j]) for j, c in enumerate(r.sampled[:n])]
             for sample, c, reward in completions + [("greedy", r.greedy, r_greedy[i])]:
-                rows.append({**base, "sample": sample,
-                             "response": self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                             "completion_tokens": len(c.token_ids), "finish_reason": c.finish_reason,
-                             "reward": reward, "baseline": r_greedy[i], "advantage": reward - r_greedy[i]})
+                rows.append(
+                    {
+                        **base,
+                        "sample": sample,
+                        "response": self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                        "completion_tokens": len(c.token_ids),
+                        "finish_reason": c.finish_reason,
+                        "reward": reward,
+                        "baseline": r_greedy[i],
+                        "advantage": reward - r_greedy[i],
+                    }
+                )
         if self.groups.dp_size > 1:
             everyone: list = [None] * self.groups.dp_size
             dist.all_gather_object(everyone, rows, group=self.groups.dp)

@@ -40,13 +40,19 @@ class Scored:
 
     def items(self, n: int) -> list[tuple]:
         """Per prompt: (prompt, rollout, its n sampled rewards, its greedy reward)."""
-        return [(q, r, self.r_sampled[i * n:(i + 1) * n], self.r_greedy[i])
-                for i, (q, r) in enumerate(zip(self.prompts, self.rollouts))]
+        return [
+            (q, r, self.r_sampled[i * n : (i + 1) * n], self.r_greedy[i])
+            for i, (q, r) in enumerate(zip(self.prompts, self.rollouts))
+        ]
 
     @staticmethod
     def of(items: list[tuple]) -> "Scored":
-        return Scored([q for q, _, _, _ in items], [r for _, r, _, _ in items],
-                      [s for _, _, sampled, _ in items for s in sampled], [g for _, _, _, g in items])
+        return Scored(
+            [q for q, _, _, _ in items],
+            [r for _, r, _, _ in items],
+            [s for _, _, sampled, _ in items for s in sampled],
+            [g for _, _, _, g in items],
+        )
 
 
 def has_signal(sampled: list[float], greedy: float) -> bool:
@@ -64,6 +70,7 @@ class DynamicSampling:
         """`fill` with rounds that draw prompts_per_step more prompts from `sampler`, generate this rank's
         share through `dispatch` (seeded by their place among the step's drawn prompts) and `score(prompts,
         rollouts) -> (r_sampled, r_greedy, ...)` them."""
+
         def draw_more(round_: int) -> Scored:
             prompts = dispatch.share(sampler.next(self.want))
             rollouts = dispatch.collect(dispatch.submit(prompts, self.n, step, first_index=round_ * self.want))
@@ -87,13 +94,15 @@ class DynamicSampling:
             scored = draw_more(rounds)
         every_kept, every_dropped = self._gather(kept), self._gather(dropped)
         short = max(self.want - len(every_kept), 0)
-        batch = every_kept[:self.want] + every_dropped[:short]
+        batch = every_kept[: self.want] + every_dropped[:short]
         per_rank = self.want // self.groups.dp_size
-        mine = batch[self.groups.dp_rank * per_rank:(self.groups.dp_rank + 1) * per_rank]
+        mine = batch[self.groups.dp_rank * per_rank : (self.groups.dp_rank + 1) * per_rank]
         return Scored.of(mine), {
-            "sampling/rounds": rounds, "sampling/prompts_drawn": rounds * self.want,
+            "sampling/rounds": rounds,
+            "sampling/prompts_drawn": rounds * self.want,
             "sampling/dropped_prompts": len(every_dropped) - short,
-            "sampling/unused_prompts": max(len(every_kept) - self.want, 0), "sampling/short_prompts": short,
+            "sampling/unused_prompts": max(len(every_kept) - self.want, 0),
+            "sampling/short_prompts": short,
         }
 
     def _gather(self, mine: list[tuple]) -> list[tuple]:
@@ -102,6 +111,8 @@ class DynamicSampling:
             return [item for _, _, item in mine]
         ranks: list = [None] * self.groups.dp_size
         dist.all_gather_object(ranks, mine, group=self.groups.dp)
-        ordered = sorted((((r, rank, place), item) for rank, entries in enumerate(ranks) for r, place, item in entries),
-                         key=lambda entry: entry[0])
+        ordered = sorted(
+            (((r, rank, place), item) for rank, entries in enumerate(ranks) for r, place, item in entries),
+            key=lambda entry: entry[0],
+        )
         return [item for _, item in ordered]

@@ -58,15 +58,15 @@ def stream_seed(*keys: int) -> int:
 class SamplingParams:
     """Sampling of the n sampled rows (the greedy row is always argmax)."""
 
-    temperature: float = 1.0        # > 0; greedy rows ignore it
-    top_p: float = 1.0              # nucleus mass in (0, 1]; 1: off
-    top_k: int = 0                  # keep the k most likely tokens; 0: off
-    max_new_tokens: int = 64        # per completion, >= 1
+    temperature: float = 1.0  # > 0; greedy rows ignore it
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1: off
+    top_k: int = 0  # keep the k most likely tokens; 0: off
+    max_new_tokens: int = 64  # per completion, >= 1
     stop: list[str] = field(default_factory=list)  # stop strings (EOS always stops)
     stop_token_ids: list[int] = field(default_factory=list)  # token ids that end a completion, as EOS does
-    seed: int | None = None         # without per-prompt seeds: base of this call's streams (None: the engine's)
-    guided_regex: str = ""          # guided decoding, sampled and greedy rows alike: a regex every response matches
-    guided_json: str = ""           # ... or a JSON schema (JSON text) every response's JSON matches
+    seed: int | None = None  # without per-prompt seeds: base of this call's streams (None: the engine's)
+    guided_regex: str = ""  # guided decoding, sampled and greedy rows alike: a regex every response matches
+    guided_json: str = ""  # ... or a JSON schema (JSON text) every response's JSON matches
 
     @property
     def guided(self) -> dict | None:
@@ -79,8 +79,9 @@ class SamplingParams:
 
     def __post_init__(self):
         if not self.temperature > 0:
-            raise ValueError(f"sampling temperature={self.temperature!r} must be > 0 "
-                             "(the greedy row is argmax already)")
+            raise ValueError(
+                f"sampling temperature={self.temperature!r} must be > 0 (the greedy row is argmax already)"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"sampling top_p={self.top_p!r} must be in (0, 1]")
         if self.top_k < 0:
@@ -100,19 +101,26 @@ class SamplingParams:
     def from_config(cls, rollout_cfg, seed: int | None = None) -> "SamplingParams":
         """The sampling of `RolloutConfig` (temperature, top_p, top_k, max_new_tokens, stop, stop_token_ids,
         guided decoding)."""
-        return cls(temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
-                   max_new_tokens=rollout_cfg.max_new_tokens, stop=list(rollout_cfg.stop),
-                   stop_token_ids=list(rollout_cfg.stop_token_ids), seed=seed,
-                   guided_regex=rollout_cfg.guided_regex, guided_json=rollout_cfg.guided_json)
+        return cls(
+            temperature=rollout_cfg.temperature,
+            top_p=rollout_cfg.top_p,
+            top_k=rollout_cfg.top_k,
+            max_new_tokens=rollout_cfg.max_new_tokens,
+            stop=list(rollout_cfg.stop),
+            stop_token_ids=list(rollout_cfg.stop_token_ids),
+            seed=seed,
+            guided_regex=rollout_cfg.guided_regex,
+            guided_json=rollout_cfg.guided_json,
+        )
 
 
 @dataclass
 class Completion:
     """One generated response."""
 
-    token_ids: list[int]            # generated tokens, including the one that ended it
-    logprobs: list[float]           # engine log-prob per token (module docstring convention)
-    finish_reason: str              # "stop" (EOS / stop string) | "length"
+    token_ids: list[int]  # generated tokens, including the one that ended it
+    logprobs: list[float]  # engine log-prob per token (module docstring convention)
+    finish_reason: str  # "stop" (EOS / stop string) | "length"
     # MoE with rollout.routing_replay: the experts the engine routed each input token of prompt + response to,
     # int [tokens, layers, top_k] (vLLM's CompletionOutput.routed_experts); None otherwise
     routed_experts: object = None
@@ -122,7 +130,7 @@ class Completion:
 class PromptRollout:
     """All completions of one prompt, from one request."""
 
-    sampled: list[Completion]       # len n
+    sampled: list[Completion]  # len n
     greedy: Completion
 
 
@@ -138,18 +146,19 @@ class RolloutEngine:
     name = "base"
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
-    group_size = 1                  # ranks that run one engine together (vLLM: rollout.tp)
+    group_size = 1  # ranks that run one engine together (vLLM: rollout.tp)
 
     def __init__(self, seed: int = 0):
-        self.seed = int(seed)       # trainer.seed: the base of streams when generate gets no seeds
+        self.seed = int(seed)  # trainer.seed: the base of streams when generate gets no seeds
         self.rank = world_size_and_rank()[1]
-        self.num_requests = 0       # engine requests issued (one per generate call)
-        self.decoded_tokens = 0     # completion tokens this engine decoded (all ranks of a TP engine count them)
+        self.num_requests = 0  # engine requests issued (one per generate call)
+        self.decoded_tokens = 0  # completion tokens this engine decoded (all ranks of a TP engine count them)
         self.asleep = False
 
     # ---- generation ----------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
-                 seeds: list[int] | None = None) -> list[PromptRollout]:
+    def generate(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int] | None = None
+    ) -> list[PromptRollout]:
         """n sampled + 1 greedy completion per prompt of this rank, in one engine request.
 
         seeds: one per prompt (module docstring); None: derived from `sampling.seed` (or the
@@ -164,17 +173,18 @@ class RolloutEngine:
         self._check_weights()
         if self.asleep:
             self.wake_up()
-        rollouts = self._generate([list(map(int, p)) for p in prompt_token_ids], n, sampling,
-                                  [int(s) for s in seeds])
+        rollouts = self._generate([list(map(int, p)) for p in prompt_token_ids], n, sampling, [int(s) for s in seeds])
         self.num_requests += 1
         return rollouts
 
-    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
-                  seeds: list[int]) -> list[PromptRollout]:
+    def _generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int]
+    ) -> list[PromptRollout]:
         raise NotImplementedError
 
-    def submit(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
-               seeds: list[int] | None = None):
+    def submit(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int] | None = None
+    ):
         """Start a request; `collect(ticket)` gives its rollouts. A local engine decodes here, so nothing
         runs meanwhile; the remote engine (rollout/remote.py) returns at once and decodes on other ranks."""
         return self.generate(prompt_token_ids, n, sampling, seeds)
@@ -211,8 +221,9 @@ class RolloutEngine:
 def check_generate_args(prompt_token_ids, n: int, sampling) -> None:
     """One-line ValueErrors for the inputs of `generate`."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ValueError(f"n={n!r} sampled responses per prompt must be an integer >= 0 "
-                         "(rollout.n; 0 = greedy only, e.g. for eval)")
+        raise ValueError(
+            f"n={n!r} sampled responses per prompt must be an integer >= 0 (rollout.n; 0 = greedy only, e.g. for eval)"
+        )
     if not isinstance(sampling, SamplingParams):
         raise ValueError(f"sampling={sampling!r} must be a remax_megatron.rollout.SamplingParams")
     for i, prompt in enumerate(prompt_token_ids):

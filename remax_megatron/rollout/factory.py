@@ -63,8 +63,9 @@ def check_rollout(cfg, arch, world_size: int, this_machine: bool = True) -> None
         check(cfg, arch, world_size)
 
 
-def build_engine(cfg, *, hf_dir: str, arch=None, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 max_model_len: int | None = None) -> RolloutEngine:
+def build_engine(
+    cfg, *, hf_dir: str, arch=None, seed: int = 0, dtype: torch.dtype = torch.float32, max_model_len: int | None = None
+) -> RolloutEngine:
     """The engine named by `cfg.engine` (a RolloutConfig), its weights still to be synced.
 
     hf_dir: the HF model directory (config.json and tokenizer; weights are not read).

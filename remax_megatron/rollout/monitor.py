@@ -28,8 +28,14 @@ class LogprobMismatchWarning(UserWarning):
     """Engine and actor log-probs differ more than rollout.logprob_warn_threshold."""
 
 
-def logprob_mismatch(actor_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
-                     threshold: float | None = None, group=None, constrained: bool = False) -> dict[str, float]:
+def logprob_mismatch(
+    actor_logprobs: torch.Tensor,
+    engine_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float | None = None,
+    group=None,
+    constrained: bool = False,
+) -> dict[str, float]:
     """max and mean of |actor - engine| over the masked tokens, and how far the engine is below the actor.
 
     actor_logprobs, engine_logprobs: [B, S] (any float dtype; compared in fp32)
@@ -43,27 +49,39 @@ def logprob_mismatch(actor_logprobs: torch.Tensor, engine_logprobs: torch.Tensor
     Returns {"max": float, "mean": float, "below": float, "tokens": int} (0.0 with no masked tokens).
     """
     if actor_logprobs.shape != engine_logprobs.shape or actor_logprobs.shape != mask.shape:
-        raise ValueError(f"logprob_mismatch shapes differ: actor {tuple(actor_logprobs.shape)}, engine "
-                         f"{tuple(engine_logprobs.shape)}, mask {tuple(mask.shape)}")
+        raise ValueError(
+            f"logprob_mismatch shapes differ: actor {tuple(actor_logprobs.shape)}, engine "
+            f"{tuple(engine_logprobs.shape)}, mask {tuple(mask.shape)}"
+        )
     m = mask.bool()
     signed = (actor_logprobs.float() - engine_logprobs.float().to(actor_logprobs.device))[m.to(actor_logprobs.device)]
     diff = signed.abs()
-    stats = torch.tensor([diff.max().item() if diff.numel() else 0.0,
-                          max(signed.max().item(), 0.0) if signed.numel() else 0.0], dtype=torch.float64)
+    stats = torch.tensor(
+        [diff.max().item() if diff.numel() else 0.0, max(signed.max().item(), 0.0) if signed.numel() else 0.0],
+        dtype=torch.float64,
+    )
     sums = torch.tensor([diff.double().sum().item(), float(diff.numel())], dtype=torch.float64)
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         stats = all_reduce_cpu(stats, op=dist.ReduceOp.MAX, group=group)
         sums = all_reduce_cpu(sums, group=group)
     tokens = int(sums[1].item())
-    out = {"max": float(stats[0].item()), "mean": float(sums[0].item() / tokens) if tokens else 0.0,
-           "below": float(stats[1].item()), "tokens": tokens}
+    out = {
+        "max": float(stats[0].item()),
+        "mean": float(sums[0].item() / tokens) if tokens else 0.0,
+        "below": float(stats[1].item()),
+        "tokens": tokens,
+    }
     watched = out["below"] if constrained else out["max"]
     if threshold is not None and watched > threshold:
-        what = "the engine's log-probs are below the actor's (guided decoding only raises them)" if constrained \
+        what = (
+            "the engine's log-probs are below the actor's (guided decoding only raises them)"
+            if constrained
             else "engine vs actor log-probs differ"
-        message = (f"{what} by up to {watched:.3g} (mean |diff| {out['mean']:.3g}) > "
-                   f"rollout.logprob_warn_threshold={threshold}: check the weight sync and engine dtype")
+        )
+        message = (
+            f"{what} by up to {watched:.3g} (mean |diff| {out['mean']:.3g}) > "
+            f"rollout.logprob_warn_threshold={threshold}: check the weight sync and engine dtype"
+        )
         logger.warning(message)
         warnings.warn(message, LogprobMismatchWarning, stacklevel=2)
     return out
-

@@ -43,6 +43,7 @@ from remax_megatron.models.families import Family
 from remax_megatron.rollout.engine import Completion, PromptRollout, RolloutEngine, SamplingParams
 from remax_megatron.rollout.sequences import left_pad
 
+
 def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """scaled logits [B, V] -> the same with tokens outside top-k / top-p set to -inf.
 
@@ -53,10 +54,10 @@ def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     out = scaled
     vocab = scaled.shape[-1]
     if 0 < top_k < vocab:
-        kth = torch.topk(out, top_k, dim=-1).values[..., -1:]                  # [B, 1]
+        kth = torch.topk(out, top_k, dim=-1).values[..., -1:]  # [B, 1]
         out = out.masked_fill(out < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(out, dim=-1, descending=True)         # [B, V]
+        sorted_logits, order = torch.sort(out, dim=-1, descending=True)  # [B, V]
         probs = sorted_logits.softmax(-1)
         mass_before = probs.cumsum(-1) - probs
         drop_sorted = mass_before >= top_p
@@ -66,8 +67,14 @@ def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return out
 
 
-def sample_next(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, top_k: int,
-                top_p: float, generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    greedy: torch.Tensor,
+    top_k: int,
+    top_p: float,
+    generators: list[torch.Generator | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step.
 
     logits [B, V] float32, temperature [B] (1.0 on greedy rows), greedy [B] bool,
@@ -75,13 +82,14 @@ def sample_next(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.T
     -> (tokens [B] long, logprobs [B] float32 of log softmax(logits / temperature)[token]).
     """
     scaled = logits / temperature.unsqueeze(-1)
-    logprobs = torch.log_softmax(scaled, dim=-1)                                # [B, V]
+    logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V]
     tokens = logits.argmax(-1)
     sampled_rows = (~greedy).nonzero().squeeze(-1)
     if sampled_rows.numel():
-        probs = filter_logits(scaled[sampled_rows], top_k, top_p).softmax(-1)   # [B_sampled, V]
-        draws = torch.cat([torch.multinomial(probs[i], 1, generator=generators[row])
-                           for i, row in enumerate(sampled_rows.tolist())])
+        probs = filter_logits(scaled[sampled_rows], top_k, top_p).softmax(-1)  # [B_sampled, V]
+        draws = torch.cat(
+            [torch.multinomial(probs[i], 1, generator=generators[row]) for i, row in enumerate(sampled_rows.tolist())]
+        )
         tokens = tokens.index_copy(0, sampled_rows, draws)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
@@ -95,8 +103,10 @@ class RouteRecorder:
         self._last: dict[int, torch.Tensor] = {}
         routers = family.engine_routers(model)
         if not routers:
-            raise ValueError(f"rollout.routing_replay=true but {type(model).__name__} has no top-k router whose "
-                             "routes the native engine can record: set rollout.routing_replay=false")
+            raise ValueError(
+                f"rollout.routing_replay=true but {type(model).__name__} has no top-k router whose "
+                "routes the native engine can record: set rollout.routing_replay=false"
+            )
         experts = max(getattr(r, "num_experts", 0) for r in routers)
         if experts > torch.iinfo(torch.int16).max:
             raise ValueError(f"{experts} experts: the native engine keeps routes as int16")
@@ -106,15 +116,16 @@ class RouteRecorder:
 
     def _hook(self, layer: int):
         def record(module, args, output):
-            self._last[layer] = output[2]                                          # [b * s, top_k]
+            self._last[layer] = output[2]  # [b * s, top_k]
+
         return record
 
     def take(self, b: int, s: int) -> torch.Tensor:
         if len(self._last) != self.layers:
             raise RuntimeError(f"recorded routes of {len(self._last)} of {self.layers} MoE layers")
-        out = torch.stack([self._last[layer] for layer in range(self.layers)], dim=1)   # [b * s, layers, k]
+        out = torch.stack([self._last[layer] for layer in range(self.layers)], dim=1)  # [b * s, layers, k]
         self._last.clear()
-        return out.view(b, s, self.layers, -1).to(torch.int16).cpu()             # expert ids < 32768: 1/4 of long
+        return out.view(b, s, self.layers, -1).to(torch.int16).cpu()  # expert ids < 32768: 1/4 of long
 
 
 def _eos_ids(hf_dir: str, config) -> set[int]:
@@ -139,7 +150,7 @@ class _Rows:
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
-    finish: list[str | None]                 # "stop" once a row stopped; None: still running or ran to length
+    finish: list[str | None]  # "stop" once a row stopped; None: still running or ran to length
     routes: list[list[torch.Tensor]] | None  # per row, pieces of [tokens, layers, top_k]; None: not recorded
 
     @classmethod
@@ -147,10 +158,15 @@ class _Rows:
         return cls([[] for _ in range(total)], [[] for _ in range(total)], [None] * total, [] if routes else None)
 
     def completions(self) -> list[Completion]:
-        return [Completion(token_ids=self.tokens[r], logprobs=self.logprobs[r],
-                           finish_reason=self.finish[r] or "length",
-                           routed_experts=torch.cat(self.routes[r]) if self.routes is not None else None)
-                for r in range(len(self.tokens))]
+        return [
+            Completion(
+                token_ids=self.tokens[r],
+                logprobs=self.logprobs[r],
+                finish_reason=self.finish[r] or "length",
+                routed_experts=torch.cat(self.routes[r]) if self.routes is not None else None,
+            )
+            for r in range(len(self.tokens))
+        ]
 
 
 class NativeEngine(RolloutEngine):
@@ -158,9 +174,17 @@ class NativeEngine(RolloutEngine):
 
     name = "native"
 
-    def __init__(self, cfg=None, *, hf_dir: str, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 max_model_len: int | None = None, device: str | torch.device | None = None,
-                 routes: bool | None = None):
+    def __init__(
+        self,
+        cfg=None,
+        *,
+        hf_dir: str,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        max_model_len: int | None = None,
+        device: str | torch.device | None = None,
+        routes: bool | None = None,
+    ):
         super().__init__(seed)
 
         if device is None:
@@ -186,12 +210,16 @@ class NativeEngine(RolloutEngine):
     @staticmethod
     def check_config(cfg, arch, world_size: int) -> None:
         if cfg.tp != 1:
-            raise ValueError(f"rollout.tp={cfg.tp} needs rollout.engine=vllm: the native engine keeps one "
-                             "full replica per rank; set rollout.tp=1")
+            raise ValueError(
+                f"rollout.tp={cfg.tp} needs rollout.engine=vllm: the native engine keeps one "
+                "full replica per rank; set rollout.tp=1"
+            )
         guided = next((k for k in ("guided_regex", "guided_json") if getattr(cfg, k, "")), None)
         if guided:
-            raise ValueError(f"rollout.{guided} needs rollout.engine=vllm (vLLM's structured outputs): the native "
-                             f"engine decodes without constraints; unset rollout.{guided} or use vLLM")
+            raise ValueError(
+                f"rollout.{guided} needs rollout.engine=vllm (vLLM's structured outputs): the native "
+                f"engine decodes without constraints; unset rollout.{guided} or use vLLM"
+            )
 
     @property
     def tokenizer(self):
@@ -204,21 +232,25 @@ class NativeEngine(RolloutEngine):
     def update_weights(self, buckets) -> None:
         if self.asleep:
             self.wake_up()
-        loaded: dict[str, set[str]] = {}                                           # parameter -> tensors copied
-        pieces: dict[str, int] = {}                                                # parameter -> tensors it takes
+        loaded: dict[str, set[str]] = {}  # parameter -> tensors copied
+        pieces: dict[str, int] = {}  # parameter -> tensors it takes
         for bucket in buckets:
             for name, tensor in bucket:
                 key, target, needed = self._target(name)
                 pieces[key] = needed
                 if tuple(target.shape) != tuple(tensor.shape):
-                    raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} but the engine has "
-                                     f"{tuple(target.shape)}: does {self.hf_dir}/config.json match the actor?")
+                    raise ValueError(
+                        f"weight {name}: shape {tuple(tensor.shape)} but the engine has "
+                        f"{tuple(target.shape)}: does {self.hf_dir}/config.json match the actor?"
+                    )
                 target.copy_(tensor)
                 loaded.setdefault(key, set()).add(name)
         missing = sorted(k for k in self._params if len(loaded.get(k, ())) < pieces.get(k, 1))
         if missing:
-            raise ValueError(f"weight sync left {len(missing)} engine parameters unset (e.g. {missing[:3]}): "
-                             "the exported stream does not cover the model")
+            raise ValueError(
+                f"weight sync left {len(missing)} engine parameters unset (e.g. {missing[:3]}): "
+                "the exported stream does not cover the model"
+            )
         self.synced = True
 
     def _target(self, name: str) -> tuple[str, torch.Tensor, int]:
@@ -233,11 +265,13 @@ class NativeEngine(RolloutEngine):
         if param is not None and place.expert is None:
             return place.param, param, 1
         if param is not None and place.expert < param.shape[0]:
-            rows = param.shape[1] // place.parts                                   # one block of [gate; up]
-            block = param[place.expert, place.part * rows:(place.part + 1) * rows]
+            rows = param.shape[1] // place.parts  # one block of [gate; up]
+            block = param[place.expert, place.part * rows : (place.part + 1) * rows]
             return place.param, block, place.parts * param.shape[0]
-        raise ValueError(f"weight {name!r} has no parameter in the native engine's {type(self.model).__name__}: "
-                         f"is the actor the same architecture as {self.hf_dir}?")
+        raise ValueError(
+            f"weight {name!r} has no parameter in the native engine's {type(self.model).__name__}: "
+            f"is the actor the same architecture as {self.hf_dir}?"
+        )
 
     # ---- memory --------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -254,11 +288,14 @@ class NativeEngine(RolloutEngine):
     # ---- generation ----------------------------------------------------------------------
     def _check_weights(self) -> None:
         if not self.synced:
-            raise RuntimeError("native engine: generate before any sync_weights; its weights are "
-                               "uninitialised (call sync_weights(engine, export_hf_weights(actor), ...) first)")
+            raise RuntimeError(
+                "native engine: generate before any sync_weights; its weights are "
+                "uninitialised (call sync_weights(engine, export_hf_weights(actor), ...) first)"
+            )
 
-    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
-                  seeds: list[int]) -> list[PromptRollout]:
+    def _generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int]
+    ) -> list[PromptRollout]:
         if not prompts:
             return []
         if sampling.guided:
@@ -266,31 +303,41 @@ class NativeEngine(RolloutEngine):
         limit = getattr(self.model.config, "max_position_embeddings", None)
         longest = max(len(p) for p in prompts) + sampling.max_new_tokens
         if limit is not None and longest > limit:
-            raise ValueError(f"prompt ({longest - sampling.max_new_tokens} tokens) + max_new_tokens "
-                             f"({sampling.max_new_tokens}) exceeds the model's max_position_embeddings={limit}: "
-                             "lower data.max_prompt_tokens or rollout.max_new_tokens")
+            raise ValueError(
+                f"prompt ({longest - sampling.max_new_tokens} tokens) + max_new_tokens "
+                f"({sampling.max_new_tokens}) exceeds the model's max_position_embeddings={limit}: "
+                "lower data.max_prompt_tokens or rollout.max_new_tokens"
+            )
         rows = self._decode_batch(prompts, n, sampling, seeds)
         self.decoded_tokens += sum(len(c.token_ids) for c in rows)
         per = n + 1
-        return [PromptRollout(sampled=rows[p * per:p * per + n], greedy=rows[p * per + n])
-                for p in range(len(prompts))]
+        return [
+            PromptRollout(sampled=rows[p * per : p * per + n], greedy=rows[p * per + n]) for p in range(len(prompts))
+        ]
 
     @torch.no_grad()
-    def _decode_batch(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
-                      seeds: list[int]) -> list[Completion]:
+    def _decode_batch(
+        self, prompts: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int]
+    ) -> list[Completion]:
         """The one engine request: P prompts -> P * (n + 1) completions (n sampled then 1 greedy each)."""
         per, dev = n + 1, self.device
-        generators = []                                                            # per output row
+        generators = []  # per output row
         for seed in seeds:
             generators += [torch.Generator(device=dev).manual_seed(seed + j) for j in range(n)] + [None]
         cache, logits, mask, next_pos, rows = self._prefill(prompts, per)
         greedy = torch.tensor([False] * n + [True], device=dev).repeat(len(prompts))
         temperature = torch.where(greedy, 1.0, float(sampling.temperature)).to(torch.float32)
-        active = torch.arange(len(prompts) * per, device=dev)                      # batch row -> output row
+        active = torch.arange(len(prompts) * per, device=dev)  # batch row -> output row
         eos = torch.tensor(sorted(self.eos_token_ids | set(sampling.stop_token_ids)), dtype=torch.long, device=dev)
         for step in range(sampling.max_new_tokens):
-            tok, lp = sample_next(logits, temperature, greedy, sampling.top_k, sampling.top_p,
-                                  [generators[row] for row in active.tolist()])
+            tok, lp = sample_next(
+                logits,
+                temperature,
+                greedy,
+                sampling.top_k,
+                sampling.top_p,
+                [generators[row] for row in active.tolist()],
+            )
             done = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(greedy)
             done_list = self._append_step(rows, active, tok, lp, done, sampling.stop)
             if step == sampling.max_new_tokens - 1:
@@ -312,21 +359,27 @@ class NativeEngine(RolloutEngine):
         """All prompts through the model once, then everything repeated per output row (n + 1 per prompt):
         (KV cache, last logits [B, V] float32, attention mask [B, L], next positions [B], the rows' record
         with the prompt tokens' routes)."""
-        ids, mask, pos = left_pad(prompts, self.pad_token_id, self.device)         # [P, L] each
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                         logits_to_keep=1)
+        ids, mask, pos = left_pad(prompts, self.pad_token_id, self.device)  # [P, L] each
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
         rows = _Rows.empty(len(prompts) * per, self.routes)
         if self.routes:
-            prefill = self._recorder.take(*ids.shape)                              # [P, L, layers, k]
+            prefill = self._recorder.take(*ids.shape)  # [P, L, layers, k]
             for p, prompt in enumerate(prompts):
-                rows.routes += [[prefill[p, ids.shape[1] - len(prompt):]] for _ in range(per)]
+                rows.routes += [[prefill[p, ids.shape[1] - len(prompt) :]] for _ in range(per)]
         cache = out.past_key_values
         cache.batch_repeat_interleave(per)
-        logits = out.logits[:, -1].float().repeat_interleave(per, 0)               # [B, V]
+        logits = out.logits[:, -1].float().repeat_interleave(per, 0)  # [B, V]
         return cache, logits, mask.repeat_interleave(per, 0), pos[:, -1].repeat_interleave(per) + 1, rows
 
-    def _append_step(self, rows: _Rows, active: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor,
-                     done: torch.Tensor, stop: list[str]) -> list[bool]:
+    def _append_step(
+        self,
+        rows: _Rows,
+        active: torch.Tensor,
+        tok: torch.Tensor,
+        lp: torch.Tensor,
+        done: torch.Tensor,
+        stop: list[str],
+    ) -> list[bool]:
         """One step's token and log-prob onto each active row; which rows finished (EOS, a stop token or
         a stop string), their finish reason set."""
         tok_list, lp_list, done_list = tok.tolist(), lp.tolist(), done.tolist()
@@ -339,13 +392,19 @@ class NativeEngine(RolloutEngine):
                 rows.finish[row] = "stop"
         return done_list
 
-    def _feed(self, tok: torch.Tensor, mask: torch.Tensor, next_pos: torch.Tensor, cache, active: torch.Tensor,
-              rows: _Rows) -> torch.Tensor:
+    def _feed(
+        self, tok: torch.Tensor, mask: torch.Tensor, next_pos: torch.Tensor, cache, active: torch.Tensor, rows: _Rows
+    ) -> torch.Tensor:
         """The active rows' new tokens through the model (their routes recorded) -> next logits [B, V] float32."""
-        out = self.model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos.unsqueeze(-1),
-                         past_key_values=cache, use_cache=True)
+        out = self.model(
+            input_ids=tok.unsqueeze(-1),
+            attention_mask=mask,
+            position_ids=next_pos.unsqueeze(-1),
+            past_key_values=cache,
+            use_cache=True,
+        )
         if self.routes:
-            fed = self._recorder.take(tok.shape[0], 1)                             # [B, 1, layers, k]
+            fed = self._recorder.take(tok.shape[0], 1)  # [B, 1, layers, k]
             for i, row in enumerate(active.tolist()):
                 rows.routes[row].append(fed[i])
         return out.logits[:, -1].float()
@@ -353,7 +412,7 @@ class NativeEngine(RolloutEngine):
     def _hits_stop(self, token_ids: list[int], stop: list[str]) -> bool:
         # Earlier steps found no stop string, so only one ending in the new text can be new:
         # look at the tail that could hold it.
-        text = self.tokenizer.decode(token_ids[-max(len(s) for s in stop) - 8:], skip_special_tokens=True)
+        text = self.tokenizer.decode(token_ids[-max(len(s) for s in stop) - 8 :], skip_special_tokens=True)
         return any(s in text for s in stop)
 
     # ---- scoring (parity checks, benchmark) ----------------------------------------------
@@ -361,7 +420,7 @@ class NativeEngine(RolloutEngine):
     def score(self, input_ids: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Teacher-forced log-probs: input_ids [B, S] right-padded, labels [B, S] (-100 ignored)
         -> [B, S] float32, log softmax(logits[b, t] / temperature)[labels[b, t]], 0 where ignored."""
-        logits = self.model(input_ids=input_ids.to(self.device)).logits.float() / temperature   # [B, S, V]
+        logits = self.model(input_ids=input_ids.to(self.device)).logits.float() / temperature  # [B, S, V]
         logp = torch.log_softmax(logits, dim=-1)
         lab = labels.to(self.device)
         out = logp.gather(-1, lab.clamp(min=0).unsqueeze(-1)).squeeze(-1)

@@ -32,8 +32,13 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from remax_megatron.rollout.engine import PromptRollout, RolloutEngine, SamplingParams, check_generate_args, \
-    world_size_and_rank
+from remax_megatron.rollout.engine import (
+    PromptRollout,
+    RolloutEngine,
+    SamplingParams,
+    check_generate_args,
+    world_size_and_rank,
+)
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
@@ -94,8 +99,9 @@ class RemoteEngine(RolloutEngine):
     def __init__(self, bridge_group, *, dtype: torch.dtype, seed: int = 0):
         super().__init__(seed)
         self.dtype = dtype
-        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-            else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        )
         self.is_root = dist.get_rank() == 0
         self.bridge = Bridge(bridge_group, self.device) if self.is_root else None
         self._next_id = 0
@@ -105,8 +111,7 @@ class RemoteEngine(RolloutEngine):
         self.stopped = False
 
     # ---- generation --------------------------------------------------------------------
-    def submit(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams,
-               seeds: list[int]) -> Ticket:
+    def submit(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int]) -> Ticket:
         """Collective over the training ranks: send every training rank's prompts as one request."""
         check_generate_args(prompt_token_ids, n, sampling)
         if len(seeds) != len(prompt_token_ids):
@@ -134,7 +139,7 @@ class RemoteEngine(RolloutEngine):
             self.decoded_tokens += decoded
             shares, at = [], 0
             for count in ticket.counts:
-                shares.append(rollouts[at:at + count])
+                shares.append(rollouts[at : at + count])
                 at += count
         out = [None]
         dist.scatter_object_list(out, shares, src=0)
@@ -175,7 +180,7 @@ class RemoteEngine(RolloutEngine):
                 self._send_buffer = torch.empty(total, dtype=self.dtype, device=self.device)
             flat = self._send_buffer[:total]
             for (name, shape, at), (_, tensor) in zip(header, bucket):
-                flat[at:at + tensor.numel()].view(shape).copy_(tensor)
+                flat[at : at + tensor.numel()].view(shape).copy_(tensor)
             self.bridge.send(("bucket", header, total, str(self.dtype)), 0)
             self.bridge.tensor(flat, 0)
         self.bridge.send(("end",), 0)
@@ -209,7 +214,7 @@ def received_buckets(bridge: Bridge, device: torch.device) -> Iterator[list[tupl
             buffer = torch.empty(total, dtype=dtype, device=device)  # kept: fresh pages fault on CPU
         flat = buffer[:total]
         bridge.tensor(flat, 0)
-        yield [(name, flat[at:at + _numel(shape)].view(shape)) for name, shape, at in header]
+        yield [(name, flat[at : at + _numel(shape)].view(shape)) for name, shape, at in header]
 
 
 def _numel(shape) -> int:
@@ -252,6 +257,7 @@ def serve(engine: RolloutEngine, bridge_group) -> int:
         else:
             shares = [(rollouts, decoded)]
         if rank == 0:
-            bridge.send_to(("result", request_id, [r for share, _ in shares for r in share],
-                            sum(d for _, d in shares)), 0)
+            bridge.send_to(
+                ("result", request_id, [r for share, _ in shares for r in share], sum(d for _, d in shares)), 0
+            )
         served += 1

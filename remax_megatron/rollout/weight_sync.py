@@ -66,7 +66,7 @@ class BucketPacker:
         if self._buffer is None or self._buffer.numel() < need:
             self._buffer = None  # free before growing (only happens for an empty bucket or the first put)
             self._buffer = torch.empty(need, dtype=self.dtype, device=self.device)
-        view = self._buffer[self._used:self._used + tensor.numel()].view(tensor.shape)
+        view = self._buffer[self._used : self._used + tensor.numel()].view(tensor.shape)
         view.copy_(tensor)
         self._views.append((name, view))
         self._used += size
@@ -89,8 +89,12 @@ class BucketPacker:
         self._buffer, self._views, self._used = None, [], 0
 
 
-def sync_weights(engine: RolloutEngine, weights: Iterable[tuple[str, torch.Tensor]],
-                 bucket_mb: float, packer: BucketPacker | None = None) -> dict:
+def sync_weights(
+    engine: RolloutEngine,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    bucket_mb: float,
+    packer: BucketPacker | None = None,
+) -> dict:
     """Stream (hf_name, full tensor) pairs into `engine` in buckets of `bucket_mb` MiB.
 
     Returns {"bytes": bytes delivered (engine dtype), "seconds": wall time of the

@@ -46,10 +46,16 @@ def without_strides(metadata):
     """A shallow copy of a DCP `Metadata` whose tensor entries' properties carry no `strides`."""
     md = copy.copy(metadata)
     md.state_dict_metadata = {
-        k: dataclasses.replace(v, properties=types.SimpleNamespace(
-            **{name: value for name, value in vars(v.properties).items() if name != "strides"}))
-        if isinstance(v, TensorStorageMetadata) else v
-        for k, v in metadata.state_dict_metadata.items()}
+        k: dataclasses.replace(
+            v,
+            properties=types.SimpleNamespace(
+                **{name: value for name, value in vars(v.properties).items() if name != "strides"}
+            ),
+        )
+        if isinstance(v, TensorStorageMetadata)
+        else v
+        for k, v in metadata.state_dict_metadata.items()
+    }
     return md
 
 

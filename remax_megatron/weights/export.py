@@ -42,14 +42,24 @@ from remax_megatron.weights.load import expert_layout, local_param_name, mapping
 from remax_megatron.weights.mapping import ParamSpec, WeightMapping
 
 
-def export_hf_weights(model, dtype: torch.dtype | None = None, bucket_mb: float = 256.0,
-                      groups: ProcessGroups | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(
+    model, dtype: torch.dtype | None = None, bucket_mb: float = 256.0, groups: ProcessGroups | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """One export of `model`: iter(HFExporter(model, dtype, bucket_mb, groups))."""
     return iter(HFExporter(model, dtype=dtype, bucket_mb=bucket_mb, groups=groups))
 
 
-def save_hf_dir(model, out_dir: str, side_files_from: str, *, tool: str, writer: bool, dtype: torch.dtype | None = None,
-                overwrite: bool = False, groups: ProcessGroups | None = None) -> None:
+def save_hf_dir(
+    model,
+    out_dir: str,
+    side_files_from: str,
+    *,
+    tool: str,
+    writer: bool,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    groups: ProcessGroups | None = None,
+) -> None:
     """`model` as a Hugging Face directory: one export (a collective over its TP x PP group, every rank
     calls it), written by the `writer` rank (weights/hf_io.HFDirWriter: atomic, config.json stating the
     tensors' dtype) with the config and tokenizer of `side_files_from`. The HF export of
@@ -80,14 +90,14 @@ class HFExporter:
         it) or clone it before advancing the iterator.
     """
 
-    def __init__(self, model, dtype: torch.dtype | None = None, bucket_mb: float = 256.0,
-                 groups: ProcessGroups | None = None):
+    def __init__(
+        self, model, dtype: torch.dtype | None = None, bucket_mb: float = 256.0, groups: ProcessGroups | None = None
+    ):
         groups = groups or ProcessGroups.current()  # `model`'s layout: the actor's groups
         if not bucket_mb > 0:
             raise ValueError(f"export bucket size {bucket_mb!r} MiB must be > 0 (rollout.sync_bucket_mb)")
         self.model, self.mapping = model, (mapping := mapping_for(model))
-        self.params = {k: v for k, v in model.state_dict(keep_vars=True).items()
-                       if not k.endswith("_extra_state")}
+        self.params = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
         from remax_megatron.models.lora import lora_modules  # megatron-core: not at import (start-up checks)
 
         self._lora = lora_modules(model)  # adapted weights go out merged: HF tensors only, no adapters
@@ -97,14 +107,14 @@ class HFExporter:
         self.group = groups.mp if mapping.tp * mapping.pp > 1 else None
         _, _, self.ep_rank, _ = expert_layout(model)
         self.ep_group = groups.ep if mapping.ep > 1 else None
-        self._gathered: dict[str, torch.Tensor] = {}      # this bucket's experts of the other EP ranks
+        self._gathered: dict[str, torch.Tensor] = {}  # this bucket's experts of the other EP ranks
         self._ep_buffer: torch.Tensor | None = None
         # The buffers live where the group's collectives run (the current GPU under NCCL).
         self.dtype = dtype or first.dtype
         self.device = comm_device(self.group) if self.group is not None else first.device
         self._source_of: dict[tuple[int, int], int] | None = None
         self._receive: list[torch.Tensor] | None = None  # per TP rank, flat
-        self._merged: list[torch.Tensor] = []            # flat, HF-shaped views per bucket (two: overlap)
+        self._merged: list[torch.Tensor] = []  # flat, HF-shaped views per bucket (two: overlap)
 
     def _local(self, spec: ParamSpec) -> torch.Tensor:
         """This rank's shard of `spec`: a live parameter, or an expert another EP rank sent."""
@@ -143,8 +153,12 @@ class HFExporter:
         while len(self._merged) < (2 if overlap and len(self.plan) > 1 else 1):
             self._merged.append(torch.empty(size, dtype=self.dtype, device=self.device))
         if self.group is not None and self._receive is None:
-            self._receive = [torch.empty(max(_sent_numel(mapping, specs, t) for _, specs in self.plan),
-                                         dtype=self.dtype, device=self.device) for t in range(mapping.tp)]
+            self._receive = [
+                torch.empty(
+                    max(_sent_numel(mapping, specs, t) for _, specs in self.plan), dtype=self.dtype, device=self.device
+                )
+                for t in range(mapping.tp)
+            ]
         if self.group is not None and self._source_of is None:
             self._source_of = _source_ranks(self.group, *self.me)
         if not overlap or len(self.plan) == 1:
@@ -166,14 +180,17 @@ class HFExporter:
         mapping = self.mapping
         if self.ep_group is not None and self.me[0] == stage:
             self._gather_experts(specs)
-        shards = self._receive_bucket(stage, specs) if self.group is not None else \
-            {s.megatron: [self._local(s)] for s in specs}
+        shards = (
+            self._receive_bucket(stage, specs)
+            if self.group is not None
+            else {s.megatron: [self._local(s)] for s in specs}
+        )
         bucket, offset = [], 0
         for spec in specs:
             out = []
             for name in spec.hf:
                 shape = mapping.hf_shape(name)
-                out.append(merged[offset:offset + math.prod(shape)].view(shape))
+                out.append(merged[offset : offset + math.prod(shape)].view(shape))
                 offset += out[-1].numel()
             for (name, tensor), view in zip(mapping.merge_shards(spec, shards[spec.megatron], out=out), out):
                 if tensor is not view:  # replicated: returned as received
@@ -195,10 +212,10 @@ class HFExporter:
             sent = [s for s in specs if _sends(self.mapping, s, t)]
             if not sent:
                 continue
-            flat, offset = self._receive[t][:_sent_numel(self.mapping, specs, t)], 0
+            flat, offset = self._receive[t][: _sent_numel(self.mapping, specs, t)], 0
             for spec in sent:
                 shape = self.mapping.shard_shape(spec)
-                view = flat[offset:offset + math.prod(shape)].view(shape)
+                view = flat[offset : offset + math.prod(shape)].view(shape)
                 if self.me == (stage, t):
                     view.copy_(self._local(spec))  # casts to the output dtype before sending
                 shards[spec.megatron].append(view)
@@ -222,11 +239,11 @@ class HFExporter:
             size = sum(math.prod(mapping.shard_shape(s)) for s in theirs)
             if not size:
                 continue
-            flat = self._ep_buffer[offset:offset + size]
+            flat = self._ep_buffer[offset : offset + size]
             views, at = [], 0
             for spec in theirs:
                 shape = mapping.shard_shape(spec)
-                views.append(flat[at:at + math.prod(shape)].view(shape))
+                views.append(flat[at : at + math.prod(shape)].view(shape))
                 at += views[-1].numel()
                 if k == self.ep_rank:
                     views[-1].copy_(self._local(spec))
@@ -277,4 +294,3 @@ def _source_ranks(group, pp_rank: int, tp_rank: int) -> dict[tuple[int, int], in
     table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(table, mine, group=group)
     return {(p, t): r for p, t, r in (row.tolist() for row in table)}
-

@@ -22,8 +22,16 @@ from safetensors.torch import save_file
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # Files an HF model directory carries besides the weights.
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
 # Written last into every directory HFDirWriter makes: which tool wrote it and its files, so that
 # `--overwrite` can tell a directory the tool wrote from anything else.
 WRITTEN_BY = "remax_written_by.json"
@@ -67,8 +75,9 @@ class HFCheckpointReader:
         for name in self.weight_map:
             yield name, self.read(name)
 
-    def read(self, name: str, dim: int | None = None, start: int | None = None,
-             stop: int | None = None) -> torch.Tensor:
+    def read(
+        self, name: str, dim: int | None = None, start: int | None = None, stop: int | None = None
+    ) -> torch.Tensor:
         """The tensor `name`, or its slice [start:stop] along `dim`."""
         if name not in self.weight_map:
             raise KeyError(f"tensor {name} not found in {self.model_dir}: is this the right model family?")
@@ -95,10 +104,12 @@ def _no_safetensors(model_dir: str) -> str:
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         cls = "AutoModelForCausalLM"
     out = model_dir.rstrip("/") + "-safetensors"
-    return (f"{model_dir} holds {pickles[0]}{' and more' if len(pickles) > 1 else ''} (PyTorch pickle) but no "
-            f"safetensors ({SINGLE} or {INDEX}); convert it once: python -c \"import transformers as t; "
-            f"d, o = '{model_dir}', '{out}'; t.{cls}.from_pretrained(d).save_pretrained(o); "
-            f"t.AutoTokenizer.from_pretrained(d).save_pretrained(o)\" and point at {out}")
+    return (
+        f"{model_dir} holds {pickles[0]}{' and more' if len(pickles) > 1 else ''} (PyTorch pickle) but no "
+        f'safetensors ({SINGLE} or {INDEX}); convert it once: python -c "import transformers as t; '
+        f"d, o = '{model_dir}', '{out}'; t.{cls}.from_pretrained(d).save_pretrained(o); "
+        f't.AutoTokenizer.from_pretrained(d).save_pretrained(o)" and point at {out}'
+    )
 
 
 def _open_checked(path: str):
@@ -130,7 +141,7 @@ def replace_dir(src: str, dst: str) -> None:
     place (a crash never leaves neither)."""
     if os.path.lexists(dst):
         old = tempfile.mkdtemp(prefix=".old-" + os.path.basename(dst) + "-", dir=os.path.dirname(dst))
-        os.rename(dst, old)          # a directory may be renamed onto an empty one
+        os.rename(dst, old)  # a directory may be renamed onto an empty one
         os.rename(src, dst)
         shutil.rmtree(old)
     else:
@@ -158,8 +169,9 @@ def _describe(path: str, entries: list[str]) -> str:
     return ", ".join(parts)
 
 
-def check_out_dir(out: str, overwrite: bool, written_by_tool: Callable[[str], list[str] | None],
-                  what: str) -> str | None:
+def check_out_dir(
+    out: str, overwrite: bool, written_by_tool: Callable[[str], list[str] | None], what: str
+) -> str | None:
     """Check a tool's `--out` before any work; one-line errors, nothing touched.
 
     Nothing there (or an empty directory) -> None. A file, or a non-empty directory, is refused
@@ -175,19 +187,21 @@ def check_out_dir(out: str, overwrite: bool, written_by_tool: Callable[[str], li
         return None
     if os.path.islink(out) or not os.path.isdir(out):
         kind = "a symbolic link" if os.path.islink(out) else "an existing file, not a directory"
-        raise FileExistsError(f"--out {out} is {kind}: choose a new --out "
-                              f"(--overwrite replaces only {what} this tool wrote)")
+        raise FileExistsError(
+            f"--out {out} is {kind}: choose a new --out (--overwrite replaces only {what} this tool wrote)"
+        )
     entries = sorted(os.listdir(out))
     if not entries:
         return None
     ours = written_by_tool(out)
     if ours is None:
         shown = _describe(out, entries[:6]) + (f" and {len(entries) - 6} more" if len(entries) > 6 else "")
-        raise FileExistsError(f"--out {out} is not empty and is not {what} this tool wrote (it holds {shown}): "
-                              "choose a new --out; --overwrite does not replace it either")
+        raise FileExistsError(
+            f"--out {out} is not empty and is not {what} this tool wrote (it holds {shown}): "
+            "choose a new --out; --overwrite does not replace it either"
+        )
     if not overwrite:
-        raise FileExistsError(f"--out {out} already holds {what}: choose a new --out or pass --overwrite "
-                              "to replace it")
+        raise FileExistsError(f"--out {out} already holds {what}: choose a new --out or pass --overwrite to replace it")
     return f"--overwrite: replacing {what} at {out}, removing {_describe(out, ours)}"
 
 
@@ -208,13 +222,14 @@ def hf_dir_entries(path: str, tool: str) -> list[str] | None:
 class HFDirWriter:
     """Stream (name, tensor) pairs into an HF directory, atomically.
 
-        with HFDirWriter(out_dir, max_shard_bytes=5e9) as w:
-            for name, t in tensors: w.add(name, t)
-            w.copy_side_files(src_dir)
+    with HFDirWriter(out_dir, max_shard_bytes=5e9) as w:
+        for name, t in tensors: w.add(name, t)
+        w.copy_side_files(src_dir)
     """
 
-    def __init__(self, out_dir: str, max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False,
-                 tool: str = "remax-megatron"):
+    def __init__(
+        self, out_dir: str, max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False, tool: str = "remax-megatron"
+    ):
         out_dir = os.path.abspath(out_dir)
         self.tool = tool  # recorded in WRITTEN_BY
         if holds_checkpoint(out_dir) and not overwrite:
@@ -295,8 +310,13 @@ class HFDirWriter:
         return False
 
 
-def write_hf_dir(out_dir: str, tensors: Iterable[tuple[str, torch.Tensor]], side_files_from: str | None = None,
-                 overwrite: bool = False, max_shard_bytes: int = 5 * 1024**3) -> None:
+def write_hf_dir(
+    out_dir: str,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    side_files_from: str | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> None:
     with HFDirWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite) as writer:
         for name, tensor in tensors:
             writer.add(name, tensor)

@@ -21,8 +21,12 @@ def expert_layout(model) -> tuple[int, int, int, int]:
         return 1, 1, 0, 0
     from megatron.core import parallel_state as ps
 
-    return (ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
-            ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
+    return (
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_tensor_parallel_world_size(),
+        ps.get_expert_model_parallel_rank(),
+        ps.get_expert_tensor_parallel_rank(),
+    )
 
 
 def mapping_for(model) -> WeightMapping:
@@ -68,14 +72,19 @@ def load_hf_weights(model, model_dir: str | HFCheckpointReader) -> None:
     _, _, tp_rank, stage = _layout(model)
     _, _, ep_rank, etp_rank = expert_layout(model)
     # LoRA adapters have no HF source: they keep their init (B = 0: the loaded model unchanged).
-    params = {k: v for k, v in model.state_dict(keep_vars=True).items()
-              if not k.endswith("_extra_state") and not is_adapter(k)}
+    params = {
+        k: v
+        for k, v in model.state_dict(keep_vars=True).items()
+        if not k.endswith("_extra_state") and not is_adapter(k)
+    }
     mine = [s for s in mapping.stage_specs(stage) if mapping.owns(s, ep_rank)]
     for spec in mine:
         for name in spec.hf:
             if name not in reader:
-                raise ValueError(f"{reader.model_dir} lacks tensor {name} that a {model.arch.architecture} "
-                                 "needs: is the checkpoint complete and of this architecture?")
+                raise ValueError(
+                    f"{reader.model_dir} lacks tensor {name} that a {model.arch.architecture} "
+                    "needs: is the checkpoint complete and of this architecture?"
+                )
     shards, seen = {}, set()
     for spec in mine:
         local = local_param_name(model, mapping, spec, params)
@@ -84,8 +93,10 @@ def load_hf_weights(model, model_dir: str | HFCheckpointReader) -> None:
         shard = mapping.load_shard(spec, reader.read, etp_rank if spec.expert is not None else tp_rank)
         target = params[local]
         if tuple(shard.shape) != tuple(target.shape):
-            raise ValueError(f"{spec.hf} -> {local}: shape {tuple(shard.shape)} but the model has "
-                             f"{tuple(target.shape)}: does config.json match the weights?")
+            raise ValueError(
+                f"{spec.hf} -> {local}: shape {tuple(shard.shape)} but the model has "
+                f"{tuple(target.shape)}: does config.json match the weights?"
+            )
         shards[local] = shard
         seen.add(local)
     missing = sorted(set(params) - seen)

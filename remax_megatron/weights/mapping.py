@@ -52,7 +52,7 @@ def resolve_name(name: str, params) -> str:
         return name
     candidates = []
     if name.startswith("decoder.layers."):
-        layer, rest = name[len("decoder.layers."):].split(".", 1)
+        layer, rest = name[len("decoder.layers.") :].split(".", 1)
         if rest in _LOCAL_TO_TE:
             candidates.append(f"decoder.layers.{layer}.{_LOCAL_TO_TE[rest]}")
         grouped = _SEQUENTIAL_EXPERT.search(rest)
@@ -68,10 +68,10 @@ def resolve_name(name: str, params) -> str:
 class ParamSpec:
     """One megatron parameter and the HF tensors it is made of."""
 
-    megatron: str            # global name: decoder.layers.<global layer>.… (local spec names)
-    hf: tuple[str, ...]      # HF tensor names, in the order `kind` concatenates them
-    kind: str                # REPLICATED | VOCAB | ROW | QKV | FC1 (models/families/base.py)
-    stage: int               # pipeline stage that owns it
+    megatron: str  # global name: decoder.layers.<global layer>.… (local spec names)
+    hf: tuple[str, ...]  # HF tensor names, in the order `kind` concatenates them
+    kind: str  # REPLICATED | VOCAB | ROW | QKV | FC1 (models/families/base.py)
+    stage: int  # pipeline stage that owns it
     layer: int | None = None  # global layer index, None outside the decoder layers
     shapes: tuple[tuple[int, ...], ...] = ()  # the HF tensors' shapes, one per name of `hf`
     expert: int | None = None  # MoE: the global expert index (its megatron name carries it)
@@ -105,13 +105,27 @@ class WeightMapping:
         specs = [ParamSpec("embedding.word_embeddings.weight", (family.hf_embedding,), VOCAB, 0, shapes=embedding)]
         for i in range(a.num_layers):
             stage, prefix = i // self.layers_per_stage, family.hf_layer(i)
-            specs += [ParamSpec(f"decoder.layers.{i}.{rule.megatron}", tuple(prefix + n for n in rule.hf), rule.kind,
-                                stage, i, rule.shapes, rule.expert) for rule in family.layer_rules(a, i)]
-        specs.append(ParamSpec("decoder.final_layernorm.weight", (family.hf_final_norm,), REPLICATED, last,
-                               shapes=((a.hidden_size,),)))
+            specs += [
+                ParamSpec(
+                    f"decoder.layers.{i}.{rule.megatron}",
+                    tuple(prefix + n for n in rule.hf),
+                    rule.kind,
+                    stage,
+                    i,
+                    rule.shapes,
+                    rule.expert,
+                )
+                for rule in family.layer_rules(a, i)
+            ]
+        specs.append(
+            ParamSpec(
+                "decoder.final_layernorm.weight", (family.hf_final_norm,), REPLICATED, last, shapes=((a.hidden_size,),)
+            )
+        )
         if a.task == "reward":
-            specs.append(ParamSpec("output_layer.weight", (family.hf_score,), REPLICATED, last,
-                                   shapes=((1, a.hidden_size),)))
+            specs.append(
+                ParamSpec("output_layer.weight", (family.hf_score,), REPLICATED, last, shapes=((1, a.hidden_size),))
+            )
         elif not a.tie_word_embeddings:
             specs.append(ParamSpec("output_layer.weight", (family.hf_lm_head,), VOCAB, last, shapes=embedding))
         elif self.pp > 1:
@@ -122,8 +136,11 @@ class WeightMapping:
 
     def exported_specs(self) -> list[ParamSpec]:
         """Specs whose HF tensors go out on export (the tied output copy does not)."""
-        return [s for s in self.specs if not (s.megatron == "output_layer.weight"
-                                              and s.hf == (family_named(self.arch.family).hf_embedding,))]
+        return [
+            s
+            for s in self.specs
+            if not (s.megatron == "output_layer.weight" and s.hf == (family_named(self.arch.family).hf_embedding,))
+        ]
 
     def stage_specs(self, stage: int) -> list[ParamSpec]:
         return [s for s in self.specs if s.stage == stage]
@@ -131,8 +148,9 @@ class WeightMapping:
     def stage_numel(self, stage: int) -> int:
         """Parameters one rank of pipeline stage `stage` holds (vocab padding and replicas included; its
         expert-parallel share of the experts)."""
-        return sum(math.prod(self.shard_shape(s)) // (self.ep if s.expert is not None else 1)
-                   for s in self.stage_specs(stage))
+        return sum(
+            math.prod(self.shard_shape(s)) // (self.ep if s.expert is not None else 1) for s in self.stage_specs(stage)
+        )
 
     # ---- experts --------------------------------------------------------------------------
     def first_expert(self, ep_rank: int) -> int:
@@ -150,8 +168,12 @@ class WeightMapping:
 
     def numel(self) -> int:
         """Parameters of the whole model at this vocab padding, each counted once (the planner's P)."""
-        return sum(self.padded_vocab * self.arch.hidden_size if s.kind == VOCAB else
-                   sum(math.prod(shape) for shape in s.shapes) for s in self.exported_specs())
+        return sum(
+            self.padded_vocab * self.arch.hidden_size
+            if s.kind == VOCAB
+            else sum(math.prod(shape) for shape in s.shapes)
+            for s in self.exported_specs()
+        )
 
     # ---- HF -> this rank's shard ---------------------------------------------------------
     def load_shard(self, spec: ParamSpec, read: Callable, tp_rank: int) -> torch.Tensor:
@@ -171,8 +193,10 @@ class WeightMapping:
             per_rank = self.padded_vocab // tp
             start, stop = r * per_rank, (r + 1) * per_rank
             real = read(spec.hf[0], 0, start, min(stop, a.vocab_size)) if start < a.vocab_size else None
-            out = torch.zeros((per_rank,) + tuple(_hf_shape(self, spec.hf[0])[1:]),
-                              dtype=real.dtype if real is not None else _dtype(self))
+            out = torch.zeros(
+                (per_rank,) + tuple(_hf_shape(self, spec.hf[0])[1:]),
+                dtype=real.dtype if real is not None else _dtype(self),
+            )
             if real is not None:
                 out[: real.shape[0]] = real
             return out
@@ -194,8 +218,9 @@ class WeightMapping:
         raise AssertionError(spec.kind)
 
     # ---- TP shards -> full HF tensors ----------------------------------------------------
-    def merge_shards(self, spec: ParamSpec, shards: list[torch.Tensor],
-                     out: list[torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
+    def merge_shards(
+        self, spec: ParamSpec, shards: list[torch.Tensor], out: list[torch.Tensor] | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
         """Inverse of load_shard: the TP shards (rank order) -> [(hf_name, full tensor)].
 
         out: one tensor of the HF shape per name of `spec.hf` to write into (the exporter passes
@@ -205,8 +230,7 @@ class WeightMapping:
         if spec.kind == REPLICATED:
             return [(spec.hf[0], shards[0])]
         if out is None:
-            out = [torch.empty(_hf_shape(self, n), dtype=shards[0].dtype, device=shards[0].device)
-                   for n in spec.hf]
+            out = [torch.empty(_hf_shape(self, n), dtype=shards[0].dtype, device=shards[0].device) for n in spec.hf]
         tp = len(shards)
         if spec.kind == ROW:
             torch.cat(shards, dim=1, out=out[0])
@@ -219,8 +243,8 @@ class WeightMapping:
         elif spec.kind == FC1:
             rows = out[0].shape[0] // tp  # each shard is [gate rows; up rows]
             for r, shard in enumerate(shards):
-                out[0][r * rows:(r + 1) * rows].copy_(shard[:rows])
-                out[1][r * rows:(r + 1) * rows].copy_(shard[rows:])
+                out[0][r * rows : (r + 1) * rows].copy_(shard[:rows])
+                out[1][r * rows : (r + 1) * rows].copy_(shard[rows:])
         elif spec.kind == QKV:
             # Each shard holds `groups` KV groups, each [q heads of the group; k; v] along dim 0.
             qpg, hd, groups = a.num_heads // a.num_kv_heads, a.head_dim, a.num_kv_heads // tp
@@ -229,9 +253,9 @@ class WeightMapping:
             for r, shard in enumerate(shards):
                 g = slice(r * groups, (r + 1) * groups)
                 grouped = shard.reshape(groups, (qpg + 2) * hd, *tail)
-                q[g].copy_(grouped[:, :qpg * hd])
-                k[g].copy_(grouped[:, qpg * hd:(qpg + 1) * hd])
-                v[g].copy_(grouped[:, (qpg + 1) * hd:])
+                q[g].copy_(grouped[:, : qpg * hd])
+                k[g].copy_(grouped[:, qpg * hd : (qpg + 1) * hd])
+                v[g].copy_(grouped[:, (qpg + 1) * hd :])
         else:
             raise AssertionError(spec.kind)
         return list(zip(spec.hf, out))

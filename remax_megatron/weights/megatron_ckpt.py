@@ -33,15 +33,32 @@ dcp_compat.install()  # torch >= 2.15 DCP metadata with megatron-core's reader (
 FORMAT_VERSION = 1
 
 
-def build_model_for(arch: ModelArch, *, tp: int, pp: int, params_dtype: torch.dtype, init_weights: bool,
-                    trainable: bool = False, experts: ExpertOptions | None = None, lora: LoraOptions | None = None):
+def build_model_for(
+    arch: ModelArch,
+    *,
+    tp: int,
+    pp: int,
+    params_dtype: torch.dtype,
+    init_weights: bool,
+    trainable: bool = False,
+    experts: ExpertOptions | None = None,
+    lora: LoraOptions | None = None,
+):
     """The policy or reward model that `arch` describes, on the current layout (experts: a MoE model's
     expert layout, matching the initialised expert-parallel groups; lora: the adapters a checkpoint holds,
     read_checkpoint_lora)."""
     if arch.task == "reward":
         return build_reward_model(arch, tp=tp, pp=pp, params_dtype=params_dtype, init_weights=init_weights)
-    return build_policy(arch, tp=tp, pp=pp, params_dtype=params_dtype, init_weights=init_weights,
-                        trainable=trainable or lora is not None, experts=experts, lora=lora)
+    return build_policy(
+        arch,
+        tp=tp,
+        pp=pp,
+        params_dtype=params_dtype,
+        init_weights=init_weights,
+        trainable=trainable or lora is not None,
+        experts=experts,
+        lora=lora,
+    )
 
 
 def save_model(model, ckpt_dir: str, hf_dir: str) -> None:
@@ -58,9 +75,12 @@ def save_model(model, ckpt_dir: str, hf_dir: str) -> None:
         for name in SIDE_FILES:
             if os.path.isfile(os.path.join(hf_dir, name)):
                 shutil.copy2(os.path.join(hf_dir, name), os.path.join(side, name))
-        meta = {"format_version": FORMAT_VERSION, "architecture": model.arch.architecture,
-                "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-                "versions": installed_versions()}  # what wrote it (weights/provenance.py)
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "architecture": model.arch.architecture,
+            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "versions": installed_versions(),
+        }  # what wrote it (weights/provenance.py)
         lora = getattr(model, "lora", None)
         if lora is not None:  # the adapters' shapes and scale: what a loader must build to read them
             meta["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}
@@ -89,8 +109,11 @@ def read_checkpoint_meta(ckpt_dir: str) -> tuple[ModelArch, torch.dtype]:
     """Architecture and dtype of a model checkpoint; errors name the missing file, or the newer megatron-core
     that wrote it (provenance.check_readable)."""
     meta_path = os.path.join(ckpt_dir, META)
-    for path in (meta_path, os.path.join(ckpt_dir, "hf_config", "config.json"),
-                 os.path.join(ckpt_dir, "model", "metadata.json")):
+    for path in (
+        meta_path,
+        os.path.join(ckpt_dir, "hf_config", "config.json"),
+        os.path.join(ckpt_dir, "model", "metadata.json"),
+    ):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} is missing: {ckpt_dir} is not a complete remax-megatron checkpoint")
     check_readable(ckpt_dir)
@@ -124,8 +147,9 @@ def model_checkpoint_entries(path: str) -> list[str] | None:
                 return None
     except (OSError, ValueError, AttributeError):
         return None
-    side_files = set(os.listdir(os.path.join(path, "hf_config"))) if os.path.isdir(os.path.join(path, "hf_config")) \
-        else None
+    side_files = (
+        set(os.listdir(os.path.join(path, "hf_config"))) if os.path.isdir(os.path.join(path, "hf_config")) else None
+    )
     if side_files is None or not side_files <= set(SIDE_FILES):
         return None
     model_dir = os.path.join(path, "model")
@@ -161,13 +185,17 @@ def check_shapes(model, ckpt_dir: str) -> None:
             continue
         shape = tuple(tensor.global_shape)
         if tensor.key not in saved:
-            raise ValueError(f"checkpoint {ckpt_dir} holds a different model: it has no {tensor.key} "
-                             f"(shape {list(shape)} in this model)")
+            raise ValueError(
+                f"checkpoint {ckpt_dir} holds a different model: it has no {tensor.key} "
+                f"(shape {list(shape)} in this model)"
+            )
         there = tuple(saved[tensor.key].global_shape)
         padded = tensor.allow_shape_mismatch and len(shape) == len(there)
         if (shape[1:] != there[1:]) if padded else (shape != there):
-            raise ValueError(f"checkpoint {ckpt_dir} holds a different model: {tensor.key} has shape "
-                             f"{list(there)} there and {list(shape)} in this model")
+            raise ValueError(
+                f"checkpoint {ckpt_dir} holds a different model: {tensor.key} has shape "
+                f"{list(there)} there and {list(shape)} in this model"
+            )
     arch = getattr(model, "arch", None)
     config = os.path.join(ckpt_dir, "hf_config", "config.json")
     if arch is not None and os.path.isfile(config):
@@ -177,5 +205,7 @@ def check_shapes(model, ckpt_dir: str) -> None:
         except (OSError, ValueError, AttributeError):
             vocab = None
         if vocab is not None and vocab != arch.vocab_size:
-            raise ValueError(f"checkpoint {ckpt_dir} holds a different model: vocab_size {vocab} there "
-                             f"({config}) and {arch.vocab_size} in this model")
+            raise ValueError(
+                f"checkpoint {ckpt_dir} holds a different model: vocab_size {vocab} there "
+                f"({config}) and {arch.vocab_size} in this model"
+            )

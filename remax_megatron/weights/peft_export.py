@@ -89,14 +89,25 @@ def write_peft_dir(model, out_dir: str, base_model: str = "", groups: ProcessGro
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     modules = sorted({name.split(".")[-3] for name in tensors})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": options.rank, "lora_alpha": options.alpha,
-              "lora_dropout": options.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
-              "use_rslora": False, "init_lora_weights": True, "inference_mode": True,
-              "base_model_name_or_path": base_model}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": options.rank,
+        "lora_alpha": options.alpha,
+        "lora_dropout": options.dropout,
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "base_model_name_or_path": base_model,
+    }
     tmp = f"{out_dir}.tmp-{os.getpid()}"
     os.makedirs(tmp)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, ADAPTER_WEIGHTS),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"}
+    )
     with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
     if os.path.isdir(out_dir) and not os.listdir(out_dir):

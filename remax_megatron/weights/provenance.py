@@ -56,7 +56,8 @@ def check_readable(ckpt_dir: str, installed: str | None = None) -> None:
         raise ValueError(
             f"checkpoint {ckpt_dir} was written by megatron-core {saved} and the installed megatron-core {installed} "
             f"cannot read a newer one's checkpoints: install megatron-core>={saved} (it needs Python >= 3.12 from "
-            "0.17 on), or use a checkpoint written by this version")
+            "0.17 on), or use a checkpoint written by this version"
+        )
 
 
 def _release(version: str) -> tuple[int, ...]:

@@ -44,16 +44,21 @@ def test_micro_batches_sum_to_the_global_loss(mode):
     vals, mask = _data(1)
     n_tok, n_seq = int(mask.sum()), vals.shape[0]
     whole = aggregate(vals, mask, mode, global_num_tokens=n_tok, global_num_seqs=n_seq)
-    parts = sum(aggregate(v, m, mode, global_num_tokens=n_tok, global_num_seqs=n_seq)
-                for v, m in zip(vals.split(2), mask.split(2)))
+    parts = sum(
+        aggregate(v, m, mode, global_num_tokens=n_tok, global_num_seqs=n_seq)
+        for v, m in zip(vals.split(2), mask.split(2))
+    )
     torch.testing.assert_close(parts, whole)
 
 
-@pytest.mark.parametrize("kw,arg", [
-    (dict(mode="mean"), "loss_agg_mode"),
-    (dict(global_num_tokens=0), "global_num_tokens"),
-    (dict(mode="seq-mean-token-sum", global_num_seqs=-1), "global_num_seqs"),
-])
+@pytest.mark.parametrize(
+    "kw,arg",
+    [
+        (dict(mode="mean"), "loss_agg_mode"),
+        (dict(global_num_tokens=0), "global_num_tokens"),
+        (dict(mode="seq-mean-token-sum", global_num_seqs=-1), "global_num_seqs"),
+    ],
+)
 def test_bad_input(kw, arg):
     vals, mask = _data()
     with pytest.raises(ValueError, match=f"^{arg}:"):

@@ -38,10 +38,9 @@ def test_k3_gradient_and_overflow_guard():
     assert bool(torch.isfinite(big).all())
 
 
-@pytest.mark.parametrize("kind,args,arg", [
-    ("k4", None, "kl_estimator"),
-    ("k1", (torch.zeros(3), torch.zeros(4)), "ref_logprobs"),
-])
+@pytest.mark.parametrize(
+    "kind,args,arg", [("k4", None, "kl_estimator"), ("k1", (torch.zeros(3), torch.zeros(4)), "ref_logprobs")]
+)
 def test_bad_input(kind, args, arg):
     a, b = args or (torch.zeros(3), torch.zeros(3))
     with pytest.raises(ValueError, match=f"^{arg}:"):

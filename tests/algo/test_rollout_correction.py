@@ -16,10 +16,10 @@ from remax_megatron.kernels import remax_loss
 
 def _logprobs(seed=0, rows=4, width=10):
     g = torch.Generator().manual_seed(seed)
-    actor = -torch.rand(rows, width, generator=g, dtype=torch.float64) * 3          # [B, T]
+    actor = -torch.rand(rows, width, generator=g, dtype=torch.float64) * 3  # [B, T]
     mask = torch.zeros(rows, width, dtype=torch.bool)
     for i in range(rows):
-        mask[i, 2:3 + 2 * i] = True                                                  # 1, 3, 5, 7 tokens
+        mask[i, 2 : 3 + 2 * i] = True  # 1, 3, 5, 7 tokens
     return actor, mask
 
 
@@ -113,8 +113,15 @@ def test_config_refusals_are_one_line():
     with pytest.raises(ValueError, match="algo.rollout_correction='tis' is not one of none, token-tis, seq-mis"):
         load_config(None, ["reward.functions=[exact_match]", "algo.rollout_correction=tis"])
     # the native engine reports the untruncated log-probs: allowed
-    cfg = load_config(None, ["reward.functions=[exact_match]", "algo.rollout_correction=token-tis",
-                             "rollout.top_k=5", "rollout.engine=native"])
+    cfg = load_config(
+        None,
+        [
+            "reward.functions=[exact_match]",
+            "algo.rollout_correction=token-tis",
+            "rollout.top_k=5",
+            "rollout.engine=native",
+        ],
+    )
     assert cfg.algo.rollout_correction == "token-tis"
 
 

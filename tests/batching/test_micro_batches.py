@@ -44,10 +44,15 @@ def _batch(lengths, width=None, tag=0):
     labels = torch.full((b, width), -100)
     for i, n in enumerate(lengths):
         ids[i, :n] = tag * 1000 + i
-        labels[i, 1:n - 1] = tag * 1000 + i
-    return dict(input_ids=ids, labels=labels, response_mask=labels != -100,
-                lengths=torch.tensor(lengths), rewards=torch.arange(b, dtype=torch.float32) + tag * 1000,
-                baseline=(torch.arange(b, dtype=torch.float32) + tag * 1000) // 2 + 0.5)
+        labels[i, 1 : n - 1] = tag * 1000 + i
+    return dict(
+        input_ids=ids,
+        labels=labels,
+        response_mask=labels != -100,
+        lengths=torch.tensor(lengths),
+        rewards=torch.arange(b, dtype=torch.float32) + tag * 1000,
+        baseline=(torch.arange(b, dtype=torch.float32) + tag * 1000) // 2 + 0.5,
+    )
 
 
 @pytest.mark.parametrize("pack", [False, True])
@@ -189,14 +194,17 @@ def test_thd_rows_carry_cu_seqlens():
 def test_block_causal_mask_keeps_each_sequence_to_itself():
     segments = torch.tensor([[0, 0, 1, 1, 1, -1]])
     allowed = ~block_causal_mask(segments)[0, 0]
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [0, 0, 1, 0, 0, 0],
-        [0, 0, 1, 1, 0, 0],
-        [0, 0, 1, 1, 1, 0],
-        [0, 0, 0, 0, 0, 1],
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [0, 0, 1, 0, 0, 0],
+            [0, 0, 1, 1, 0, 0],
+            [0, 0, 1, 1, 1, 0],
+            [0, 0, 0, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(allowed, expected)
 
 

@@ -16,8 +16,10 @@ def test_pad_sequences_layout():
     comps = [Completion([31, 32], [-0.5, -0.25], "stop"), Completion([41, 42, 43, 44], [-1, -2, -3, -4], "length")]
     out = pad_sequences(prompts, comps, pad_id=0, pad_to_multiple=4)
     assert out["input_ids"].tolist() == [[11, 12, 13, 31, 32, 0, 0, 0], [21, 41, 42, 43, 44, 0, 0, 0]]
-    assert out["labels"].tolist() == [[-100, -100, 31, 32, -100, -100, -100, -100],
-                                      [41, 42, 43, 44, -100, -100, -100, -100]]
+    assert out["labels"].tolist() == [
+        [-100, -100, 31, 32, -100, -100, -100, -100],
+        [41, 42, 43, 44, -100, -100, -100, -100],
+    ]
     assert out["response_mask"].tolist() == (out["labels"] != -100).tolist()
     assert out["engine_logprobs"][0, 2:4].tolist() == [-0.5, -0.25]
     assert out["engine_logprobs"][1, :4].tolist() == [-1, -2, -3, -4]
@@ -41,15 +43,16 @@ def test_pad_sequences_bad_input():
 
 def _routed(tokens: int, expert: int) -> Completion:
     """A completion of `tokens` tokens after a 1-token prompt, every fed token routed to `expert` in 2 layers."""
-    return Completion(list(range(3, 3 + tokens)), [-1.0] * tokens, "stop",
-                      routed_experts=torch.full((tokens, 2, 1), expert))  # [fed tokens, layers, top_k]
+    return Completion(
+        list(range(3, 3 + tokens)), [-1.0] * tokens, "stop", routed_experts=torch.full((tokens, 2, 1), expert)
+    )  # [fed tokens, layers, top_k]
 
 
 def test_routes_follow_the_one_switch_and_a_missing_route_is_refused():
     rows = [[1], [2]], [_routed(2, 5), _routed(1, 7)]
-    routed = pad_sequences(*rows, pad_id=0, routes=True)["routed_experts"]   # [B, S, layers, top_k]
+    routed = pad_sequences(*rows, pad_id=0, routes=True)["routed_experts"]  # [B, S, layers, top_k]
     assert routed.shape == (2, 3, 2, 1)
-    assert routed[0, :2].eq(5).all() and routed[0, 2:].eq(-1).all()          # the last token was never fed
+    assert routed[0, :2].eq(5).all() and routed[0, 2:].eq(-1).all()  # the last token was never fed
     assert routed[1, :1].eq(7).all() and routed[1, 1:].eq(-1).all()
     # rollout.routing_replay=false: no routes in the batch even when the engine returned them
     assert "routed_experts" not in pad_sequences(*rows, pad_id=0)
@@ -65,8 +68,11 @@ def test_mask_truncated_leaves_the_cut_sample_out_of_the_loss_and_its_counts():
     from remax_megatron.kernels import remax_loss
 
     prompts = [[11, 12], [21, 22], [31]]
-    comps = [Completion([1, 2, 3], [-0.1, -0.2, -0.3], "stop"), Completion([4, 5, 6, 7], [-1, -2, -3, -4], "length"),
-             Completion([8], [-0.5], "stop")]
+    comps = [
+        Completion([1, 2, 3], [-0.1, -0.2, -0.3], "stop"),
+        Completion([4, 5, 6, 7], [-1, -2, -3, -4], "length"),
+        Completion([8], [-0.5], "stop"),
+    ]
     plain = pad_sequences(prompts, comps, pad_id=0)
     out = pad_sequences(prompts, comps, pad_id=0, mask_truncated=True)
     assert out["response_mask"][1].sum() == 0 and out["response_mask"][[0, 2]].equal(plain["response_mask"][[0, 2]])

@@ -24,8 +24,12 @@ def _keep_body(rank, world, model_dir, root):
         listings.append(list_checkpoints(root))
     # synchronous saves: the write results stay in this process (weights.megatron_ckpt.save_sharded)
     assert multiprocessing.active_children() == [], multiprocessing.active_children()
-    assert listings == [["step_000001"], ["step_000001", "step_000002"], ["step_000002", "step_000003"],
-                        ["step_000003", "step_000004"]], listings
+    assert listings == [
+        ["step_000001"],
+        ["step_000001", "step_000002"],
+        ["step_000002", "step_000003"],
+        ["step_000003", "step_000004"],
+    ], listings
     assert sorted(os.listdir(root)) == ["latest", "step_000003", "step_000004"], os.listdir(root)  # nothing else
     with open(os.path.join(root, "latest")) as f:
         assert f.read().strip() == "step_000004"

@@ -30,31 +30,57 @@ TIMING = ("time/", "throughput/", "memory/", "perf/")  # run-dependent
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("m") / "llama"), "llama", hidden=64, layers=2, heads=4,
-                           kv_heads=2, ffn=96, seed=3)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("m") / "llama"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=96, seed=3
+    )
 
 
 def _args(model_dir, out, *extra):
-    return ["-m", "remax_megatron.train", f"actor.model={model_dir}", "actor.tp=2", "data.train=builtin:arith",
-            "data.chat_template=false", "rollout.engine=native",  # head_dim 16: vLLM's CPU attention refuses it
-            # A random model never answers right: the length penalty gives non-zero advantages, so the
-            # weights and Adam state really change between checkpoints.
-            "reward.functions=[exact_match,length_penalty]", "reward.length_limit=2", "rollout.n=2", "rollout.max_new_tokens=4",
-            "trainer.prompts_per_step=4", "trainer.micro_batch_size=4", "trainer.eval_every=0", "optim.lr=1e-3",
-            "logging.progress_bar=false", "logging.tensorboard=false", f"trainer.output_dir={out}", *extra]
+    return [
+        "-m",
+        "remax_megatron.train",
+        f"actor.model={model_dir}",
+        "actor.tp=2",
+        "data.train=builtin:arith",
+        "data.chat_template=false",
+        "rollout.engine=native",  # head_dim 16: vLLM's CPU attention refuses it
+        # A random model never answers right: the length penalty gives non-zero advantages, so the
+        # weights and Adam state really change between checkpoints.
+        "reward.functions=[exact_match,length_penalty]",
+        "reward.length_limit=2",
+        "rollout.n=2",
+        "rollout.max_new_tokens=4",
+        "trainer.prompts_per_step=4",
+        "trainer.micro_batch_size=4",
+        "trainer.eval_every=0",
+        "optim.lr=1e-3",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        f"trainer.output_dir={out}",
+        *extra,
+    ]
 
 
 def _launch(args, nproc=2, **kw):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.Popen([TORCHRUN, f"--nproc_per_node={nproc}", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [TORCHRUN, f"--nproc_per_node={nproc}", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def _train(args, nproc=2):
     """torchrun's ranks forked from the tests' warm fork server (tests/_dist.run_main); the signal tests
     below launch the real command."""
     assert args[:2] == ["-m", "remax_megatron.train"], args[:2]
-    r = run_main("remax_megatron.train", args[2:], nproc, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    r = run_main(
+        "remax_megatron.train", args[2:], nproc, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return r.stdout + r.stderr
 
@@ -137,10 +163,10 @@ def test_sigterm_saves_at_a_step_boundary_and_resume_continues_the_data(model_di
     assert "preempted (SIGTERM)" in log
     done = _metrics(out)
     ckpt = open(os.path.join(out, "checkpoints", "latest")).read().strip()
-    assert ckpt == f"step_{done[-1]['step']:06d}"      # the checkpoint is the last finished step
+    assert ckpt == f"step_{done[-1]['step']:06d}"  # the checkpoint is the last finished step
     _train(_args(model_dir, out, f"trainer.steps={done[-1]['step'] + 2}"))
     records = _strip(_metrics(out))
-    assert [r["step"] for r in records] == list(range(1, len(records) + 1))   # no step repeated or skipped
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))  # no step repeated or skipped
     full = _strip(_metrics(straight))
     for r in records[: len(full)]:  # same data order (and everything else) as the uninterrupted run
         assert r == full[r["step"] - 1]
@@ -155,8 +181,9 @@ def test_corrupt_checkpoint_is_named_and_auto_falls_back(straight, tmp_path):
     root = str(tmp_path / "checkpoints")
     shutil.copytree(os.path.join(straight, "checkpoints"), root)
     newest = os.path.join(root, "step_000006")
-    shard = next(os.path.join(newest, "model", f) for f in os.listdir(os.path.join(newest, "model"))
-                 if f.endswith(".distcp"))
+    shard = next(
+        os.path.join(newest, "model", f) for f in os.listdir(os.path.join(newest, "model")) if f.endswith(".distcp")
+    )
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
     with pytest.raises(CheckpointError, match=os.path.basename(shard) + " has"):
@@ -193,13 +220,18 @@ def test_a_checkpoint_of_a_newer_megatron_core_is_refused_before_any_model_is_bu
     with open(os.path.join(ckpt, "manifest.json"), "w") as f:
         json.dump(manifest, f)
     out = str(tmp_path / "run")
-    r = run_main("remax_megatron.train", _args(model_dir, out, "trainer.steps=8", f"checkpoint.resume={ckpt}")[2:], 2,
-                 env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    r = run_main(
+        "remax_megatron.train",
+        _args(model_dir, out, "trainer.steps=8", f"checkpoint.resume={ckpt}")[2:],
+        2,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+    )
     assert r.returncode == 2, (r.stdout + r.stderr)[-3000:]
     assert r.stderr.splitlines() == [
         f"error: checkpoint {ckpt} was written by megatron-core 99.0.0 and the installed megatron-core "
         f"{metadata.version('megatron-core')} cannot read a newer one's checkpoints: install megatron-core>=99.0.0 (it "
-        "needs Python >= 3.12 from 0.17 on), or use a checkpoint written by this version"], r.stderr[-3000:]
+        "needs Python >= 3.12 from 0.17 on), or use a checkpoint written by this version"
+    ], r.stderr[-3000:]
     assert "resumed from" not in r.stdout and not os.path.exists(os.path.join(out, "metrics.jsonl")), r.stdout
 
 
@@ -227,16 +259,28 @@ def test_training_checkpoint_exports_to_hf(model_dir, straight, tmp_path):
     ckpt = os.path.join(straight, "checkpoints", "step_000006")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     one, two = str(tmp_path / "hf1"), str(tmp_path / "hf2")
-    r = subprocess.run([sys.executable, "tools/convert_megatron_to_hf.py", "--ckpt", ckpt, "--out", one],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "tools/convert_megatron_to_hf.py", "--ckpt", ckpt, "--out", one],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run([TORCHRUN, "--nproc_per_node=2", "tools/convert_megatron_to_hf.py", "--ckpt", ckpt,
-                        "--out", two, "--tp", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [TORCHRUN, "--nproc_per_node=2", "tools/convert_megatron_to_hf.py", "--ckpt", ckpt, "--out", two, "--tp", "2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = load_file(f"{one}/model.safetensors"), load_file(f"{two}/model.safetensors")
     initial = load_file(f"{model_dir}/model.safetensors")
     assert sorted(a) == sorted(initial) and all(torch.equal(a[k], b[k]) for k in a)
-    assert any(not torch.equal(a[k], initial[k]) for k in a)   # the trained weights, not the initial ones
+    assert any(not torch.equal(a[k], initial[k]) for k in a)  # the trained weights, not the initial ones
     AutoModelForCausalLM.from_pretrained(one)
 
 
@@ -254,8 +298,7 @@ def _main_weights_body(rank, world, model_dir, root):
     cfg = load_config(None, ["reward.functions=[exact_match]", "optim.lr=1e-3"])
 
     def build():
-        actor = build_policy(read_hf_config(model_dir), tp=world, pp=1, params_dtype=torch.bfloat16,
-                             init_weights=False)
+        actor = build_policy(read_hf_config(model_dir), tp=world, pp=1, params_dtype=torch.bfloat16, init_weights=False)
         load_hf_weights(actor, model_dir)
         ddp = wrap_ddp(actor, False)
         return actor, build_optimizer(ddp, cfg.optim, torch.bfloat16)
@@ -288,8 +331,12 @@ def test_dynamic_sampling_resumes_drawing_exactly_what_the_straight_run_drew(mod
     steps draw more prompts than they train (rounds > 1 at some step), each step still trains
     prompts_per_step prompts, and a run stopped at step 2 and resumed draws and trains exactly what the
     straight run did (every metric of steps 1-4 bitwise, the data position included)."""
-    common = ("actor.tp=1", "algo.dynamic_sampling=true", "reward.functions=[tests.rollout.tie_rewards:ties_on_odd_answers]",
-              "checkpoint.save_every=2")
+    common = (
+        "actor.tp=1",
+        "algo.dynamic_sampling=true",
+        "reward.functions=[tests.rollout.tie_rewards:ties_on_odd_answers]",
+        "checkpoint.save_every=2",
+    )
     straight, out = str(tmp_path / "straight"), str(tmp_path / "run")
     _train(_args(model_dir, straight, "trainer.steps=4", *common))
     _train(_args(model_dir, out, "trainer.steps=2", *common))

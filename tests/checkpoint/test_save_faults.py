@@ -48,7 +48,7 @@ def _body(rank, world, model_dir, root):
     shutil.disk_usage = nearly_full
     with torch.no_grad():
         for p in actor.parameters():
-            p.add_(1.0)   # the failed save must not be what a resume finds
+            p.add_(1.0)  # the failed save must not be what a resume finds
     with pytest.raises(CheckpointError, match="No space left on device|failed on another rank"):
         save_checkpoint(root, 2, actor, opt, {"note": "second"}, model_dir, keep=3)
     shutil.disk_usage = real_usage
@@ -106,7 +106,7 @@ def _whole_checkpoint_body(rank, world, model_dir, root):
     measured = save_checkpoint(os.path.join(root, "measure"), 1, actor, opt, {}, model_dir, keep=1)
     size = _files_size(measured)
     share = 3 * sum(p.numel() * p.element_size() for p in actor.parameters()) + (1 << 20)
-    assert share < 0.75 * size, (share, size)   # the model is big enough to tell a share from the total
+    assert share < 0.75 * size, (share, size)  # the model is big enough to tell a share from the total
 
     real_usage = shutil.disk_usage
     shutil.disk_usage = lambda path: namedtuple("usage", "total used free")(size * 4, size * 4, int(0.75 * size))
@@ -119,7 +119,7 @@ def _whole_checkpoint_body(rank, world, model_dir, root):
     assert "\n" not in message and "No space left on device" in message, message
     needed = float(message.split("needs about ")[1].split(" MiB")[0])
     assert needed * 2**20 >= size and "0.00 GiB" not in message, (message, size)
-    assert os.listdir(os.path.join(root, "fresh")) == []          # nothing left behind
+    assert os.listdir(os.path.join(root, "fresh")) == []  # nothing left behind
 
 
 @pytest.mark.slow
@@ -154,9 +154,8 @@ def _failing_write_body(rank, world, model_dir, root):
         signal.signal(signal.SIGXFSZ, previous)
     message = str(info.value)
     # The same line on both ranks: the rank that failed and its error (torch's writer hides the errno).
-    assert "\n" not in message and message.startswith(f"saving checkpoint {root}/step_000002 failed: rank 1: "), \
-        message
-    _assert_only_the_first_checkpoint(root, first, actor, opt, saved)   # no .tmp-* on any rank
+    assert "\n" not in message and message.startswith(f"saving checkpoint {root}/step_000002 failed: rank 1: "), message
+    _assert_only_the_first_checkpoint(root, first, actor, opt, saved)  # no .tmp-* on any rank
 
 
 @pytest.mark.slow
@@ -170,19 +169,25 @@ def _corruption_body(rank, world, model_dir, other_dir, root):
 
     from megatron.core import parallel_state
 
-    from remax_megatron.checkpoint import CheckpointError, find_resume_checkpoint, load_checkpoint, \
-        save_checkpoint, validate
+    from remax_megatron.checkpoint import (
+        CheckpointError,
+        find_resume_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+        validate,
+    )
 
     actor, opt = _build(model_dir, world)
     older = save_checkpoint(root, 1, actor, opt, {}, model_dir, keep=3)
     newest = save_checkpoint(root, 2, actor, opt, {}, model_dir, keep=3)
     if rank == 0:
-        shards = [os.path.join(newest, "model", f) for f in os.listdir(os.path.join(newest, "model"))
-                  if f.endswith(".distcp")]
+        shards = [
+            os.path.join(newest, "model", f) for f in os.listdir(os.path.join(newest, "model")) if f.endswith(".distcp")
+        ]
         shard = max(shards, key=os.path.getsize)
         size = os.path.getsize(shard)
         assert size > 4096
-        with open(shard, "r+b") as f:      # same size, first 4 KiB overwritten
+        with open(shard, "r+b") as f:  # same size, first 4 KiB overwritten
             f.write(b"\x5a" * 4096)
         assert os.path.getsize(shard) == size
     torch.distributed.barrier()
@@ -193,7 +198,7 @@ def _corruption_body(rank, world, model_dir, other_dir, root):
         warnings.simplefilter("always")
         assert find_resume_checkpoint(root, "auto") == older
     skipped = [str(w.message) for w in caught if "skipping invalid checkpoint" in str(w.message)]
-    assert len(skipped) == (1 if rank == 0 else 0), skipped      # once, from rank 0
+    assert len(skipped) == (1 if rank == 0 else 0), skipped  # once, from rank 0
     load_checkpoint(older, actor, opt)
     # A problem only one rank sees (a node whose view of the filesystem lags, here faked on rank 1): every
     # rank still gets the same verdict and picks the same checkpoint (no rank waits in another collective).
@@ -207,7 +212,7 @@ def _corruption_body(rank, world, model_dir, other_dir, root):
             warnings.simplefilter("ignore")
             assert find_resume_checkpoint(root, "auto") is None  # newest corrupt, older bad on rank 1
 
-    other, other_opt = _build(other_dir, world)   # another model: hidden 48 instead of 32
+    other, other_opt = _build(other_dir, world)  # another model: hidden 48 instead of 32
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(older, other, other_opt)
     message = str(info.value)
@@ -252,9 +257,9 @@ def test_a_save_longer_than_torchruns_kill_grace_is_refused_with_the_numbers():
     why = preemption_save_refusal("SIGTERM", 45.0, plain)
     assert why.startswith("not saving: the last save took 45 s and plain torchrun kills its workers 30 s after")
     assert "60 s" in preemption_save_refusal("SIGTERM", 70.0, dict(plain, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="60"))
-    assert preemption_save_refusal("SIGTERM", 20.0, plain) is None                      # fits in the grace
-    assert preemption_save_refusal("SIGTERM", 0.0, plain) is None                       # no save measured yet
-    assert preemption_save_refusal("SIGUSR1", 45.0, plain) is None                      # torchrun ignores it
+    assert preemption_save_refusal("SIGTERM", 20.0, plain) is None  # fits in the grace
+    assert preemption_save_refusal("SIGTERM", 0.0, plain) is None  # no save measured yet
+    assert preemption_save_refusal("SIGUSR1", 45.0, plain) is None  # torchrun ignores it
     assert preemption_save_refusal("SIGTERM", 45.0, dict(plain, REMAX_LAUNCHER="1")) is None  # waits for us
-    assert preemption_save_refusal("SIGTERM", 45.0, {}) is None                         # no torchrun at all
+    assert preemption_save_refusal("SIGTERM", 45.0, {}) is None  # no torchrun at all
     assert preemption_save_refusal("SIGTERM", 45.0, plain, parent_pid=os.getppid() + 1) is None  # launcher gone

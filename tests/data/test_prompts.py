@@ -45,21 +45,24 @@ def test_parquet_and_no_template(tmp_path, tok):
 def test_overlong_drop_and_truncate(tmp_path, tok):
     rows = [{"prompt": "x" * n, "answer": ""} for n in (5, 50, 8)]
     path = _jsonl(tmp_path / "d.jsonl", rows)
-    train, _, counts = load_prompts(DataConfig(train=path, chat_template=False, max_prompt_tokens=10,
-                                               eval_size=0), tok)
+    train, _, counts = load_prompts(DataConfig(train=path, chat_template=False, max_prompt_tokens=10, eval_size=0), tok)
     assert len(train) == 2 and counts["data/train_dropped_too_long"] == 1
-    train, _, counts = load_prompts(DataConfig(train=path, chat_template=False, max_prompt_tokens=10,
-                                               eval_size=0, overlong="truncate"), tok)
+    train, _, counts = load_prompts(
+        DataConfig(train=path, chat_template=False, max_prompt_tokens=10, eval_size=0, overlong="truncate"), tok
+    )
     assert len(train) == 3 and counts["data/train_truncated"] == 1 and len(train[1].token_ids) == 10
 
 
-@pytest.mark.parametrize("rows,kwargs,message", [
-    ([], {}, "has no rows"),
-    ([{"text": "a", "answer": "1"}], {}, "data.prompt_key='prompt' is not a column"),
-    ([{"prompt": "a", "label": "1"}], {}, "data.answer_key='answer' is not a column"),
-    ([{"prompt": "long" * 30, "answer": "1"}] * 3, {"max_prompt_tokens": 5}, "all 3 prompts"),
-    ([{"prompt": "  ", "answer": "1"}], {}, "empty prompt"),
-])
+@pytest.mark.parametrize(
+    "rows,kwargs,message",
+    [
+        ([], {}, "has no rows"),
+        ([{"text": "a", "answer": "1"}], {}, "data.prompt_key='prompt' is not a column"),
+        ([{"prompt": "a", "label": "1"}], {}, "data.answer_key='answer' is not a column"),
+        ([{"prompt": "long" * 30, "answer": "1"}] * 3, {"max_prompt_tokens": 5}, "all 3 prompts"),
+        ([{"prompt": "  ", "answer": "1"}], {}, "empty prompt"),
+    ],
+)
 def test_bad_data_one_line_errors(tmp_path, tok, rows, kwargs, message):
     cfg = DataConfig(train=_jsonl(tmp_path / "d.jsonl", rows), chat_template=False, eval_size=0, **kwargs)
     with pytest.raises(ValueError, match=message):
@@ -77,7 +80,7 @@ def test_sampler_is_deterministic_per_epoch_and_resumable(tok):
     first = a.next(10)
     assert sorted(first) == prompts and first == b.next(10)
     second = a.next(10)
-    assert sorted(second) == prompts and second != first          # a new permutation each epoch
+    assert sorted(second) == prompts and second != first  # a new permutation each epoch
     c = PromptSampler(prompts, seed=3)
     c.next(13)
     state = c.state_dict()
@@ -110,8 +113,11 @@ def test_bad_rows_are_named_by_file_and_line_in_either_split(tmp_path, tok):
 
 def test_all_dropped_count_covers_train_and_eval(tmp_path, tok):
     path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "long" * 30, "answer": "1"}] * 10)
-    with pytest.raises(ValueError, match=r"^all 10 prompts of .*d\.jsonl \(train and eval\) are longer than "
-                                         r"data\.max_prompt_tokens=5"):
+    with pytest.raises(
+        ValueError,
+        match=r"^all 10 prompts of .*d\.jsonl \(train and eval\) are longer than "
+        r"data\.max_prompt_tokens=5",
+    ):
         load_prompts(DataConfig(train=path, chat_template=False, eval_size=2, max_prompt_tokens=5), tok)
 
 
@@ -124,18 +130,27 @@ def answer_optional(prompts, responses, answer=None, **_):
     return [0.0] * len(responses)
 
 
-@pytest.mark.parametrize("functions,message", [
-    (["exact_match"], "d.jsonl:4 lacks the column 'answer' that reward function 'exact_match' needs"),
-    (["length_penalty", "numeric_match"], "lacks the column 'answer' that reward function 'numeric_match' needs"),
-    (None, "d.jsonl:4 lacks the column 'answer' that data.answer_key needs"),
-    (["tests.data.test_prompts:needs_level"],
-     "d.jsonl:2 lacks the column 'level' that reward function 'tests.data.test_prompts:needs_level' needs"),
-    (["length_penalty"], None),
-    (["tests.data.test_prompts:answer_optional"], None),
-])
+@pytest.mark.parametrize(
+    "functions,message",
+    [
+        (["exact_match"], "d.jsonl:4 lacks the column 'answer' that reward function 'exact_match' needs"),
+        (["length_penalty", "numeric_match"], "lacks the column 'answer' that reward function 'numeric_match' needs"),
+        (None, "d.jsonl:4 lacks the column 'answer' that data.answer_key needs"),
+        (
+            ["tests.data.test_prompts:needs_level"],
+            "d.jsonl:2 lacks the column 'level' that reward function 'tests.data.test_prompts:needs_level' needs",
+        ),
+        (["length_penalty"], None),
+        (["tests.data.test_prompts:answer_optional"], None),
+    ],
+)
 def test_row_without_a_column_a_reward_function_needs_is_refused(tmp_path, tok, functions, message):
-    rows = [{"prompt": "1+1=", "answer": "2", "level": 1}, {"prompt": "2+2=", "answer": "4"},
-            {"prompt": "3+3=", "answer": "6", "level": 2}, {"prompt": "4+4=", "level": 3}]
+    rows = [
+        {"prompt": "1+1=", "answer": "2", "level": 1},
+        {"prompt": "2+2=", "answer": "4"},
+        {"prompt": "3+3=", "answer": "6", "level": 2},
+        {"prompt": "4+4=", "level": 3},
+    ]
     cfg = DataConfig(train=_jsonl(tmp_path / "d.jsonl", rows), chat_template=False, eval_size=1)
     if message is None:
         train, evals, _ = load_prompts(cfg, tok, functions)
@@ -178,7 +193,11 @@ def qwen_tok():
 CONVERSATIONS = [
     [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 2+3?"}],
     [{"role": "user", "content": "What is 7*6?"}],
-    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "1+1?"}],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "1+1?"},
+    ],
 ]
 
 
@@ -201,13 +220,17 @@ def test_message_list_prompts_from_parquet(tmp_path, qwen_tok):
 
     pq.write_table(pa.Table.from_pylist([{"prompt": m, "answer": "1"} for m in CONVERSATIONS]), tmp_path / "c.parquet")
     train, _, _ = load_prompts(DataConfig(train=str(tmp_path / "c.parquet"), eval_size=0), qwen_tok)
-    assert [p.token_ids for p in train] == [qwen_tok.apply_chat_template(m, add_generation_prompt=True)["input_ids"]
-                                            for m in CONVERSATIONS]
+    assert [p.token_ids for p in train] == [
+        qwen_tok.apply_chat_template(m, add_generation_prompt=True)["input_ids"] for m in CONVERSATIONS
+    ]
 
 
 def test_system_prompt_comes_before_every_string_prompt(tmp_path, qwen_tok):
-    cfg = DataConfig(train=_jsonl(tmp_path / "d.jsonl", [{"prompt": "What is 2+3?", "answer": "5"}]), eval_size=0,
-                     system_prompt="Answer with a number.")
+    cfg = DataConfig(
+        train=_jsonl(tmp_path / "d.jsonl", [{"prompt": "What is 2+3?", "answer": "5"}]),
+        eval_size=0,
+        system_prompt="Answer with a number.",
+    )
     (p,), _, _ = load_prompts(cfg, qwen_tok)
     assert p.messages == CONVERSATIONS[0] and p.raw == "What is 2+3?" and not p.is_chat
     assert p.token_ids == qwen_tok.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True)["input_ids"]
@@ -238,15 +261,23 @@ def test_message_lists_need_a_chat_template(tmp_path, qwen_tok):
 
 def test_rows_mixing_strings_and_message_lists_are_refused(tmp_path, qwen_tok):
     line = _refusal(tmp_path, qwen_tok, [CHAT_ROW, CHAT_ROW, TEXT_ROW])
-    assert line.startswith("d.jsonl:3 has a string prompt but d.jsonl:1 has a message-list one: a dataset's prompts"), line
+    assert line.startswith("d.jsonl:3 has a string prompt but d.jsonl:1 has a message-list one: a dataset's prompts"), (
+        line
+    )
     line = _refusal(tmp_path, qwen_tok, [TEXT_ROW, CHAT_ROW])
     assert line.startswith("d.jsonl:2 has a message-list prompt but d.jsonl:1 has a string one"), line
 
 
-@pytest.mark.parametrize("value,shown", [
-    (None, "a null (null)"), (5, "a number (5)"), (2.5, "a number (2.5)"), (True, "a boolean (true)"),
-    ({"role": "user", "content": "hi"}, 'an object ({"role": "user", "content": "hi"})'),
-])
+@pytest.mark.parametrize(
+    "value,shown",
+    [
+        (None, "a null (null)"),
+        (5, "a number (5)"),
+        (2.5, "a number (2.5)"),
+        (True, "a boolean (true)"),
+        ({"role": "user", "content": "hi"}, 'an object ({"role": "user", "content": "hi"})'),
+    ],
+)
 def test_prompts_that_are_neither_text_nor_messages_are_refused_by_row(tmp_path, qwen_tok, value, shown):
     line = _refusal(tmp_path, qwen_tok, [TEXT_ROW, json.dumps({"prompt": value, "answer": "1"})])
     kind = shown.split(" (")[0].split(" ", 1)[1]
@@ -263,8 +294,9 @@ def test_a_null_prompt_in_parquet_is_refused_by_row(tmp_path, tok):
     pq.write_table(pa.Table.from_pylist([{"prompt": "1+1=", "answer": "2"}, {"prompt": None, "answer": "4"}]), path)
     with pytest.raises(ValueError) as e:
         load_prompts(DataConfig(train=str(path), eval_size=0, chat_template=False), tok)
-    assert str(e.value).startswith(f"{path} row 2: the prompt is a null (null): the prompt column 'prompt' must hold"), \
-        str(e.value)
+    assert str(e.value).startswith(
+        f"{path} row 2: the prompt is a null (null): the prompt column 'prompt' must hold"
+    ), str(e.value)
 
 
 def test_malformed_messages_and_a_system_prompt_without_a_template_are_refused(tmp_path, qwen_tok):

@@ -34,8 +34,16 @@ def main(argv=None):
     init_distributed()
     ParallelLayout(tp=1, pp=1, world_size=1).initialize(seed=0)
     dtype = DTYPES[args.dtype]
-    cfg = load_config(None, ["reward.functions=[exact_match]", "optim.lr=1e-3", "optim.grad_clip=1.0",
-                             "optim.weight_decay=0.1", "optim.distributed_optimizer=true"])
+    cfg = load_config(
+        None,
+        [
+            "reward.functions=[exact_match]",
+            "optim.lr=1e-3",
+            "optim.grad_clip=1.0",
+            "optim.weight_decay=0.1",
+            "optim.distributed_optimizer=true",
+        ],
+    )
     actor = build_policy(read_hf_config(args.model_dir), tp=1, pp=1, params_dtype=dtype, init_weights=False)
     load_hf_weights(actor, args.model_dir)
     ddp = wrap_ddp(actor, cfg.optim.distributed_optimizer)
@@ -50,8 +58,17 @@ def main(argv=None):
     ok, norm = optimizer.step()
     assert ok, f"the step was skipped (grad norm {norm})"
     after = {name: param.detach().cpu().clone() for name, param in ddp.module.named_parameters()}
-    torch.save({"before": before, "grads": grads, "after": after, "grad_norm": norm,
-                "optimizer": type(optimizer).__name__, "cuda": torch.cuda.is_available()}, args.out)
+    torch.save(
+        {
+            "before": before,
+            "grads": grads,
+            "after": after,
+            "grad_norm": norm,
+            "optimizer": type(optimizer).__name__,
+            "cuda": torch.cuda.is_available(),
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

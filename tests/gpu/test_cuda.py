@@ -34,12 +34,11 @@ def test_triton_logprobs_fp32_on_cuda(case, monkeypatch):
 def test_triton_logprobs_bf16_large_vocab():
     torch.manual_seed(0)
     n, d, v = 1024, 512, 50_257  # odd vocab: a partial last tile
-    h = (torch.randn(n, d, device="cuda") / d ** 0.5).bfloat16()
+    h = (torch.randn(n, d, device="cuda") / d**0.5).bfloat16()
     w = torch.randn(v, d, device="cuda").bfloat16()
     labels = torch.randint(0, v, (n,), device="cuda")
     labels[:10] = -100
-    g_lp, g_ent = torch.randn(n, device="cuda", dtype=torch.float64), torch.randn(n, device="cuda",
-                                                                                 dtype=torch.float64)
+    g_lp, g_ent = torch.randn(n, device="cuda", dtype=torch.float64), torch.randn(n, device="cuda", dtype=torch.float64)
     lp, ent, gh, gw = run_fused(h, w, labels, 1.0, g_lp, g_ent, impl="triton")
     rlp, rent, rh, rw, _ = oracle(h, w, labels, 1.0)
     ((rlp * g_lp).sum() + (rent * g_ent).sum()).backward()
@@ -82,22 +81,23 @@ def _actor_body(rank, world, model_dir, dtype_name, out):
     labels = torch.roll(ids, -1, 1)
     labels[:, -1] = -100
     ids, labels = ids.cuda(), labels.cuda()
-    lp = forward_only(actor, [{"input_ids": ids, "labels": labels}],
-                      lambda m, hidden, b: m.token_logprobs(hidden, b["labels"])[0])[0]
+    lp = forward_only(
+        actor, [{"input_ids": ids, "labels": labels}], lambda m, hidden, b: m.token_logprobs(hidden, b["labels"])[0]
+    )[0]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     with torch.no_grad():
         ref = torch.log_softmax(hf(ids).logits.double(), -1)
     ref = ref.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(labels < 0, 0)
-    torch.save({"max": (lp.double() - ref).abs().max().item(), "mean": (lp.double() - ref).abs().mean().item()},
-               out)
+    torch.save({"max": (lp.double() - ref).abs().max().item(), "mean": (lp.double() - ref).abs().mean().item()}, out)
 
 
 @pytest.mark.parametrize("dtype,max_tol,mean_tol", [("float32", 1e-4, 1e-5), ("bfloat16", 0.25, 0.03)])
 def test_actor_tp1_matches_transformers_on_cuda(tmp_path, dtype, max_tol, mean_tol):
     from tests._dist import run_distributed
 
-    model_dir = make_tiny_model(str(tmp_path / "m"), "qwen2", hidden=256, layers=4, heads=8, kv_heads=2,
-                                ffn=512, vocab=1000, seed=1)
+    model_dir = make_tiny_model(
+        str(tmp_path / "m"), "qwen2", hidden=256, layers=4, heads=8, kv_heads=2, ffn=512, vocab=1000, seed=1
+    )
     out = str(tmp_path / "gap.pt")
     run_distributed(_actor_body, world_size=1, args=(model_dir, dtype, out))
     gap = torch.load(out)
@@ -107,8 +107,9 @@ def test_actor_tp1_matches_transformers_on_cuda(tmp_path, dtype, max_tol, mean_t
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_and_cpu_optimizer_paths_agree(tmp_path, dtype):
-    model_dir = make_tiny_model(str(tmp_path / "m"), "qwen2", hidden=32, layers=2, heads=4, kv_heads=2,
-                                ffn=48, vocab=200, seed=4)
+    model_dir = make_tiny_model(
+        str(tmp_path / "m"), "qwen2", hidden=32, layers=2, heads=4, kv_heads=2, ffn=48, vocab=200, seed=4
+    )
     gpu = run_step(model_dir, dtype, str(tmp_path / "gpu.pt"))
     cpu = run_step(model_dir, dtype, str(tmp_path / "cpu.pt"), cuda_visible="")
     assert gpu["cuda"] and gpu["optimizer"] == "MegatronOptimizer" and cpu["optimizer"] == "CpuAdamW"
@@ -167,6 +168,7 @@ def _offload_body(rank, world, model_dir):
 def test_offload_round_trip_with_distributed_optimizer(tmp_path):
     from tests._dist import run_distributed
 
-    model_dir = make_tiny_model(str(tmp_path / "m"), "qwen2", hidden=256, layers=4, heads=8, kv_heads=2,
-                                ffn=512, vocab=1000, seed=1)
+    model_dir = make_tiny_model(
+        str(tmp_path / "m"), "qwen2", hidden=256, layers=4, heads=8, kv_heads=2, ffn=512, vocab=1000, seed=1
+    )
     run_distributed(_offload_body, world_size=1, args=(model_dir,))

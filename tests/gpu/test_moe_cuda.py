@@ -17,8 +17,19 @@ from tools.make_tiny_model import make_tiny_model
 
 
 def _moe_model(tmp_path, family="qwen3_moe"):
-    return make_tiny_model(str(tmp_path / family), family, hidden=128, layers=2, heads=4, kv_heads=2, ffn=64,
-                           vocab=300, experts=4, top_k=2, seed=12)
+    return make_tiny_model(
+        str(tmp_path / family),
+        family,
+        hidden=128,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn=64,
+        vocab=300,
+        experts=4,
+        top_k=2,
+        seed=12,
+    )
 
 
 def _grouped_body(rank, world, model_dir, dtype_name, out_path):
@@ -38,8 +49,11 @@ def _grouped_body(rank, world, model_dir, dtype_name, out_path):
         ids = torch.randint(4, arch.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
         (logits,) = forward_only(model, [{"input_ids": ids}], lambda m, h, b: m.full_logits(h).float().cpu())
         exported = {n: t.detach().cpu().clone() for n, t in export_hf_weights(model)}
-        results[grouped] = {"logits": logits, "exported": exported,
-                            "names": [n for n, _ in model.named_parameters() if "experts" in n][:4]}
+        results[grouped] = {
+            "logits": logits,
+            "exported": exported,
+            "names": [n for n, _ in model.named_parameters() if "experts" in n][:4],
+        }
     torch.save(results, out_path)
 
 

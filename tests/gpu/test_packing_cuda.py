@@ -15,9 +15,15 @@ from tests._dist import run_distributed
 from tests.train.test_update import _var_batch
 from tools.make_tiny_model import make_tiny_model
 
-VARIANTS = {"fixed": ["trainer.micro_batch_size=2"],
-            "packed": ["trainer.micro_batch_tokens=32", "trainer.pack_sequences=true", "data.max_prompt_tokens=4",
-                       "rollout.max_new_tokens=8"]}
+VARIANTS = {
+    "fixed": ["trainer.micro_batch_size=2"],
+    "packed": [
+        "trainer.micro_batch_tokens=32",
+        "trainer.pack_sequences=true",
+        "data.max_prompt_tokens=4",
+        "rollout.max_new_tokens=8",
+    ],
+}
 
 
 def _bf16_trainer(world, model_dir, overrides):
@@ -38,8 +44,14 @@ def _bf16_trainer(world, model_dir, overrides):
     ddp = wrap_ddp(actor, False)
     opt = build_optimizer(ddp, cfg.optim, torch.bfloat16, groups)
     attach_to_schedule(ddp, opt)
-    parts = SimpleNamespace(cfg=cfg, groups=groups, actor=ddp, optimizer=opt,
-                            scheduler=build_scheduler(opt, cfg.optim, 10), kl=SimpleNamespace(coef=0.0))
+    parts = SimpleNamespace(
+        cfg=cfg,
+        groups=groups,
+        actor=ddp,
+        optimizer=opt,
+        scheduler=build_scheduler(opt, cfg.optim, 10),
+        kl=SimpleNamespace(coef=0.0),
+    )
     return Trainer(parts, logger=None), actor
 
 
@@ -50,8 +62,9 @@ def _thd_body(rank, world, model_dir, out_path):
     assert packed_attention() == "thd"
     results = {}
     for variant, overrides in VARIANTS.items():
-        trainer, actor = _bf16_trainer(world, model_dir, [*overrides, "optim.lr=1e-3", "optim.grad_clip=0",
-                                                          "actor.dtype=bfloat16"])
+        trainer, actor = _bf16_trainer(
+            world, model_dir, [*overrides, "optim.lr=1e-3", "optim.grad_clip=0", "actor.dtype=bfloat16"]
+        )
         batch = _var_batch()
         batch, plan = trainer.updater.micro_batch_plan(batch)
         micro = trainer.updater.micro_batches(batch, [m for update in plan for m in update])
@@ -59,8 +72,12 @@ def _thd_body(rank, world, model_dir, out_path):
             assert all("cu_seqlens" in mb and mb["input_ids"].shape[0] == 1 for mb in micro if "unpack" in mb)
         logprobs = trainer.updater.logprobs(actor, batch, plan)
         update = trainer.updater.train_on(batch, None, None, plan)
-        results[variant] = {"logprobs": logprobs, "mask": batch["response_mask"], "stats": update.stats,
-                            "weights": {n: t.float().cpu() for n, t in export_hf_weights(actor)}}
+        results[variant] = {
+            "logprobs": logprobs,
+            "mask": batch["response_mask"],
+            "stats": update.stats,
+            "weights": {n: t.float().cpu() for n, t in export_hf_weights(actor)},
+        }
     torch.save(results, out_path)
 
 
@@ -68,10 +85,13 @@ def test_thd_packed_rows_equal_padded_rows_in_bf16(tmp_path):
     from remax_megatron.models.gpt import transformer_engine_usable
 
     if not transformer_engine_usable():
-        pytest.skip("Transformer Engine is not installed: the trainer packs with the block-diagonal mask here "
-                    "(tested on CPU); THD needs TE")
-    model_dir = make_tiny_model(str(tmp_path / "llama"), "llama", hidden=128, layers=2, heads=4, kv_heads=2,
-                                ffn=256, seed=7)
+        pytest.skip(
+            "Transformer Engine is not installed: the trainer packs with the block-diagonal mask here "
+            "(tested on CPU); THD needs TE"
+        )
+    model_dir = make_tiny_model(
+        str(tmp_path / "llama"), "llama", hidden=128, layers=2, heads=4, kv_heads=2, ffn=256, seed=7
+    )
     out = str(tmp_path / "thd.pt")
     run_distributed(_thd_body, world_size=1, args=(model_dir, out))
     runs = torch.load(out)

@@ -28,14 +28,14 @@ def make_inputs(case, dtype=torch.float64, seed=0):
     """hidden, weight with a constant column so logits = h @ W.T carry the shift."""
     n, d, v, shift, scale, temp, n_ign = CASES[case]
     gen = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, d, generator=gen, dtype=torch.float64) / d ** 0.5 * 3
+    h = torch.randn(n, d, generator=gen, dtype=torch.float64) / d**0.5 * 3
     w = torch.randn(v, d, generator=gen, dtype=torch.float64)
     # the last hidden feature is 1 and the weight's last column is the shift,
     # so every logit is shifted by `shift` (all near -1000 for the -1000 case)
     h[:, -1] = 1.0
     w[:, -1] = shift + w[:, -1] * 0.1
-    h = h * scale ** 0.5
-    w = w * scale ** 0.5
+    h = h * scale**0.5
+    w = w * scale**0.5
     labels = torch.randint(0, v, (n,), generator=gen)
     labels[:n_ign] = -100
     g_lp = torch.randn(n, generator=gen, dtype=torch.float64)
@@ -91,10 +91,8 @@ def check_parity(case, dtype=torch.float64, lp_tol=1e-5, grad_tol=1e-4, entropy_
         nh, nw = _naive_grads(h, w, labels, temp, g_lp, g_ent)
         floor_h = 3 * (nh - rh.grad).abs().max().item()
         floor_w = 3 * (nw - rw.grad).abs().max().item()
-    _close("grad_hidden", gh, rh.grad,
-           max(floor_h, grad_tol * max(1e-30, rh.grad.abs().max().item())))
-    _close("grad_weight", gw, rw.grad,
-           max(floor_w, grad_tol * max(1e-30, rw.grad.abs().max().item())))
+    _close("grad_hidden", gh, rh.grad, max(floor_h, grad_tol * max(1e-30, rh.grad.abs().max().item())))
+    _close("grad_weight", gw, rw.grad, max(floor_w, grad_tol * max(1e-30, rw.grad.abs().max().item())))
 
 
 def _naive_grads(h, w, labels, temp, g_lp, g_ent):

@@ -58,23 +58,25 @@ def test_without_kl_is_reward_minus_greedy_broadcast():
 
 def test_float_mask_and_fp32():
     r, rb, mask, lp, ref = _inputs(seed=4)
-    adv = compute_advantages(r.float(), rb.float(), mask.float(), lp.float(), ref.float(),
-                             kl_coef=0.1)
+    adv = compute_advantages(r.float(), rb.float(), mask.float(), lp.float(), ref.float(), kl_coef=0.1)
     assert adv.dtype == torch.float32
     want = _loop(r, rb, mask, lp, ref, 0.1, None)
     torch.testing.assert_close(adv.double(), want, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("kw,arg", [
-    (dict(rewards=torch.zeros(5)), "rewards"),
-    (dict(baseline=torch.zeros(6, 1)), "baseline"),
-    (dict(mask=torch.ones(6)), "mask"),
-    (dict(logprobs=torch.zeros(6, 8)), "logprobs"),
-    (dict(ref_logprobs=torch.zeros(3, 9)), "ref_logprobs"),
-    (dict(clip=0.0), "clip"),
-    (dict(clip=-1.0), "clip"),
-    (dict(impl="magic"), "impl"),
-])
+@pytest.mark.parametrize(
+    "kw,arg",
+    [
+        (dict(rewards=torch.zeros(5)), "rewards"),
+        (dict(baseline=torch.zeros(6, 1)), "baseline"),
+        (dict(mask=torch.ones(6)), "mask"),
+        (dict(logprobs=torch.zeros(6, 8)), "logprobs"),
+        (dict(ref_logprobs=torch.zeros(3, 9)), "ref_logprobs"),
+        (dict(clip=0.0), "clip"),
+        (dict(clip=-1.0), "clip"),
+        (dict(impl="magic"), "impl"),
+    ],
+)
 def test_bad_input_names_the_argument(kw, arg):
     r, rb, mask, lp, ref = _inputs()
     args = dict(rewards=r, baseline=rb, mask=mask, logprobs=lp, ref_logprobs=ref, kl_coef=0.1)

@@ -19,7 +19,9 @@ def _count_recomputes(monkeypatch) -> list:
     from remax_megatron.kernels.logprobs_torch import TorchBackend
 
     calls, original = [], TorchBackend.backward_grads
-    monkeypatch.setattr(TorchBackend, "backward_grads", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    monkeypatch.setattr(
+        TorchBackend, "backward_grads", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    )
     return calls
 
 
@@ -30,8 +32,7 @@ def test_gradient_taken_in_the_forward_matches_the_oracle(case, dtype, chunk, mo
     """A loss linear in the log-probs, its gradient given in advance (times 0.5: the backward finds
     the scalar 2): the oracle's gradients, and the logit tiles are never recomputed."""
     recomputes = _count_recomputes(monkeypatch)
-    check_parity(case, dtype, impl="torch", chunk_elems=chunk, entropy_grad=False,
-                 grad_hint=lambda g_lp: g_lp * 0.5)
+    check_parity(case, dtype, impl="torch", chunk_elems=chunk, entropy_grad=False, grad_hint=lambda g_lp: g_lp * 0.5)
     assert recomputes == []
 
 
@@ -61,8 +62,13 @@ def test_a_wrong_hint_recomputes_and_stays_exact(what, monkeypatch):
     backward recomputes, and the result is still the oracle's."""
     recomputes = _count_recomputes(monkeypatch)
     if what == "other_gradient":
-        check_parity("ignored_rows", impl="torch", chunk_elems=64, entropy_grad=False,
-                     grad_hint=lambda g_lp: g_lp + torch.linspace(0, 1e-3, g_lp.numel(), dtype=g_lp.dtype))
+        check_parity(
+            "ignored_rows",
+            impl="torch",
+            chunk_elems=64,
+            entropy_grad=False,
+            grad_hint=lambda g_lp: g_lp + torch.linspace(0, 1e-3, g_lp.numel(), dtype=g_lp.dtype),
+        )
     else:
         check_parity("ignored_rows", impl="torch", chunk_elems=64, grad_hint=lambda g_lp: g_lp)
     assert recomputes == [1]
@@ -80,8 +86,7 @@ def test_bf16_inputs_fp32_logits_bf16_gradient_gemms(path, chunk):
         kw = dict(grad_hint=g_lp)
     else:
         kw = {}
-    lp, ent, gh, gw = run_fused(h, w, labels, temp, g_lp, None if kw else g_ent, impl="torch",
-                                chunk_elems=chunk, **kw)
+    lp, ent, gh, gw = run_fused(h, w, labels, temp, g_lp, None if kw else g_ent, impl="torch", chunk_elems=chunk, **kw)
     assert lp.dtype == torch.float32 and gh.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
     rlp, rent, rh, rw, big = oracle(h, w, labels, temp)  # fp64 on the bf16-rounded inputs
     ((rlp * g_lp).sum() + (rent * g_ent).sum()).backward()
@@ -128,10 +133,8 @@ def test_nothing_of_size_tokens_by_vocab_is_saved():
     h = torch.randn(n, d, requires_grad=True)
     w = torch.randn(v, d, requires_grad=True)
     sizes = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t,
-                                                  lambda t: t):
-        lp, ent = fused_logprobs(h, w, torch.randint(0, v, (n,)), with_entropy=True,
-                                 chunk_elems=1024)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+        lp, ent = fused_logprobs(h, w, torch.randint(0, v, (n,)), with_entropy=True, chunk_elems=1024)
     assert max(sizes) < n * v, sizes
     (lp.sum() + ent.sum()).backward()
 
@@ -144,8 +147,11 @@ def test_ignored_rows_never_reach_the_output_layer(monkeypatch):
     seen = []
     for name in ("forward_stats", "backward_grads"):
         original = getattr(TorchBackend, name)
-        monkeypatch.setattr(TorchBackend, name, lambda self, x, *a, _f=original, _n=name, **k: seen.append((_n, x.shape[0]))
-                            or _f(self, x, *a, **k))
+        monkeypatch.setattr(
+            TorchBackend,
+            name,
+            lambda self, x, *a, _f=original, _n=name, **k: seen.append((_n, x.shape[0])) or _f(self, x, *a, **k),
+        )
     h, w, labels, temp, g_lp, g_ent = make_inputs("ignored_rows")
     labelled = int((labels != -100).sum())
     assert 0 < labelled < labels.numel()
@@ -184,19 +190,22 @@ def _good():
     return torch.randn(4, 8), torch.randn(10, 8), torch.tensor([1, 2, -100, 9])
 
 
-@pytest.mark.parametrize("mutate,arg", [
-    (lambda h, w, y, kw: (h[None], w, y, kw), "hidden"),
-    (lambda h, w, y, kw: (h, w[:, :5], y, kw), "weight"),
-    (lambda h, w, y, kw: (h, w.double(), y, kw), "weight"),
-    (lambda h, w, y, kw: (h, w, y[:3], kw), "labels"),
-    (lambda h, w, y, kw: (h, w, y.float(), kw), "labels"),
-    (lambda h, w, y, kw: (h, w, torch.tensor([1, 2, 10, 0]), kw), "labels"),
-    (lambda h, w, y, kw: (h, w, torch.tensor([1, -5, 3, 0]), kw), "labels"),
-    (lambda h, w, y, kw: (h, w, y, dict(temperature=0.0)), "temperature"),
-    (lambda h, w, y, kw: (h, w, y, dict(temperature=-1.0)), "temperature"),
-    (lambda h, w, y, kw: (h, w, y, dict(impl="cuda-magic")), "impl"),
-    (lambda h, w, y, kw: (h, w, y, dict(valid_vocab=11)), "valid_vocab"),
-])
+@pytest.mark.parametrize(
+    "mutate,arg",
+    [
+        (lambda h, w, y, kw: (h[None], w, y, kw), "hidden"),
+        (lambda h, w, y, kw: (h, w[:, :5], y, kw), "weight"),
+        (lambda h, w, y, kw: (h, w.double(), y, kw), "weight"),
+        (lambda h, w, y, kw: (h, w, y[:3], kw), "labels"),
+        (lambda h, w, y, kw: (h, w, y.float(), kw), "labels"),
+        (lambda h, w, y, kw: (h, w, torch.tensor([1, 2, 10, 0]), kw), "labels"),
+        (lambda h, w, y, kw: (h, w, torch.tensor([1, -5, 3, 0]), kw), "labels"),
+        (lambda h, w, y, kw: (h, w, y, dict(temperature=0.0)), "temperature"),
+        (lambda h, w, y, kw: (h, w, y, dict(temperature=-1.0)), "temperature"),
+        (lambda h, w, y, kw: (h, w, y, dict(impl="cuda-magic")), "impl"),
+        (lambda h, w, y, kw: (h, w, y, dict(valid_vocab=11)), "valid_vocab"),
+    ],
+)
 @pytest.mark.parametrize("fn", [fused_logprobs, fused_logprobs_reference])
 def test_bad_input_names_the_argument(fn, mutate, arg):
     if fn is fused_logprobs_reference and arg == "impl":
@@ -230,7 +239,7 @@ def test_bf16_weight_grad_sums_row_tiles_in_fp32(path):
     _, _, _, gw = run_fused(h, w, labels, 1.0, g, None, impl="torch", chunk_elems=8, **kw)
     rlp, _, _, rw, _ = oracle(h, w, labels, 1.0)
     rlp.sum().backward()
-    assert (gw.double() - rw.grad).abs().max() < 2 ** -8 * rw.grad.abs().max()
+    assert (gw.double() - rw.grad).abs().max() < 2**-8 * rw.grad.abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -41,9 +41,8 @@ def _body(rank, world, v):
         return lp, ent, hid.grad, wt.grad
 
     full = run(fused_logprobs_reference, h, w, None)
-    shard = w[lo:lo + sizes[rank]]
-    for fn, kw in ((fused_logprobs, dict(chunk_elems=16)), (fused_logprobs, {}),
-                   (fused_logprobs_reference, {})):
+    shard = w[lo : lo + sizes[rank]]
+    for fn, kw in ((fused_logprobs, dict(chunk_elems=16)), (fused_logprobs, {}), (fused_logprobs_reference, {})):
         lp, ent, gh, gw = run(fn, h, shard, group, **kw)
         torch.testing.assert_close(lp, full[0], rtol=0, atol=1e-10)
         torch.testing.assert_close(ent, full[1], rtol=0, atol=1e-10)
@@ -73,14 +72,14 @@ def _body(rank, world, v):
             lp, gh, gw = lp_only(fused_logprobs, shard, group, grad_hint=g_lp * 4, **kw)
             torch.testing.assert_close(lp, want[0], rtol=0, atol=1e-10)
             torch.testing.assert_close(gh, want[1], rtol=0, atol=1e-10)
-            torch.testing.assert_close(gw, want[2][lo:lo + sizes[rank]], rtol=0, atol=1e-10)
+            torch.testing.assert_close(gw, want[2][lo : lo + sizes[rank]], rtol=0, atol=1e-10)
     finally:
         TorchBackend.backward_grads = recompute
 
     # fp32 shards, logits near -1000: still <= 0 and equal to the unsharded fp32 run
     hn, wn = torch.ones(n, 2), torch.full((v, 2), -500.0)
     wn[:, 1] += torch.linspace(0, 1, v)
-    lp_tp, _ = fused_logprobs(hn, wn[lo:lo + sizes[rank]], labels, tp_group=group)
+    lp_tp, _ = fused_logprobs(hn, wn[lo : lo + sizes[rank]], labels, tp_group=group)
     lp_1, _ = fused_logprobs(hn, wn, labels)
     assert bool((lp_tp <= 0).all())
     torch.testing.assert_close(lp_tp, lp_1, rtol=0, atol=1e-4)
@@ -88,8 +87,7 @@ def _body(rank, world, v):
     # megatron vocab padding on the last rank: ids >= valid are not in the softmax
     valid = v - 2
     lab_ok = labels.clamp(max=valid - 1)
-    lp_tp, ent_tp = fused_logprobs(h, shard, lab_ok, tp_group=group, with_entropy=True,
-                                   valid_vocab=valid)
+    lp_tp, ent_tp = fused_logprobs(h, shard, lab_ok, tp_group=group, with_entropy=True, valid_vocab=valid)
     lp_1, ent_1 = fused_logprobs_reference(h, w[:valid], lab_ok, with_entropy=True)
     torch.testing.assert_close(lp_tp, lp_1, rtol=0, atol=1e-10)
     torch.testing.assert_close(ent_tp, ent_1, rtol=0, atol=1e-10)

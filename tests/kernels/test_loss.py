@@ -34,9 +34,18 @@ def _per_token(lp, old, ref, a, ent, eps, kl_coef, est, ent_coef):
 def _formula(lp, old, ref, adv, ent, mask, mode, n_tok, n_seq, **kw):
     total = 0.0
     for b in range(lp.shape[0]):
-        row = [_per_token(float(lp[b, t]), None if old is None else float(old[b, t]),
-                          float(ref[b, t]), float(adv[b]), float(ent[b, t]), **kw)
-               for t in range(lp.shape[1]) if mask[b, t]]
+        row = [
+            _per_token(
+                float(lp[b, t]),
+                None if old is None else float(old[b, t]),
+                float(ref[b, t]),
+                float(adv[b]),
+                float(ent[b, t]),
+                **kw,
+            )
+            for t in range(lp.shape[1])
+            if mask[b, t]
+        ]
         if mode == "token-mean":
             total += sum(row) / n_tok
         elif mode == "seq-mean-token-sum":
@@ -52,10 +61,21 @@ def _formula(lp, old, ref, adv, ent, mask, mode, n_tok, n_seq, **kw):
 def test_formula(mode, use_old, est):
     lp, old, ref, adv, ent, mask = _batch()
     kw = dict(eps=0.2, kl_coef=0.1, est=est, ent_coef=0.01)
-    loss, stats = remax_loss(lp, adv, mask, loss_agg_mode=mode, global_num_tokens=40,
-                             global_num_seqs=11, old_logprobs=old if use_old else None,
-                             clip_eps=0.2, ref_logprobs=ref, kl_coef=0.1, kl_estimator=est,
-                             entropy=ent, entropy_coef=0.01)
+    loss, stats = remax_loss(
+        lp,
+        adv,
+        mask,
+        loss_agg_mode=mode,
+        global_num_tokens=40,
+        global_num_seqs=11,
+        old_logprobs=old if use_old else None,
+        clip_eps=0.2,
+        ref_logprobs=ref,
+        kl_coef=0.1,
+        kl_estimator=est,
+        entropy=ent,
+        entropy_coef=0.01,
+    )
     want = _formula(lp, old if use_old else None, ref, adv, ent, mask, mode, 40, 11, **kw)
     assert abs(float(loss) - want) < 1e-12
     assert set(stats) >= {"pg_loss", "kl", "entropy", "clip_frac", "ratio", "adv", "loss"}
@@ -83,14 +103,12 @@ def test_clip_fraction_counts_clipped_tokens():
 def test_gradient_same_for_1_and_4_micro_batches(mode):
     lp0, old, ref, adv, ent, mask = _batch(2, b=8, t=6)
     n_tok, n_seq = int(mask.sum()), 8
-    kw = dict(loss_agg_mode=mode, global_num_tokens=n_tok, global_num_seqs=n_seq,
-              kl_coef=0.05, kl_estimator="k3")
+    kw = dict(loss_agg_mode=mode, global_num_tokens=n_tok, global_num_seqs=n_seq, kl_coef=0.05, kl_estimator="k3")
     lp1 = lp0.clone().requires_grad_()
     remax_loss(lp1, adv, mask, old_logprobs=old, ref_logprobs=ref, **kw)[0].backward()
     lp4 = lp0.clone().requires_grad_()
     for idx in torch.arange(8).split(2):
-        remax_loss(lp4[idx], adv[idx], mask[idx], old_logprobs=old[idx],
-                   ref_logprobs=ref[idx], **kw)[0].backward()
+        remax_loss(lp4[idx], adv[idx], mask[idx], old_logprobs=old[idx], ref_logprobs=ref[idx], **kw)[0].backward()
     torch.testing.assert_close(lp4.grad, lp1.grad, rtol=0, atol=1e-14)
 
 
@@ -114,16 +132,19 @@ def test_logprob_gradient_is_the_on_policy_loss_gradient_anywhere(mode):
     assert got.abs().max() > 0 and torch.equal(got, want.grad)
 
 
-@pytest.mark.parametrize("kw,arg", [
-    (dict(loss_agg_mode="sum"), "loss_agg_mode"),
-    (dict(kl_estimator="k9"), "kl_estimator"),
-    (dict(advantages=torch.zeros(3)), "advantages"),
-    (dict(mask=torch.ones(8, 4)), "mask"),
-    (dict(old_logprobs=torch.zeros(8)), "old_logprobs"),
-    (dict(ref_logprobs=torch.zeros(2, 5)), "ref_logprobs"),
-    (dict(clip_eps=1.5), "clip_eps"),
-    (dict(global_num_tokens=0), "global_num_tokens"),
-])
+@pytest.mark.parametrize(
+    "kw,arg",
+    [
+        (dict(loss_agg_mode="sum"), "loss_agg_mode"),
+        (dict(kl_estimator="k9"), "kl_estimator"),
+        (dict(advantages=torch.zeros(3)), "advantages"),
+        (dict(mask=torch.ones(8, 4)), "mask"),
+        (dict(old_logprobs=torch.zeros(8)), "old_logprobs"),
+        (dict(ref_logprobs=torch.zeros(2, 5)), "ref_logprobs"),
+        (dict(clip_eps=1.5), "clip_eps"),
+        (dict(global_num_tokens=0), "global_num_tokens"),
+    ],
+)
 def test_bad_input_names_the_argument(kw, arg):
     lp, _, _, adv, _, mask = _batch()
     args = dict(logprobs=lp, advantages=adv, mask=mask)

@@ -19,11 +19,21 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     env.pop("REMAX_KERNEL_IMPL", None)
-    out = subprocess.run([sys.executable, "-m", "tests.kernels.triton_interp_checks"],
-                         cwd=_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.triton_interp_checks"],
+        cwd=_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -33,8 +43,10 @@ def _names():
 
     names = [f"logprobs_fp32_{c}_chunk{k}" for c in sorted(CASES) for k in (None, 32)]
     names += ["logprobs_fp64_basic", "logprobs_bf16_basic", "logprobs_bf16_ignored_rows"]
-    names += [f"advantages_kl{a}_clip{b}_block{c}"
-              for a, b, c in ((0.0, None, 16), (0.1, None, 4), (0.3, 0.5, 4), (0.1, None, 16))]
+    names += [
+        f"advantages_kl{a}_clip{b}_block{c}"
+        for a, b, c in ((0.0, None, 16), (0.1, None, 4), (0.3, 0.5, 4), (0.1, None, 16))
+    ]
     return names
 
 

@@ -38,8 +38,7 @@ def _advantages(kl, clip, block):
     r, rb = torch.randn(b, generator=g), torch.randn(b, generator=g)
     lp, ref = torch.randn(b, t, generator=g), torch.randn(b, t, generator=g)
     want = compute_advantages_reference(r, rb, mask, lp, ref, kl_coef=kl, clip=clip)
-    got = advantages_triton(r, rb, mask, lp if kl else None, ref if kl else None, kl, clip,
-                            block_t=block)
+    got = advantages_triton(r, rb, mask, lp if kl else None, ref if kl else None, kl, clip, block_t=block)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
@@ -47,16 +46,14 @@ def main():
     checks = {}
     for case in sorted(CASES):
         for chunk in (None, 32):  # 32 elements: several backward vocab chunks
-            checks[f"logprobs_fp32_{case}_chunk{chunk}"] = (
-                lambda c=case, k=chunk: check_parity(c, torch.float32, impl="triton",
-                                                     chunk_elems=k))
-    checks["logprobs_fp64_basic"] = lambda: check_parity("temperature", torch.float64,
-                                                         impl="triton", lp_tol=1e-5)
+            checks[f"logprobs_fp32_{case}_chunk{chunk}"] = lambda c=case, k=chunk: check_parity(
+                c, torch.float32, impl="triton", chunk_elems=k
+            )
+    checks["logprobs_fp64_basic"] = lambda: check_parity("temperature", torch.float64, impl="triton", lp_tol=1e-5)
     for case in ("basic", "ignored_rows"):
         checks[f"logprobs_bf16_{case}"] = lambda c=case: _bf16(c)
     for kl, clip, block in ((0.0, None, 16), (0.1, None, 4), (0.3, 0.5, 4), (0.1, None, 16)):
-        checks[f"advantages_kl{kl}_clip{clip}_block{block}"] = (
-            lambda a=kl, b=clip, c=block: _advantages(a, b, c))
+        checks[f"advantages_kl{kl}_clip{clip}_block{block}"] = lambda a=kl, b=clip, c=block: _advantages(a, b, c)
     results = {}
     for name, fn in checks.items():
         try:

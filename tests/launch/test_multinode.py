@@ -30,9 +30,19 @@ def _free_port() -> int:
 
 
 def _overrides(out_dir: str) -> list[str]:
-    return ["trainer.steps=2", "trainer.eval_every=0", f"trainer.output_dir={out_dir}", "trainer.prompts_per_step=4",
-            "trainer.micro_batch_size=4", "rollout.n=2", "rollout.max_new_tokens=4", "checkpoint.resume=none",
-            "checkpoint.save_every=0", "logging.tensorboard=false", "logging.progress_bar=false"]
+    return [
+        "trainer.steps=2",
+        "trainer.eval_every=0",
+        f"trainer.output_dir={out_dir}",
+        "trainer.prompts_per_step=4",
+        "trainer.micro_batch_size=4",
+        "rollout.n=2",
+        "rollout.max_new_tokens=4",
+        "checkpoint.resume=none",
+        "checkpoint.save_every=0",
+        "logging.tensorboard=false",
+        "logging.progress_bar=false",
+    ]
 
 
 def _env() -> dict:
@@ -43,8 +53,18 @@ def _env() -> dict:
 
 
 def _torchrun(launcher_args: list[str], out_dir: str, log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args, "--max_restarts=0",
-           "-m", "remax_megatron.train", "--config", CONFIG, *_overrides(out_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launcher_args,
+        "--max_restarts=0",
+        "-m",
+        "remax_megatron.train",
+        "--config",
+        CONFIG,
+        *_overrides(out_dir),
+    ]
     return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -81,9 +101,21 @@ def test_two_launchers_equal_one_launcher_with_two_processes(tmp_path):
     port = _free_port()
     multi, single = str(tmp_path / "two_nodes"), str(tmp_path / "one_node")
     logs = [open(tmp_path / f"node{rank}.log", "w") for rank in range(2)]
-    nodes = [_torchrun(["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
-                        f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=remax-loopback", f"--node_rank={rank}"],
-                       multi, logs[rank]) for rank in range(2)]
+    nodes = [
+        _torchrun(
+            [
+                "--nnodes=2",
+                "--nproc_per_node=1",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint=127.0.0.1:{port}",
+                "--rdzv_id=remax-loopback",
+                f"--node_rank={rank}",
+            ],
+            multi,
+            logs[rank],
+        )
+        for rank in range(2)
+    ]
     _wait(nodes, logs)
     for f in logs:
         f.close()

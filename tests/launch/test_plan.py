@@ -50,19 +50,19 @@ def _llama3_8b_params() -> int:
     d, f, layers, heads, kv, hd, vocab = 4096, 14336, 32, 32, 8, 128, 128256
     attention = d * heads * hd + 2 * d * kv * hd + heads * hd * d
     layer = attention + 3 * d * f + 2 * d
-    return 2 * vocab * d + layers * layer + d        # untied embedding + output layer, final norm
+    return 2 * vocab * d + layers * layer + d  # untied embedding + output layer, final norm
 
 
 def test_llama3_8b_tp2_matches_closed_form(config, capsys):
     code, est = _plan_json(capsys, "--config", config, "--nodes", "1", "--gpus-per-node", "8", "--gpu-mem-gib", "80")
     p = _llama3_8b_params()
-    assert p == 8_030_261_248                       # the published Llama-3-8B parameter count
-    tp, pp, dp = 2, 1, 4                            # 8 GPUs / (tp 2 * pp 1)
-    norms = 32 * 2 * 4096 + 4096                    # RMSNorm weights: replicated over TP
-    share = (p - norms) // tp + norms               # one rank's parameters (128256 is a multiple of 128 * 2)
+    assert p == 8_030_261_248  # the published Llama-3-8B parameter count
+    tp, pp, dp = 2, 1, 4  # 8 GPUs / (tp 2 * pp 1)
+    norms = 32 * 2 * 4096 + 4096  # RMSNorm weights: replicated over TP
+    share = (p - norms) // tp + norms  # one rank's parameters (128256 is a multiple of 128 * 2)
     rows = {r["key"]: r for r in est["rows"]}
     assert est["params"] == p and est["dp"] == dp
-    assert rows["weights"]["bytes"] == share * 2    # bf16
+    assert rows["weights"]["bytes"] == share * 2  # bf16
     assert rows["gradients"]["bytes"] == share * 4  # fp32 grad buffer
     assert rows["optimizer"]["bytes"] == share * 12
     assert rows["optimizer_distributed"]["bytes"] == share * 12 // dp
@@ -99,21 +99,39 @@ def _apply_suggestion(capsys, argv, text):
 
 
 def test_impossible_layout_warns_and_suggests(config, capsys):
-    argv = ["--config", config, "--nodes", "1", "--gpus-per-node", "1", "--gpu-mem-gib", "24",
-            "actor.tp=1", "optim.distributed_optimizer=false"]
+    argv = [
+        "--config",
+        config,
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "--gpu-mem-gib",
+        "24",
+        "actor.tp=1",
+        "optim.distributed_optimizer=false",
+    ]
     assert plan.main(argv) == 1
     out = capsys.readouterr().out
     assert "warning: estimated" in out and "exceeds the 24.00 GiB GPU" in out
     suggestion = next(line for line in out.splitlines() if line.startswith("suggestion:"))
-    assert "--gpus-per-node" in suggestion       # 8B weights + Adam cannot fit one 24 GiB GPU
+    assert "--gpus-per-node" in suggestion  # 8B weights + Adam cannot fit one 24 GiB GPU
     code, est = _apply_suggestion(capsys, argv, suggestion.split(":", 1)[1])
     assert code == 0 and est["fits"] and est["world"] > 1
 
 
 def test_in_world_suggestion_is_a_single_change(config, capsys):
     # 8 x 80 GiB at TP=1 without the distributed optimizer: 12 B/param of Adam state does not fit
-    argv = ["--config", config, "--gpus-per-node", "8", "--gpu-mem-gib", "80", "actor.tp=1",
-            "optim.distributed_optimizer=false"]
+    argv = [
+        "--config",
+        config,
+        "--gpus-per-node",
+        "8",
+        "--gpu-mem-gib",
+        "80",
+        "actor.tp=1",
+        "optim.distributed_optimizer=false",
+    ]
     code, est = _plan_json(capsys, *argv)
     assert code == 1 and not est["fits"]
     change = est["suggestion"].split("(estimated")[0].split()
@@ -123,15 +141,19 @@ def test_in_world_suggestion_is_a_single_change(config, capsys):
 
 
 def _run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "remax_megatron.plan", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "remax_megatron.plan", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--gpus-per-node", "6", "actor.tp=4"], "does not divide world(6)"),
-    (["actor.tpp=2"], "did you mean actor.tp?"),
-    (["--nodes", "0"], "--nodes=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--gpus-per-node", "6", "actor.tp=4"], "does not divide world(6)"),
+        (["actor.tpp=2"], "did you mean actor.tp?"),
+        (["--nodes", "0"], "--nodes=0 must be >= 1"),
+    ],
+)
 def test_bad_input_is_one_line(config, extra, message):
     r = _run_cli("--config", config, *extra)
     assert r.returncode == 2, r.stderr
@@ -170,13 +192,15 @@ def test_reward_model_layout_of_its_own(rm_config, capsys, rm_tp):
     code, est = _plan_json(capsys, *base)
     rows = {r["key"]: r for r in est["rows"]}
     d, vocab = 4096, 128256
-    p_rm = _llama3_8b_params() - vocab * d + d      # [1, D] score head instead of the output layer
-    replicated = 32 * 2 * d + d + d                 # norms and the score head, on every TP rank
+    p_rm = _llama3_8b_params() - vocab * d + d  # [1, D] score head instead of the output layer
+    replicated = 32 * 2 * d + d + d  # norms and the score head, on every TP rank
     per_rank = (p_rm - replicated) // rm_tp + replicated
     assert rows["reward_model"]["bytes"] == per_rank * 2 and rows["reward_model"]["counted"]
     plan.main([*base])
-    assert f"reward model tp({rm_tp}) * pp(1), {2 // rm_tp} replica(s) per actor model-parallel group" \
+    assert (
+        f"reward model tp({rm_tp}) * pp(1), {2 // rm_tp} replica(s) per actor model-parallel group"
         in capsys.readouterr().out
+    )
 
 
 def test_reward_model_layout_must_nest_in_the_actor(rm_config):
@@ -198,14 +222,15 @@ def test_reward_model_shorter_than_the_run_is_refused_as_at_start_up(rm_config, 
     assert r.returncode == 2, r.stderr
     assert r.stderr.splitlines() == [
         f"error: data.max_prompt_tokens(256) + rollout.max_new_tokens(512) = 768 exceeds reward.model {rm_dir}'s "
-        "max_position_embeddings=512: lower one of them"], r.stderr
+        "max_position_embeddings=512: lower one of them"
+    ], r.stderr
     assert r.stdout == ""
 
 
 def test_reward_model_larger_than_the_actor_group(rm_config, capsys):
     """actor TP=2 x dp 4 on 8 GPUs with the RM at TP=4: one RM replica spans two actor groups."""
     code, est = _plan_json(capsys, "--config", rm_config, "--gpus-per-node", "8", "reward.tp=4")
-    d, vocab, padded = 4096, 128256, 128512            # the RM's vocab padded to a multiple of 128 * 4
+    d, vocab, padded = 4096, 128256, 128512  # the RM's vocab padded to a multiple of 128 * 4
     p_rm, replicated = _llama3_8b_params() - 2 * vocab * d + padded * d + d, 32 * 2 * d + 2 * d
     assert {r["key"]: r for r in est["rows"]}["reward_model"]["bytes"] == ((p_rm - replicated) // 4 + replicated) * 2
     plan.main(["--config", rm_config, "--gpus-per-node", "8", "reward.tp=4"])
@@ -217,8 +242,9 @@ def test_builtin_model_is_planned_from_its_config_without_building_it(tmp_path, 
     from remax_megatron.builtin.models import builtin_model_path, is_built
 
     monkeypatch.setenv("REMAX_CACHE", str(tmp_path / "cache"))
-    code, est = _plan_json(capsys, "--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"), "--nodes", "1",
-                           "--gpus-per-node", "2")
+    code, est = _plan_json(
+        capsys, "--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"), "--nodes", "1", "--gpus-per-node", "2"
+    )
     assert est["params"] > 0 and code == 0
     assert not is_built(builtin_model_path("tiny-arith"))
 
@@ -227,11 +253,13 @@ def test_qwen3_8b_parameters_are_the_published_count(tmp_path, capsys):
     """Qwen3-8B's model card: 8.2 B parameters, 6.95 B without the embeddings; the count comes from the
     qwen3 family's tensor rules (q/k norms included)."""
     config = tmp_path / "qwen3.yaml"
-    config.write_text(f"actor:\n  model: {os.path.join(REPO, 'configs', 'models', 'qwen3-8b')}\n  dtype: bfloat16\n"
-                      "reward:\n  functions: [exact_match]\ntrainer:\n  prompts_per_step: 64\n")
+    config.write_text(
+        f"actor:\n  model: {os.path.join(REPO, 'configs', 'models', 'qwen3-8b')}\n  dtype: bfloat16\n"
+        "reward:\n  functions: [exact_match]\ntrainer:\n  prompts_per_step: 64\n"
+    )
     code, est = _plan_json(capsys, "--config", str(config), "--gpus-per-node", "8")
     d, f, layers, heads, kv, hd, vocab = 4096, 12288, 36, 32, 8, 128, 151936
-    layer = 2 * d * heads * hd + 2 * d * kv * hd + 2 * hd + 3 * d * f + 2 * d   # q, o; k, v; q/k norms; MLP; norms
+    layer = 2 * d * heads * hd + 2 * d * kv * hd + 2 * hd + 3 * d * f + 2 * d  # q, o; k, v; q/k norms; MLP; norms
     assert est["params"] == 2 * vocab * d + layers * layer + d == 8_190_735_360
     assert round((est["params"] - 2 * vocab * d) / 1e9, 2) == 6.95
 
@@ -240,15 +268,17 @@ def test_qwen3_30b_a3b_experts_are_split_over_ep(tmp_path, capsys):
     """Qwen3-30B-A3B's model card: 30.5 B parameters, 3.3 B activated. With experts split over ep * etp and
     the rest over tp * pp, the per-GPU weights follow; FLOPs count the active parameters."""
     config = tmp_path / "moe.yaml"
-    config.write_text(f"actor:\n  model: {os.path.join(REPO, 'configs', 'models', 'qwen3-30b-a3b')}\n"
-                      "  dtype: bfloat16\n  tp: 2\n  sequence_parallel: true\n  ep: 8\n  etp: 1\n"
-                      "reward:\n  functions: [exact_match]\ntrainer:\n  prompts_per_step: 64\n")
+    config.write_text(
+        f"actor:\n  model: {os.path.join(REPO, 'configs', 'models', 'qwen3-30b-a3b')}\n"
+        "  dtype: bfloat16\n  tp: 2\n  sequence_parallel: true\n  ep: 8\n  etp: 1\n"
+        "reward:\n  functions: [exact_match]\ntrainer:\n  prompts_per_step: 64\n"
+    )
     code, est = _plan_json(capsys, "--config", str(config), "--gpus-per-node", "8")
     d, layers, experts, f, vocab, padded = 2048, 48, 128, 768, 151936, 152064
     expert_params = layers * experts * 3 * d * f
     assert est["expert_params"] == expert_params
     assert round(est["params"] / 1e9, 1) == 30.5 and int(est["active_params"] / 1e8) == 33  # 3.35 B
-    dense = est["params"] - expert_params                      # padded vocab included, tp 2 divides it
+    dense = est["params"] - expert_params  # padded vocab included, tp 2 divides it
     replicated = layers * (2 * d + 2 * 128 + experts * d) + d  # norms, q/k norms, router: on every TP rank
     rows = {r["key"]: r for r in est["rows"]}
     assert rows["weights"]["bytes"] == ((dense - replicated) // 2 + replicated + expert_params // 8) * 2
@@ -268,17 +298,23 @@ def test_qwen3_30b_a3b_experts_are_split_over_ep(tmp_path, capsys):
 MODELS = os.path.join(REPO, "configs", "models")
 
 
-@pytest.mark.parametrize("shape,published,layers,d,f,heads,kv,vocab,qkv_bias", [
-    # Qwen2.5-7B's model card: 7.61 B parameters, 6.53 B without the embeddings; untied, qkv biases
-    ("qwen2.5-7b", 7_615_616_512, 28, 3584, 18944, 28, 4, 152064, True),
-    # Meta-Llama-3-70B: 70.6 B (70,553,706,496); untied
-    ("llama3-70b", 70_553_706_496, 80, 8192, 28672, 64, 8, 128256, False),
-])
-def test_shipped_shapes_have_the_published_parameter_counts(tmp_path, capsys, shape, published, layers, d, f,
-                                                           heads, kv, vocab, qkv_bias):
+@pytest.mark.parametrize(
+    "shape,published,layers,d,f,heads,kv,vocab,qkv_bias",
+    [
+        # Qwen2.5-7B's model card: 7.61 B parameters, 6.53 B without the embeddings; untied, qkv biases
+        ("qwen2.5-7b", 7_615_616_512, 28, 3584, 18944, 28, 4, 152064, True),
+        # Meta-Llama-3-70B: 70.6 B (70,553,706,496); untied
+        ("llama3-70b", 70_553_706_496, 80, 8192, 28672, 64, 8, 128256, False),
+    ],
+)
+def test_shipped_shapes_have_the_published_parameter_counts(
+    tmp_path, capsys, shape, published, layers, d, f, heads, kv, vocab, qkv_bias
+):
     config = tmp_path / "c.yaml"
-    config.write_text(f"actor:\n  model: {os.path.join(MODELS, shape)}\n  dtype: bfloat16\n"
-                      "reward:\n  functions: [exact_match]\ntrainer:\n  prompts_per_step: 64\n")
+    config.write_text(
+        f"actor:\n  model: {os.path.join(MODELS, shape)}\n  dtype: bfloat16\n"
+        "reward:\n  functions: [exact_match]\ntrainer:\n  prompts_per_step: 64\n"
+    )
     code, est = _plan_json(capsys, "--config", str(config), "--gpus-per-node", "8")
     hd = d // heads
     layer = 2 * d * heads * hd + 2 * d * kv * hd + (heads * hd + 2 * kv * hd if qkv_bias else 0) + 3 * d * f + 2 * d
@@ -308,8 +344,9 @@ def test_recipe_header_commands_work_as_written(recipe, capsys):
         assert code in (0, 1) and captured.err == "", (command, captured.err)
         assert "per-GPU memory" in captured.out
     for command in (c for c in commands if c[:2] == ["bash", "launch/torchrun.sh"]):
-        r = subprocess.run(command, cwd=REPO, env=dict(os.environ, DRY_RUN="1"), capture_output=True, text=True,
-                           timeout=60)
+        r = subprocess.run(
+            command, cwd=REPO, env=dict(os.environ, DRY_RUN="1"), capture_output=True, text=True, timeout=60
+        )
         assert r.returncode == 0 and "remax_megatron.train --config configs/recipes/" in r.stdout, r.stderr
 
 
@@ -326,8 +363,17 @@ def llama70b_config(tmp_path_factory):
 def test_fits_is_decided_by_the_heaviest_pipeline_stage(llama70b_config, capsys):
     """What the planner used to suggest for Llama-3-70B on 4 x 8 x 80 GiB, fitting by the uniform share P/(tp*pp):
     its first stage (embedding, 16 micro-batches in flight) does not fit."""
-    argv = ["--config", llama70b_config, "--nodes", "4", "--gpus-per-node", "8", "actor.recompute=full",
-            "actor.pp=16", "rollout.tp=8"]
+    argv = [
+        "--config",
+        llama70b_config,
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "actor.recompute=full",
+        "actor.pp=16",
+        "rollout.tp=8",
+    ]
     code, est = _plan_json(capsys, *argv)
     assert est["total_bytes"] == max(est["stage_totals"]) == est["stage_totals"][est["heaviest_stage"]]
     assert est["heaviest_stage"] == 0 and est["stage_totals"][0] > 80 * 2**30 > min(est["stage_totals"])
@@ -337,8 +383,9 @@ def test_fits_is_decided_by_the_heaviest_pipeline_stage(llama70b_config, capsys)
 def test_every_suggestion_for_llama3_70b_on_32_gpus_fits_by_its_heaviest_stage(llama70b_config, capsys):
     argv = ["--config", llama70b_config, "--nodes", "4", "--gpus-per-node", "8", "--gpu-mem-gib", "80"]
     assert plan.main(argv) == 1
-    suggestions = [line.split(":", 1)[1] for line in capsys.readouterr().out.splitlines()
-                   if line.startswith("suggestion:")]
+    suggestions = [
+        line.split(":", 1)[1] for line in capsys.readouterr().out.splitlines() if line.startswith("suggestion:")
+    ]
     assert len(suggestions) >= 2, suggestions
     assert "actor.tp=8 actor.pp=4 rollout.tp=8" in suggestions[0], suggestions
     for suggestion in suggestions:
@@ -349,10 +396,21 @@ def test_every_suggestion_for_llama3_70b_on_32_gpus_fits_by_its_heaviest_stage(l
 def test_separate_placement_sizes_training_and_rollout_ranks_apart(config, capsys):
     """Issue 36 item 7: 8 GPUs = 2 rollout ranks + 6 training ranks (tp2 -> dp3). The training ranks hold
     no engine; a rollout rank holds its engine, the KV cache of its share of the prompts, one sync bucket."""
-    _, colocated = _plan_json(capsys, "--config", config, "--nodes", "1", "--gpus-per-node", "8",
-                              "trainer.prompts_per_step=48")
-    code, est = _plan_json(capsys, "--config", config, "--nodes", "1", "--gpus-per-node", "8",
-                           "rollout.placement=separate", "rollout.ranks=2", "trainer.prompts_per_step=48")
+    _, colocated = _plan_json(
+        capsys, "--config", config, "--nodes", "1", "--gpus-per-node", "8", "trainer.prompts_per_step=48"
+    )
+    code, est = _plan_json(
+        capsys,
+        "--config",
+        config,
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "8",
+        "rollout.placement=separate",
+        "rollout.ranks=2",
+        "trainer.prompts_per_step=48",
+    )
     assert (est["train_world"], est["rollout_world"], est["dp"], est["engines"]) == (6, 2, 3, 2)
     rows = {r["key"]: r for r in est["rows"]}
     assert not rows["engine_weights"]["counted"] and not rows["kv_cache"]["counted"]
@@ -366,8 +424,22 @@ def test_separate_placement_sizes_training_and_rollout_ranks_apart(config, capsy
     assert est["rollout_bytes"] == sum(side.values())
     assert est["total_bytes"] == max(est["train_bytes"], est["rollout_bytes"])
     assert colocated["rollout_rows"] == [] and colocated["total_bytes"] == colocated["train_bytes"]
-    text = (plan.main(["--config", config, "--nodes", "1", "--gpus-per-node", "8", "rollout.placement=separate",
-                       "rollout.ranks=2", "trainer.prompts_per_step=48"]), capsys.readouterr().out)[1]
+    text = (
+        plan.main(
+            [
+                "--config",
+                config,
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "8",
+                "rollout.placement=separate",
+                "rollout.ranks=2",
+                "trainer.prompts_per_step=48",
+            ]
+        ),
+        capsys.readouterr().out,
+    )[1]
     assert "on 2 separate rollout ranks (6 train)" in text and "per-GPU memory of a rollout rank" in text
 
 
@@ -378,8 +450,9 @@ def test_lora_counts_only_the_adapters_as_trained(config, capsys):
     _, full = _plan_json(capsys, *argv)
     _, est = _plan_json(capsys, *argv, "actor.lora_rank=16", "algo.kl_coef=0.1", "reference.enabled=true")
     d, f, layers, heads, kv, hd, r, tp = 4096, 14336, 32, 32, 8, 128, 16, 2
-    layer = (r * (d + (heads + 2 * kv) * hd // tp) + r * (heads * hd // tp + d)
-             + r * (d + 2 * f // tp) + r * (f // tp + d))
+    layer = (
+        r * (d + (heads + 2 * kv) * hd // tp) + r * (heads * hd // tp + d) + r * (d + 2 * f // tp) + r * (f // tp + d)
+    )
     adapters = layers * layer
     rows, base = {r["key"]: r for r in est["rows"]}, {r["key"]: r for r in full["rows"]}
     assert rows["gradients"]["bytes"] == adapters * 4
@@ -393,8 +466,17 @@ def test_lora_counts_only_the_adapters_as_trained(config, capsys):
 def test_planner_names_the_largest_shipped_model_with_and_without_lora(config, capsys):
     """Issue 37: on 8 x 24 GiB at tp8 an 8B model fits with LoRA (adapter-sized gradients and Adam states,
     no reference) and not with full fine-tuning; on 80 GiB both do."""
-    argv = ("--config", config, "--nodes", "1", "--gpus-per-node", "8", "actor.tp=8", "trainer.micro_batch_size=1",
-            "optim.distributed_optimizer=true")
+    argv = (
+        "--config",
+        config,
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "8",
+        "actor.tp=8",
+        "trainer.micro_batch_size=1",
+        "optim.distributed_optimizer=true",
+    )
     _, small = _plan_json(capsys, *argv, "--gpu-mem-gib", "24")
     assert small["largest_fitting"]["full"] is None
     assert small["largest_fitting"]["lora"][0] in ("llama3-8b", "qwen3-8b", "qwen2.5-7b")
@@ -402,9 +484,14 @@ def test_planner_names_the_largest_shipped_model_with_and_without_lora(config, c
     assert large["largest_fitting"]["full"] is not None and large["largest_fitting"]["lora_rank"] == 16
     plan.main([*argv, "--gpu-mem-gib", "24"])
     name = small["largest_fitting"]["lora"][0]
-    assert capsys.readouterr().out.splitlines()[-1].startswith(
-        "With full fine-tuning no shipped model (configs/models) fits per GPU at this layout; with LoRA r=16 the "
-        f"largest that does is {name} (")
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[-1]
+        .startswith(
+            "With full fine-tuning no shipped model (configs/models) fits per GPU at this layout; with LoRA r=16 the "
+            f"largest that does is {name} ("
+        )
+    )
 
 
 def test_the_planners_last_line_is_a_sentence():
@@ -412,11 +499,14 @@ def test_the_planners_last_line_is_a_sentence():
     big, small = ("llama3-70b", 70.6e9), ("qwen3-8b", 8.2e9)
     assert plan.largest_sentence({"full": small, "lora": big, "lora_rank": 16}) == (
         "The largest shipped model (configs/models) that fits per GPU at this layout is qwen3-8b (8.2 B parameters) "
-        "with full fine-tuning and llama3-70b (70.6 B parameters) with LoRA r=16.")
+        "with full fine-tuning and llama3-70b (70.6 B parameters) with LoRA r=16."
+    )
     assert plan.largest_sentence({"full": None, "lora": None, "lora_rank": 8}) == (
-        "No shipped model (configs/models) fits per GPU at this layout, with full fine-tuning or with LoRA r=8.")
+        "No shipped model (configs/models) fits per GPU at this layout, with full fine-tuning or with LoRA r=8."
+    )
     assert plan.largest_sentence({"full": small, "lora": None, "lora_rank": 16}).endswith(
-        "qwen3-8b (8.2 B parameters) with full fine-tuning; none does with LoRA r=16.")
+        "qwen3-8b (8.2 B parameters) with full fine-tuning; none does with LoRA r=16."
+    )
 
 
 def test_token_budget_sizes_the_activations_and_the_suggestions():
@@ -427,8 +517,14 @@ def test_token_budget_sizes_the_activations_and_the_suggestions():
     from remax_megatron.plan import _choices, estimate, validate
 
     arch = read_hf_config(os.path.join(REPO, "configs", "models", "qwen3-8b"))
-    base = ["reward.functions=[exact_match]", "data.max_prompt_tokens=100", "rollout.max_new_tokens=28",
-            "rollout.engine=native", "trainer.micro_batch_size=4", "actor.recompute=selective"]
+    base = [
+        "reward.functions=[exact_match]",
+        "data.max_prompt_tokens=100",
+        "rollout.max_new_tokens=28",
+        "rollout.engine=native",
+        "trainer.micro_batch_size=4",
+        "actor.recompute=selective",
+    ]
     acts = {}
     for name, extra in (("fixed", []), ("budget", ["trainer.micro_batch_tokens=1024"])):
         cfg = load_config(None, [*base, *extra])

@@ -36,11 +36,27 @@ def models(tmp_path_factory):
 
 
 def _cmd(model, out, *overrides, launcher=LAUNCH):
-    return [*launcher, "-m", "remax_megatron.train", f"actor.model={model}", "data.train=builtin:arith",
-            "data.chat_template=false", "rollout.engine=native", "reward.functions=[exact_match,length_penalty]",
-            "reward.length_limit=2", "rollout.n=2", "rollout.max_new_tokens=4", "trainer.prompts_per_step=4",
-            "trainer.micro_batch_size=2", "trainer.eval_every=0", "optim.lr=1e-3", "logging.progress_bar=false",
-            "logging.tensorboard=false", f"trainer.output_dir={out}", *overrides]
+    return [
+        *launcher,
+        "-m",
+        "remax_megatron.train",
+        f"actor.model={model}",
+        "data.train=builtin:arith",
+        "data.chat_template=false",
+        "rollout.engine=native",
+        "reward.functions=[exact_match,length_penalty]",
+        "reward.length_limit=2",
+        "rollout.n=2",
+        "rollout.max_new_tokens=4",
+        "trainer.prompts_per_step=4",
+        "trainer.micro_batch_size=2",
+        "trainer.eval_every=0",
+        "optim.lr=1e-3",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        f"trainer.output_dir={out}",
+        *overrides,
+    ]
 
 
 def _env():
@@ -50,8 +66,11 @@ def _env():
 
 
 def _snapshot(top):
-    return {os.path.relpath(os.path.join(d, n), top): open(os.path.join(d, n), "rb").read()
-            for d, _, names in os.walk(top) for n in names}
+    return {
+        os.path.relpath(os.path.join(d, n), top): open(os.path.join(d, n), "rb").read()
+        for d, _, names in os.walk(top)
+        for n in names
+    }
 
 
 def _holder(out):
@@ -74,8 +93,14 @@ def test_a_second_run_into_the_same_directory_is_refused_and_the_first_finishes(
         assert holder["pid"] in job  # rank 0 of the first run holds the lock
         try:
             before = _snapshot(out)
-            second = subprocess.run(_cmd(models[1], out, "trainer.steps=8", "trainer.seed=1"), cwd=ROOT, env=_env(),
-                                    capture_output=True, text=True, timeout=300)
+            second = subprocess.run(
+                _cmd(models[1], out, "trainer.steps=8", "trainer.seed=1"),
+                cwd=ROOT,
+                env=_env(),
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             after = _snapshot(out)
         finally:
             for pid in job:
@@ -87,8 +112,8 @@ def test_a_second_run_into_the_same_directory_is_refused_and_the_first_finishes(
     assert second.returncode == 2, (second.stdout + second.stderr)[-3000:]
     assert second.stderr.splitlines() == [
         f"error: trainer.output_dir={out} is in use by another run (host {holder['host']}, pid {holder['pid']}, since "
-        f"{holder['since']}): wait for it to end or stop it, or give this run another trainer.output_dir"], \
-        second.stderr
+        f"{holder['since']}): wait for it to end or stop it, or give this run another trainer.output_dir"
+    ], second.stderr
     assert after == before
     assert first.returncode == 0, (stdout + stderr)[-3000:]
     assert f"; outputs in {out} (metrics.jsonl" in stdout
@@ -161,8 +186,11 @@ def _error_lines(log_dir, rank):
 
 
 def _stderr_of(log_dir, rank):
-    return "".join(open(os.path.join(d, "stderr.log")).read() for d, _, names in os.walk(log_dir)
-                   if os.path.basename(d) == str(rank) and "stderr.log" in names)
+    return "".join(
+        open(os.path.join(d, "stderr.log")).read()
+        for d, _, names in os.walk(log_dir)
+        if os.path.basename(d) == str(rank) and "stderr.log" in names
+    )
 
 
 @pytest.mark.slow
@@ -212,19 +240,32 @@ def test_rank_0_killed_mid_save_leaves_no_process_and_the_next_run_cleans_up(mod
     # The same directory with another model of the same shapes: refused in one line, nothing written (the
     # dead run's lock files, taken over and released, are all that goes).
     before = {k: v for k, v in _snapshot(out).items() if not k.endswith(".remax-run.lock")}
-    r = subprocess.run(_cmd(models[2], out, f"trainer.steps={done + 2}"), cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        _cmd(models[2], out, f"trainer.steps={done + 2}"),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2, (r.stdout + r.stderr)[-3000:]
     assert r.stderr.splitlines() == [
         f"error: checkpoint {out}/checkpoints/{newest} was trained from actor.model={models[1]}, and actor.model="
         f"{models[2]} is another model (its weights differ): resume with actor.model={models[1]}, start fresh with "
         "checkpoint.resume=none (or another trainer.output_dir), or set checkpoint.allow_model_change=true to train "
-        "on the checkpoint's weights with this model's config and tokenizer"], r.stderr[-3000:]
+        "on the checkpoint's weights with this model's config and tokenizer"
+    ], r.stderr[-3000:]
     assert _snapshot(out) == before
 
     # The right model: the dead run's lock blocks nothing, its unfinished save goes, the run resumes.
-    r = subprocess.run(_cmd(models[1], out, f"trainer.steps={done + 2}"), cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        _cmd(models[1], out, f"trainer.steps={done + 2}"),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert f"removed {out}/checkpoints/{stale[0]}: the unfinished save of an earlier run" in r.stdout, r.stdout
     assert f"resumed from {out}/checkpoints/{newest} at step {done}" in r.stdout, r.stdout

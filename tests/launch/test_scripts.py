@@ -22,10 +22,26 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SBATCH = os.path.join(REPO, "launch", "slurm", "remax.sbatch")
 TORCHRUN_SH = os.path.join(REPO, "launch", "torchrun.sh")
 EXAMPLE = os.path.join(REPO, "launch", "slurm", "example_2x8.sh")
-SLURM_KEYS = ("SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_JOB_ID", "SLURM_GPUS_ON_NODE",
-              "SLURM_GPUS_PER_NODE", "SLURM_SUBMIT_DIR", "SLURM_RESTART_COUNT", "SLURM_CPUS_ON_NODE",
-              "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "NNODES", "NPROC", "DRY_RUN", "CUDA_VISIBLE_DEVICES",
-              "PYTHON", "TORCHRUN")
+SLURM_KEYS = (
+    "SLURM_JOB_NODELIST",
+    "SLURM_NNODES",
+    "SLURM_JOB_NUM_NODES",
+    "SLURM_JOB_ID",
+    "SLURM_GPUS_ON_NODE",
+    "SLURM_GPUS_PER_NODE",
+    "SLURM_SUBMIT_DIR",
+    "SLURM_RESTART_COUNT",
+    "SLURM_CPUS_ON_NODE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GPUS_PER_NODE",
+    "NNODES",
+    "NPROC",
+    "DRY_RUN",
+    "CUDA_VISIBLE_DEVICES",
+    "PYTHON",
+    "TORCHRUN",
+)
 
 
 @pytest.fixture
@@ -85,48 +101,78 @@ def _fake(dirpath, name, body):
 
 
 def _no_slurm_tools():
-    r = subprocess.run(["bash", "-c", "command -v scontrol || command -v srun"], env=_clean_env(),
-                       capture_output=True)
+    r = subprocess.run(["bash", "-c", "command -v scontrol || command -v srun"], env=_clean_env(), capture_output=True)
     return r.returncode != 0
 
 
 def test_sbatch_dry_run_prints_both_nodes(config):
     assert _no_slurm_tools(), "this test checks the bash node-list fallback"
-    r = _run(SBATCH, [config, "actor.tp=2", "trainer.steps=3"], DRY_RUN="1", SLURM_JOB_NODELIST="node[01-02]",
-             SLURM_NNODES="2", SLURM_JOB_ID="4242", SLURM_GPUS_ON_NODE="8")
+    r = _run(
+        SBATCH,
+        [config, "actor.tp=2", "trainer.steps=3"],
+        DRY_RUN="1",
+        SLURM_JOB_NODELIST="node[01-02]",
+        SLURM_NNODES="2",
+        SLURM_JOB_ID="4242",
+        SLURM_GPUS_ON_NODE="8",
+    )
     assert r.returncode == 0, r.stderr
     cmds = _commands(r.stdout)
     assert list(cmds) == ["node 0: node01", "node 1: node02"]
     for rank, argv in enumerate(cmds.values()):
         assert argv[:3] == ["python", "-m", "remax_megatron.launch"]
-        for flag in ("--nnodes=2", "--nproc_per_node=8", f"--node_rank={rank}", "--rdzv_backend=c10d",
-                     "--rdzv_endpoint=node01:29500", "--rdzv_id=4242"):
+        for flag in (
+            "--nnodes=2",
+            "--nproc_per_node=8",
+            f"--node_rank={rank}",
+            "--rdzv_backend=c10d",
+            "--rdzv_endpoint=node01:29500",
+            "--rdzv_id=4242",
+        ):
             assert flag in argv, (flag, argv)
-        tail = argv[argv.index("remax_megatron.train") - 1:]
-        assert tail == ["-m", "remax_megatron.train", "--config", config, "actor.tp=2", "trainer.steps=3",
-                        "checkpoint.resume=auto"]
+        tail = argv[argv.index("remax_megatron.train") - 1 :]
+        assert tail == [
+            "-m",
+            "remax_megatron.train",
+            "--config",
+            config,
+            "actor.tp=2",
+            "trainer.steps=3",
+            "checkpoint.resume=auto",
+        ]
     assert "NCCL_DEBUG=WARN" in r.stdout
 
 
-@pytest.mark.parametrize("nodelist, hosts", [
-    ("alpha,beta", ["alpha", "beta"]),
-    ("gpu[1-2,5],cpu7", ["gpu1", "gpu2", "gpu5", "cpu7"]),
-    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
-    ("r[1-2]-ib[3-4]", ["r1-ib3", "r1-ib4", "r2-ib3", "r2-ib4"]),
-])
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("alpha,beta", ["alpha", "beta"]),
+        ("gpu[1-2,5],cpu7", ["gpu1", "gpu2", "gpu5", "cpu7"]),
+        ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+        ("r[1-2]-ib[3-4]", ["r1-ib3", "r1-ib4", "r2-ib3", "r2-ib4"]),
+    ],
+)
 def test_nodelist_expansion_without_scontrol(config, nodelist, hosts):
     r = _run(SBATCH, [config], DRY_RUN="1", SLURM_JOB_NODELIST=nodelist, GPUS_PER_NODE="4", MASTER_PORT="31000")
     assert r.returncode == 0, r.stderr
     cmds = _commands(r.stdout)
     assert [k.split(": ")[1] for k in cmds] == hosts
-    assert all(f"--rdzv_endpoint={hosts[0]}:31000" in argv and f"--nnodes={len(hosts)}" in argv
-               for argv in cmds.values())
+    assert all(
+        f"--rdzv_endpoint={hosts[0]}:31000" in argv and f"--nnodes={len(hosts)}" in argv for argv in cmds.values()
+    )
 
 
 def test_scontrol_is_used_when_present(config, tmp_path):
     _fake(str(tmp_path), "scontrol", 'if [[ "$1 $2" == "show hostnames" ]]; then printf "x1\\nx2\\n"; fi\n')
-    r = _run(SBATCH, [config], path_dirs=[str(tmp_path)], DRY_RUN="1", SLURM_JOB_NODELIST="whatever[9]",
-             SLURM_NNODES="2", GPUS_PER_NODE="2")
+    r = _run(
+        SBATCH,
+        [config],
+        path_dirs=[str(tmp_path)],
+        DRY_RUN="1",
+        SLURM_JOB_NODELIST="whatever[9]",
+        SLURM_NNODES="2",
+        GPUS_PER_NODE="2",
+    )
     assert r.returncode == 0, r.stderr
     assert list(_commands(r.stdout)) == ["node 0: x1", "node 1: x2"]
 
@@ -139,12 +185,15 @@ def test_explicit_resume_kept_on_first_run_and_auto_on_requeue(config):
     assert list(_commands(again.stdout).values())[0][-1] == "checkpoint.resume=auto"
 
 
-@pytest.mark.parametrize("env, message", [
-    (dict(GPUS_PER_NODE="8"), "no rendezvous address: SLURM_JOB_NODELIST is unset and MASTER_ADDR is empty"),
-    (dict(SLURM_JOB_NODELIST="n[1-2]", SLURM_NNODES="3", GPUS_PER_NODE="8"), "SLURM_NNODES=3 but"),
-    (dict(SLURM_JOB_NODELIST="n[1-2]"), "GPUs per node unknown"),
-    (dict(SLURM_JOB_NODELIST="n[a-b]", GPUS_PER_NODE="8"), "cannot expand node list item"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (dict(GPUS_PER_NODE="8"), "no rendezvous address: SLURM_JOB_NODELIST is unset and MASTER_ADDR is empty"),
+        (dict(SLURM_JOB_NODELIST="n[1-2]", SLURM_NNODES="3", GPUS_PER_NODE="8"), "SLURM_NNODES=3 but"),
+        (dict(SLURM_JOB_NODELIST="n[1-2]"), "GPUs per node unknown"),
+        (dict(SLURM_JOB_NODELIST="n[a-b]", GPUS_PER_NODE="8"), "cannot expand node list item"),
+    ],
+)
 def test_sbatch_bad_input_is_one_line(config, env, message):
     r = _run(SBATCH, [config], DRY_RUN="1", **env)
     assert r.returncode == 2 and message in r.stderr, r.stderr
@@ -169,27 +218,51 @@ def _fake_cluster(tmp_path, srun_sleep=0):
     d = str(tmp_path / "bin")
     os.makedirs(d)
     log = tmp_path / "calls.log"
-    _fake(d, "srun", f'echo "srun $*" >> {log}\n'
-          'while [[ $1 == --* ]]; do shift; done\n'
-          f'trap \'echo "srun got USR1" >> {log}; exit 0\' USR1\n'
-          f'sleep {srun_sleep} & wait $!\n'
-          'for ((i = 0; i < 2; i++)); do SLURM_NODEID=$i "$@"; done\n')
+    _fake(
+        d,
+        "srun",
+        f'echo "srun $*" >> {log}\n'
+        "while [[ $1 == --* ]]; do shift; done\n"
+        f"trap 'echo \"srun got USR1\" >> {log}; exit 0' USR1\n"
+        f"sleep {srun_sleep} & wait $!\n"
+        'for ((i = 0; i < 2; i++)); do SLURM_NODEID=$i "$@"; done\n',
+    )
     _fake(d, "python", f'echo "python $*" >> {log}\n')
-    _fake(d, "scontrol", 'if [[ "$1 $2" == "show hostnames" ]]; then printf "h1\\nh2\\n"; exit 0; fi\n'
-          f'echo "scontrol $*" >> {log}\n')
+    _fake(
+        d,
+        "scontrol",
+        f'if [[ "$1 $2" == "show hostnames" ]]; then printf "h1\\nh2\\n"; exit 0; fi\necho "scontrol $*" >> {log}\n',
+    )
     return d, log
 
 
 def test_sbatch_real_path_runs_one_torchrun_per_node(config, tmp_path):
     bindir, log = _fake_cluster(tmp_path)
-    r = _run(SBATCH, [config, "actor.tp=2"], path_dirs=[bindir], SLURM_JOB_NODELIST="h[1-2]", SLURM_NNODES="2",
-             SLURM_JOB_ID="7", GPUS_PER_NODE="8", SLURM_CPUS_ON_NODE="64", LOG_DIR=str(tmp_path / "logs"))
+    r = _run(
+        SBATCH,
+        [config, "actor.tp=2"],
+        path_dirs=[bindir],
+        SLURM_JOB_NODELIST="h[1-2]",
+        SLURM_NNODES="2",
+        SLURM_JOB_ID="7",
+        GPUS_PER_NODE="8",
+        SLURM_CPUS_ON_NODE="64",
+        LOG_DIR=str(tmp_path / "logs"),
+    )
     assert r.returncode == 0, r.stderr
     calls = log.read_text().splitlines()
     assert calls[0].startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1")
     assert "--cpus-per-task=64" in calls[0] and f"--output={tmp_path}/logs/%j-node%n-%N.log" in calls[0]
-    dry = _run(SBATCH, [config, "actor.tp=2"], path_dirs=[bindir], DRY_RUN="1", SLURM_JOB_NODELIST="h[1-2]",
-               SLURM_NNODES="2", SLURM_JOB_ID="7", GPUS_PER_NODE="8")
+    dry = _run(
+        SBATCH,
+        [config, "actor.tp=2"],
+        path_dirs=[bindir],
+        DRY_RUN="1",
+        SLURM_JOB_NODELIST="h[1-2]",
+        SLURM_NNODES="2",
+        SLURM_JOB_ID="7",
+        GPUS_PER_NODE="8",
+    )
     # what srun ran on each node is exactly what the dry run printed
     assert [shlex.split(c) for c in calls[1:]] == list(_commands(dry.stdout).values())
     assert (tmp_path / "logs").is_dir()
@@ -198,16 +271,22 @@ def test_sbatch_real_path_runs_one_torchrun_per_node(config, tmp_path):
 def test_usr1_requeues_the_job(config, tmp_path):
     bindir, log = _fake_cluster(tmp_path, srun_sleep=5)
     env = _clean_env()
-    env.update(PATH=bindir + os.pathsep + env["PATH"], SLURM_JOB_NODELIST="h[1-2]", SLURM_JOB_ID="99",
-               GPUS_PER_NODE="8", LOG_DIR=str(tmp_path / "logs"))
-    p = subprocess.Popen(["bash", SBATCH, config], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    env.update(
+        PATH=bindir + os.pathsep + env["PATH"],
+        SLURM_JOB_NODELIST="h[1-2]",
+        SLURM_JOB_ID="99",
+        GPUS_PER_NODE="8",
+        LOG_DIR=str(tmp_path / "logs"),
+    )
+    p = subprocess.Popen(
+        ["bash", SBATCH, config], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.time() + 30
     while not (log.exists() and "srun" in log.read_text()) and time.time() < deadline:
         time.sleep(0.1)
     p.send_signal(signal.SIGUSR1)
     _, err = p.communicate(timeout=60)
-    assert p.returncode == 0, err                 # kept waiting for srun after the trap
+    assert p.returncode == 0, err  # kept waiting for srun after the trap
     calls = log.read_text().splitlines()
     # the workers are stopped first (they save), the job is requeued once they have exited
     assert calls.index("srun got USR1") < calls.index("scontrol requeue 99"), calls
@@ -216,21 +295,34 @@ def test_usr1_requeues_the_job(config, tmp_path):
 
 def test_torchrun_sh_dry_run_and_gpu_count(config):
     r = _run(TORCHRUN_SH, [config, "actor.tp=2"], DRY_RUN="1", NPROC="3")
-    assert shlex.split(r.stdout) == ["python", "-m", "remax_megatron.launch", "--standalone", "--nnodes=1",
-                                     "--nproc_per_node=3", "-m", "remax_megatron.train", "--config", config,
-                                     "actor.tp=2"]
+    assert shlex.split(r.stdout) == [
+        "python",
+        "-m",
+        "remax_megatron.launch",
+        "--standalone",
+        "--nnodes=1",
+        "--nproc_per_node=3",
+        "-m",
+        "remax_megatron.train",
+        "--config",
+        config,
+        "actor.tp=2",
+    ]
     r = _run(TORCHRUN_SH, [config], DRY_RUN="1", CUDA_VISIBLE_DEVICES="0,1,2,3")
     assert "--nproc_per_node=4" in shlex.split(r.stdout)
     r = _run(TORCHRUN_SH, [config], DRY_RUN="1", CUDA_VISIBLE_DEVICES="")
     assert "--nproc_per_node=1" in shlex.split(r.stdout) and "no GPU visible" in r.stderr
 
 
-@pytest.mark.parametrize("args, env, message", [
-    ([], {}, "no config file given"),
-    (["missing.yaml"], {}, "config file missing.yaml not found"),
-    (["CONFIG", "actor.tp"], {}, "override 'actor.tp' is not key=value"),
-    (["CONFIG"], {"NPROC": "two"}, "NPROC=two is not a positive integer"),
-])
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        ([], {}, "no config file given"),
+        (["missing.yaml"], {}, "config file missing.yaml not found"),
+        (["CONFIG", "actor.tp"], {}, "override 'actor.tp' is not key=value"),
+        (["CONFIG"], {"NPROC": "two"}, "NPROC=two is not a positive integer"),
+    ],
+)
 def test_torchrun_sh_bad_input_is_one_line(config, args, env, message):
     r = _run(TORCHRUN_SH, [config if a == "CONFIG" else a for a in args], DRY_RUN="1", **env)
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1

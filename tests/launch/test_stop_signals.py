@@ -41,9 +41,21 @@ def builtin_model(request):
 
 
 def _cmd(launcher, out, *overrides):
-    return [*launcher, "--nproc_per_node=2", "-m", "remax_megatron.train", "--config", "configs/tiny_cpu.yaml",
-            "rollout.engine=native", "trainer.eval_every=0", "checkpoint.save_every=0", "logging.progress_bar=false",
-            "logging.tensorboard=false", f"trainer.output_dir={out}", *overrides]
+    return [
+        *launcher,
+        "--nproc_per_node=2",
+        "-m",
+        "remax_megatron.train",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        "rollout.engine=native",
+        "trainer.eval_every=0",
+        "checkpoint.save_every=0",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        f"trainer.output_dir={out}",
+        *overrides,
+    ]
 
 
 @contextlib.contextmanager
@@ -52,8 +64,9 @@ def _job(cmd):
     the launcher's pid as session and process-group id. Whatever a failed test leaves is killed."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("LOGLEVEL", None)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         yield proc
     finally:
@@ -101,16 +114,23 @@ def _assert_saved_last_step(out):
 
     done = _metrics(out)[-1]["step"]
     ckpt = os.path.join(out, "checkpoints", open(os.path.join(out, "checkpoints", "latest")).read().strip())
-    assert ckpt.endswith(f"step_{done:06d}"), (ckpt, done)   # the last finished step, nothing lost
-    validate(ckpt)                                            # complete: manifest, sizes, checksums
+    assert ckpt.endswith(f"step_{done:06d}"), (ckpt, done)  # the last finished step, nothing lost
+    validate(ckpt)  # complete: manifest, sizes, checksums
     assert not [n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith(".tmp-")]
     return done
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target, sig", [("launcher", signal.SIGUSR1), ("launcher", signal.SIGTERM),
-                                         ("rank", signal.SIGUSR1), ("rank", signal.SIGTERM),
-                                         ("terminal", signal.SIGINT)])
+@pytest.mark.parametrize(
+    "target, sig",
+    [
+        ("launcher", signal.SIGUSR1),
+        ("launcher", signal.SIGTERM),
+        ("rank", signal.SIGUSR1),
+        ("rank", signal.SIGTERM),
+        ("terminal", signal.SIGINT),
+    ],
+)
 def test_stop_signal_saves_and_exits_0_with_nothing_left(tmp_path, target, sig):
     """target "terminal": Ctrl-C, SIGINT to the launcher's process group as a terminal sends it (the
     workers run in sessions of their own: they get it from the launcher)."""
@@ -129,8 +149,14 @@ def test_stop_signal_saves_and_exits_0_with_nothing_left(tmp_path, target, sig):
     assert _session(proc.pid) == []
     done = _assert_saved_last_step(out)
     if (target, sig) == ("launcher", signal.SIGUSR1):  # and it resumes where it stopped
-        r = subprocess.run(_cmd(LAUNCH, out, f"trainer.steps={done + 1}"), cwd=ROOT, capture_output=True,
-                           text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        r = subprocess.run(
+            _cmd(LAUNCH, out, f"trainer.steps={done + 1}"),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
         assert f"resumed from {out}/checkpoints/step_{done:06d} at step {done}" in r.stdout
         assert [m["step"] for m in _metrics(out)] == list(range(1, done + 2))
@@ -144,7 +170,7 @@ def test_plain_torchrun_killed_by_sigusr1_leaves_no_worker_training(tmp_path):
     with _job(_cmd(TORCHRUN, out, "trainer.steps=200")) as proc:
         _wait_for_steps(proc, out)
         os.kill(proc.pid, signal.SIGUSR1)
-        stdout, _ = proc.communicate(timeout=300)   # the workers hold stdout until they exit
+        stdout, _ = proc.communicate(timeout=300)  # the workers hold stdout until they exit
         assert proc.returncode == -signal.SIGUSR1
         deadline = time.time() + 60
         while _session(proc.pid) and time.time() < deadline:
@@ -156,11 +182,19 @@ def test_plain_torchrun_killed_by_sigusr1_leaves_no_worker_training(tmp_path):
 
 @pytest.mark.slow
 def test_input_error_is_the_workers_line_and_exit_2(tmp_path):
-    r = subprocess.run(_cmd(LAUNCH, str(tmp_path / "run"), "actor.tpp=2"), cwd=ROOT, capture_output=True,
-                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = subprocess.run(
+        _cmd(LAUNCH, str(tmp_path / "run"), "actor.tpp=2"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert r.returncode == 2, r.stderr[-3000:]
-    assert r.stderr.splitlines() == ["error: unknown config key 'actor.tpp'; did you mean actor.tp? "
-                                     "(`python -m remax_megatron.train --help` lists every key)"], r.stderr[-3000:]
+    assert r.stderr.splitlines() == [
+        "error: unknown config key 'actor.tpp'; did you mean actor.tp? "
+        "(`python -m remax_megatron.train --help` lists every key)"
+    ], r.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -181,10 +215,10 @@ def test_launcher_keeps_sigterm_and_sigusr1_for_itself():
     assert _without_ours("SIGUSR1, SIGUSR2,SIGTERM") == "SIGUSR2"
 
 
-
 def test_a_killed_rank_is_the_cause_even_when_its_peer_failed_in_the_same_poll(tmp_path):
     """The race CI hit once: rank 1 SIGKILLed, rank 0 exits 1 on "Connection reset by peer", and
     torchrun collects both; the job names the killed rank (exit 137), not the peer's exit 1."""
+
     def failure(rank, pid, exitcode):
         return ProcessFailure(local_rank=rank, pid=pid, exitcode=exitcode, error_file=str(tmp_path / "none"))
 
@@ -194,8 +228,10 @@ def test_a_killed_rank_is_the_cause_even_when_its_peer_failed_in_the_same_poll(t
     assert job_exit({1: failure(1, 101, 1), 3: failure(3, 103, 2)}) == (1, None)  # the lowest failed rank
     # rank 1 killed; the agent then stopped rank 0 (SIGTERM, or SIGKILL after its grace): rank 1 is named
     for stop in (-signal.SIGTERM, -signal.SIGKILL):
-        assert job_exit({1: failure(1, 101, -signal.SIGKILL), 0: failure(0, 100, stop)}, {100}) == \
-            (137, "error: rank 1 (pid 101) died from SIGKILL")
+        assert job_exit({1: failure(1, 101, -signal.SIGKILL), 0: failure(0, 100, stop)}, {100}) == (
+            137,
+            "error: rank 1 (pid 101) died from SIGKILL",
+        )
     # rank 0 failed on its own; rank 1, stuck in a collective, was SIGKILLed by the agent: exit 1, rank 0's line
     assert job_exit({0: failure(0, 100, 1), 1: failure(1, 101, -signal.SIGKILL)}, {101}) == (1, None)
 
@@ -212,8 +248,9 @@ def test_the_line_comes_from_a_rank_that_left_it_even_when_the_printing_rank_was
     assert not (tmp_path / "2.json").exists()  # a rank whose line is not the report leaves none
 
     def failure(rank, exitcode):
-        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode,
-                              error_file=str(tmp_path / f"{rank}.json"))
+        return ProcessFailure(
+            local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(tmp_path / f"{rank}.json")
+        )
 
     stopped = {0: failure(0, -signal.SIGTERM), 1: failure(1, 2)}
     assert job_exit(stopped, {100}) == (2, f"{line} (from 1)")
@@ -248,15 +285,32 @@ def test_a_master_port_in_use_is_one_line_naming_it(busy_port, tmp_path):
     """The launcher's rendezvous store (torchrun's agent hosts it) and a trainer started without
     torchrun (MASTER_PORT exported): exit 2 and one line naming MASTER_PORT and --master_port, not
     torch's EADDRINUSE traceback."""
-    line = (f"error: MASTER_PORT {busy_port} is already in use on this host (EADDRINUSE): another job listens "
-            "there; give this one a free port (torchrun / remax_megatron.launch --master_port=N, or MASTER_PORT=N)")
+    line = (
+        f"error: MASTER_PORT {busy_port} is already in use on this host (EADDRINUSE): another job listens "
+        "there; give this one a free port (torchrun / remax_megatron.launch --master_port=N, or MASTER_PORT=N)"
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("LOGLEVEL", None)
-    r = subprocess.run([*LAUNCH, "--nproc_per_node=1", f"--master_port={busy_port}", "-m", "json.tool", "/dev/null"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [*LAUNCH, "--nproc_per_node=1", f"--master_port={busy_port}", "-m", "json.tool", "/dev/null"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert (r.returncode, r.stderr.splitlines()) == (2, [line]), r.stderr[-3000:]
-    r = subprocess.run([sys.executable, "-c", "from remax_megatron.parallel import init_distributed\n"
-                        "try:\n    init_distributed(1)\nexcept ValueError as e:\n    print(f'error: {e}')"],
-                       cwd=ROOT, env=dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(busy_port), WORLD_SIZE="1",
-                                          RANK="0"), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from remax_megatron.parallel import init_distributed\n"
+            "try:\n    init_distributed(1)\nexcept ValueError as e:\n    print(f'error: {e}')",
+        ],
+        cwd=ROOT,
+        env=dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(busy_port), WORLD_SIZE="1", RANK="0"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.stdout.splitlines() == [line], (r.stdout + r.stderr)[-3000:]

@@ -19,12 +19,25 @@ def test_dense_models_get_the_default_options_and_refuse_replay():
         expert_options(load_config(None, [*BASE, "rollout.routing_replay=true"]), DENSE)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["actor.tp=2"], "actor.tp=2 with a mixture-of-experts model needs actor.sequence_parallel=true"),
-    (["actor.moe_dispatcher=allgather", "trainer.micro_batch_tokens=4096"], "which its allgather dispatcher refuses"),
-    (["trainer.micro_batch_tokens=4096", "trainer.pack_sequences=true", "algo.moe_aux_loss=seq_aux",
-      "actor.recompute=full"], "would not know which packed sequence"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor.tp=2"], "actor.tp=2 with a mixture-of-experts model needs actor.sequence_parallel=true"),
+        (
+            ["actor.moe_dispatcher=allgather", "trainer.micro_batch_tokens=4096"],
+            "which its allgather dispatcher refuses",
+        ),
+        (
+            [
+                "trainer.micro_batch_tokens=4096",
+                "trainer.pack_sequences=true",
+                "algo.moe_aux_loss=seq_aux",
+                "actor.recompute=full",
+            ],
+            "would not know which packed sequence",
+        ),
+    ],
+)
 def test_expert_refusals_are_one_line(overrides, message):
     with pytest.raises(ValueError, match=message):
         expert_options(load_config(None, [*BASE, *overrides]), MOE)

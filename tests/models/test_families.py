@@ -16,22 +16,31 @@ from remax_megatron.models.hf_config import check_run_length, read_hf_config
 from tests._dist import run_distributed
 from tools.make_tiny_model import make_tiny_model
 
-BUILTIN = {"llama": ["LlamaForCausalLM", "LlamaForSequenceClassification"],
-           "qwen2": ["Qwen2ForCausalLM", "Qwen2ForSequenceClassification"],
-           "qwen3": ["Qwen3ForCausalLM", "Qwen3ForSequenceClassification"],
-           "mistral": ["MistralForCausalLM", "MistralForSequenceClassification"],
-           "qwen3_moe": ["Qwen3MoeForCausalLM"], "mixtral": ["MixtralForCausalLM"]}
+BUILTIN = {
+    "llama": ["LlamaForCausalLM", "LlamaForSequenceClassification"],
+    "qwen2": ["Qwen2ForCausalLM", "Qwen2ForSequenceClassification"],
+    "qwen3": ["Qwen3ForCausalLM", "Qwen3ForSequenceClassification"],
+    "mistral": ["MistralForCausalLM", "MistralForSequenceClassification"],
+    "qwen3_moe": ["Qwen3MoeForCausalLM"],
+    "mixtral": ["MixtralForCausalLM"],
+}
 
 # family, options, tie, reward: the shapes the parameter count is checked on
-SHAPES = [("llama", {}, True, False), ("llama", {}, False, True), ("qwen2", {}, False, False),
-          ("qwen3", {"head_dim": 32}, False, False), ("qwen3", {}, True, False), ("qwen3", {}, False, True),
-          ("mistral", {"head_dim": 8, "sliding_window": 128}, False, False),
-          ("qwen3_moe", {"experts": 4, "top_k": 2}, False, False), ("mixtral", {"experts": 3, "top_k": 2}, True, False)]
+SHAPES = [
+    ("llama", {}, True, False),
+    ("llama", {}, False, True),
+    ("qwen2", {}, False, False),
+    ("qwen3", {"head_dim": 32}, False, False),
+    ("qwen3", {}, True, False),
+    ("qwen3", {}, False, True),
+    ("mistral", {"head_dim": 8, "sliding_window": 128}, False, False),
+    ("qwen3_moe", {"experts": 4, "top_k": 2}, False, False),
+    ("mixtral", {"experts": 3, "top_k": 2}, True, False),
+]
 
 
 def test_registry_serves_the_builtin_families():
-    assert {f.name: sorted(f.architectures) for f in families.families()} == \
-        {k: sorted(v) for k, v in BUILTIN.items()}
+    assert {f.name: sorted(f.architectures) for f in families.families()} == {k: sorted(v) for k, v in BUILTIN.items()}
     for name, archs in BUILTIN.items():
         for arch in archs:
             family, task = families.lookup(arch, "config.json")
@@ -59,8 +68,19 @@ def test_parameter_count_matches_transformers(tmp_path, family, options, tie, re
 
     from remax_megatron import plan
 
-    path = make_tiny_model(str(tmp_path / "m"), family, hidden=32, layers=3, heads=4, kv_heads=2, ffn=48,
-                           vocab=200, tie=tie, reward=reward, **options)
+    path = make_tiny_model(
+        str(tmp_path / "m"),
+        family,
+        hidden=32,
+        layers=3,
+        heads=4,
+        kv_heads=2,
+        ffn=48,
+        vocab=200,
+        tie=tie,
+        reward=reward,
+        **options,
+    )
     arch = read_hf_config(path)
     cls = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
     hf = cls.from_pretrained(path)
@@ -77,11 +97,11 @@ def test_parameter_count_matches_transformers(tmp_path, family, options, tie, re
 
 
 def test_qwen3_and_mistral_read_their_features(tmp_path):
-    qwen3 = read_hf_config(make_tiny_model(str(tmp_path / "q"), "qwen3", hidden=64, heads=4, kv_heads=2,
-                                           head_dim=32))
+    qwen3 = read_hf_config(make_tiny_model(str(tmp_path / "q"), "qwen3", hidden=64, heads=4, kv_heads=2, head_dim=32))
     assert (qwen3.qk_layernorm, qwen3.head_dim, qwen3.qkv_bias, qwen3.sliding_window) == (True, 32, False, None)
-    mistral = read_hf_config(make_tiny_model(str(tmp_path / "m"), "mistral", hidden=64, heads=4, kv_heads=2,
-                                             sliding_window=96))
+    mistral = read_hf_config(
+        make_tiny_model(str(tmp_path / "m"), "mistral", hidden=64, heads=4, kv_heads=2, sliding_window=96)
+    )
     assert (mistral.qk_layernorm, mistral.head_dim, mistral.sliding_window) == (False, 16, 96)
 
 
@@ -98,14 +118,16 @@ def test_attention_bias_is_refused(tmp_path, family):
 
 
 def test_sliding_window_shorter_than_the_run_is_refused(tmp_path):
-    arch = read_hf_config(make_tiny_model(str(tmp_path / "m"), "mistral", hidden=32, heads=2, kv_heads=1,
-                                          sliding_window=96))
+    arch = read_hf_config(
+        make_tiny_model(str(tmp_path / "m"), "mistral", hidden=32, heads=2, kv_heads=1, sliding_window=96)
+    )
     check_run_length(arch, 96, "actor.model m", "prompt + response")  # every sequence inside the window: runs
     with pytest.raises(ValueError) as refused:
         check_run_length(arch, 97, "actor.model m", "data.max_prompt_tokens(33) + rollout.max_new_tokens(64)")
     line = str(refused.value)
-    assert line.startswith("data.max_prompt_tokens(33) + rollout.max_new_tokens(64) = 97 is longer than actor.model "
-                           "m's sliding_window=96"), line
+    assert line.startswith(
+        "data.max_prompt_tokens(33) + rollout.max_new_tokens(64) = 97 is longer than actor.model m's sliding_window=96"
+    ), line
     # Qwen-style: a window configured but no layer using it (use_sliding_window=false) is full attention.
     path = make_tiny_model(str(tmp_path / "q"), "qwen3", hidden=32, heads=2, kv_heads=1)
     config = json.load(open(f"{path}/config.json"))
@@ -121,8 +143,22 @@ def test_make_tiny_model_cli_builds_every_family(tmp_path, capsys):
         out = tmp_path / family
         cli.main(["--family", family, "--out", str(out), "--hidden", "32", "--heads", "2", "--kv-heads", "1"])
         assert read_hf_config(str(out)).family == family
-    cli.main(["--family", "qwen3", "--out", str(tmp_path / "q"), "--hidden", "32", "--heads", "2", "--kv-heads", "1",
-              "--head-dim", "64"])
+    cli.main(
+        [
+            "--family",
+            "qwen3",
+            "--out",
+            str(tmp_path / "q"),
+            "--hidden",
+            "32",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--head-dim",
+            "64",
+        ]
+    )
     assert read_hf_config(str(tmp_path / "q")).head_dim == 64
     with pytest.raises(SystemExit, match="sliding_window is not an option of the qwen3 family"):
         cli.main(["--family", "qwen3", "--out", str(tmp_path / "w"), "--sliding-window", "8"])
@@ -130,11 +166,17 @@ def test_make_tiny_model_cli_builds_every_family(tmp_path, capsys):
 
 # ---- a toy family: Llama's layers under other HF names, registered by a test -------------------------
 
-_TOY_NAMES = {"input_layernorm.weight": "ln_1.weight", "self_attn.q_proj.weight": "attn.q.weight",
-              "self_attn.k_proj.weight": "attn.k.weight", "self_attn.v_proj.weight": "attn.v.weight",
-              "self_attn.o_proj.weight": "attn.out.weight", "post_attention_layernorm.weight": "ln_2.weight",
-              "mlp.gate_proj.weight": "ffn.w1.weight", "mlp.up_proj.weight": "ffn.w3.weight",
-              "mlp.down_proj.weight": "ffn.w2.weight"}
+_TOY_NAMES = {
+    "input_layernorm.weight": "ln_1.weight",
+    "self_attn.q_proj.weight": "attn.q.weight",
+    "self_attn.k_proj.weight": "attn.k.weight",
+    "self_attn.v_proj.weight": "attn.v.weight",
+    "self_attn.o_proj.weight": "attn.out.weight",
+    "post_attention_layernorm.weight": "ln_2.weight",
+    "mlp.gate_proj.weight": "ffn.w1.weight",
+    "mlp.up_proj.weight": "ffn.w3.weight",
+    "mlp.down_proj.weight": "ffn.w2.weight",
+}
 
 
 class Toy(Family):
@@ -153,18 +195,22 @@ class Toy(Family):
 
 def _toy_name(name: str) -> str:
     if name.startswith("model.layers."):
-        layer, rest = name[len("model.layers."):].split(".", 1)
+        layer, rest = name[len("model.layers.") :].split(".", 1)
         return f"transformer.h.{layer}.{_TOY_NAMES[rest]}"
-    return {"model.embed_tokens.weight": Toy.hf_embedding, "model.norm.weight": Toy.hf_final_norm,
-            "lm_head.weight": Toy.hf_lm_head}[name]
+    return {
+        "model.embed_tokens.weight": Toy.hf_embedding,
+        "model.norm.weight": Toy.hf_final_norm,
+        "lm_head.weight": Toy.hf_lm_head,
+    }[name]
 
 
 def _toy_model(tmp_path) -> tuple[str, str]:
     """(a tiny Llama directory, the same weights as a ToyForCausalLM directory)."""
     from safetensors.torch import load_file, save_file
 
-    llama = make_tiny_model(str(tmp_path / "llama"), "llama", hidden=64, layers=4, heads=4, kv_heads=2, ffn=96,
-                            vocab=300, seed=11)
+    llama = make_tiny_model(
+        str(tmp_path / "llama"), "llama", hidden=64, layers=4, heads=4, kv_heads=2, ffn=96, vocab=300, seed=11
+    )
     toy = tmp_path / "toy"
     toy.mkdir()
     tensors = load_file(f"{llama}/model.safetensors")
@@ -235,6 +281,7 @@ def test_a_registered_toy_family_loads_runs_and_exports(tmp_path):
 
 # ---- a toy MoE family: a Qwen3-MoE model whose checkpoint names its router and experts otherwise -------
 
+
 class ToyMoe(Family):
     """What a new MoE family's file holds: its architecture, the config fields it reads, its layer rules
     and its routed MLP's names (the checkpoint's; transformers' model is Qwen3-MoE's, model_type stays)."""
@@ -242,23 +289,37 @@ class ToyMoe(Family):
     name = "toy_moe"
     architectures = {"ToyMoeForCausalLM": CAUSAL_LM}
     hf_config_class = "Qwen3MoeConfig"
-    moe = MoeNames(router="moe.router.weight", expert="moe.expert_{}.", gate="wi_gate.weight", up="wi_up.weight",
-                   down="wo.weight", model_router="mlp.gate", model_gate_up="mlp.experts.gate_up_proj",
-                   model_down="mlp.experts.down_proj")
+    moe = MoeNames(
+        router="moe.router.weight",
+        expert="moe.expert_{}.",
+        gate="wi_gate.weight",
+        up="wi_up.weight",
+        down="wo.weight",
+        model_router="mlp.gate",
+        model_gate_up="mlp.experts.gate_up_proj",
+        model_down="mlp.experts.down_proj",
+    )
 
     def features(self, cfg, path):
-        return {"qk_layernorm": True, "num_experts": cfg.num_experts, "moe_ffn_hidden_size": cfg.moe_intermediate_size,
-                "moe_top_k": cfg.num_experts_per_tok, "moe_pre_softmax": not cfg.norm_topk_prob}
+        return {
+            "qk_layernorm": True,
+            "num_experts": cfg.num_experts,
+            "moe_ffn_hidden_size": cfg.moe_intermediate_size,
+            "moe_top_k": cfg.num_experts_per_tok,
+            "moe_pre_softmax": not cfg.norm_topk_prob,
+        }
 
     def layer_rules(self, arch, layer):
         return attention_rules(arch, qkv_bias=False, qk_norm=True) + moe_mlp_rules(arch, self.moe)
 
 
 # Qwen3-MoE checkpoint name -> the toy's, written out here (not derived from either family's rules)
-_TO_TOY_MOE = [(r"\.mlp\.gate\.weight$", ".moe.router.weight"),
-               (r"\.mlp\.experts\.(\d+)\.gate_proj\.", r".moe.expert_\1.wi_gate."),
-               (r"\.mlp\.experts\.(\d+)\.up_proj\.", r".moe.expert_\1.wi_up."),
-               (r"\.mlp\.experts\.(\d+)\.down_proj\.", r".moe.expert_\1.wo.")]
+_TO_TOY_MOE = [
+    (r"\.mlp\.gate\.weight$", ".moe.router.weight"),
+    (r"\.mlp\.experts\.(\d+)\.gate_proj\.", r".moe.expert_\1.wi_gate."),
+    (r"\.mlp\.experts\.(\d+)\.up_proj\.", r".moe.expert_\1.wi_up."),
+    (r"\.mlp\.experts\.(\d+)\.down_proj\.", r".moe.expert_\1.wo."),
+]
 
 
 def _toy_moe_model(tmp_path) -> tuple[str, str]:
@@ -267,8 +328,18 @@ def _toy_moe_model(tmp_path) -> tuple[str, str]:
 
     from safetensors.torch import load_file, save_file
 
-    qwen = make_tiny_model(str(tmp_path / "qwen3_moe"), "qwen3_moe", hidden=64, layers=2, heads=4, kv_heads=2, ffn=32,
-                           experts=4, top_k=2, seed=21)
+    qwen = make_tiny_model(
+        str(tmp_path / "qwen3_moe"),
+        "qwen3_moe",
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn=32,
+        experts=4,
+        top_k=2,
+        seed=21,
+    )
     toy = tmp_path / "toy_moe"
     shutil.copytree(qwen, toy)  # tokenizer, generation config
     renamed = {}
@@ -298,8 +369,9 @@ def _native_generate(model_dir, stream):
 
     engine = NativeEngine(hf_dir=model_dir, seed=0, dtype=torch.float32, device="cpu", routes=True)
     sync_weights(engine, stream, bucket_mb=0.05)
-    out = engine.generate([[5, 17, 40, 41], [9, 10]], n=2, sampling=SamplingParams(max_new_tokens=5, temperature=1.3),
-                          seeds=[1, 2])
+    out = engine.generate(
+        [[5, 17, 40, 41], [9, 10]], n=2, sampling=SamplingParams(max_new_tokens=5, temperature=1.3), seeds=[1, 2]
+    )
     rows = [(c.token_ids, c.logprobs, c.routed_experts) for r in out for c in r.sampled + [r.greedy]]
     return engine.model.state_dict(), rows
 
@@ -334,10 +406,12 @@ def test_a_registered_toy_moe_family_names_its_experts_everywhere(tmp_path, toy_
     assert plan.param_count(arch, arch.vocab_size) == plan.param_count(read_hf_config(qwen), arch.vocab_size)
 
     toy_family = families.family_named("toy_moe")
-    assert toy_family.engine_tensor("model.layers.1.moe.expert_3.wi_up.weight") == \
-        EngineTensor("model.layers.1.mlp.experts.gate_up_proj", 3, part=1, parts=2)
-    assert toy_family.engine_tensor("model.layers.0.moe.router.weight") == \
-        EngineTensor("model.layers.0.mlp.gate.weight")
+    assert toy_family.engine_tensor("model.layers.1.moe.expert_3.wi_up.weight") == EngineTensor(
+        "model.layers.1.mlp.experts.gate_up_proj", 3, part=1, parts=2
+    )
+    assert toy_family.engine_tensor("model.layers.0.moe.router.weight") == EngineTensor(
+        "model.layers.0.mlp.gate.weight"
+    )
     assert toy_family.engine_tensor("model.layers.0.mlp.experts.3.up_proj.weight") is None  # Qwen3-MoE's name
     _assert_same_engine(_native_generate(toy, hf_stream(toy)), _native_generate(qwen, hf_stream(qwen)))
 

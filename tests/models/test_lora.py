@@ -30,8 +30,17 @@ RANK, ALPHA = 4, 16.0  # scale 4: a dropped alpha/r shows
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     # tied embeddings: at PP2 the frozen embedding's (absent) grad goes through megatron's embedding all-reduce
-    return make_tiny_model(str(tmp_path_factory.mktemp("m") / "llama"), "llama", hidden=64, layers=2, heads=4,
-                           kv_heads=2, ffn=96, tie=True, seed=7)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("m") / "llama"),
+        "llama",
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn=96,
+        tie=True,
+        seed=7,
+    )
 
 
 def _trainer(world, model_dir, tp, pp, overrides=(), lora=True):
@@ -47,25 +56,47 @@ def _trainer(world, model_dir, tp, pp, overrides=(), lora=True):
     from remax_megatron.weights import load_hf_weights
 
     groups = ParallelLayout(tp=tp, pp=pp, world_size=world).initialize(seed=0)
-    cfg = load_config(None, ["reward.functions=[exact_match]", "optim.lr=1e-2", "optim.grad_clip=0",
-                             "optim.eps=1e-3", "trainer.micro_batch_size=2",
-                             *([f"actor.lora_rank={RANK}", f"actor.lora_alpha={ALPHA}"] if lora else []), *overrides])
-    actor = build_policy(read_hf_config(model_dir), tp=tp, pp=pp, init_weights=False, lora=lora_options(cfg),
-                         sequence_parallel=cfg.actor.sequence_parallel,
-                         recompute_granularity=None if cfg.actor.recompute == "none" else cfg.actor.recompute)
+    cfg = load_config(
+        None,
+        [
+            "reward.functions=[exact_match]",
+            "optim.lr=1e-2",
+            "optim.grad_clip=0",
+            "optim.eps=1e-3",
+            "trainer.micro_batch_size=2",
+            *([f"actor.lora_rank={RANK}", f"actor.lora_alpha={ALPHA}"] if lora else []),
+            *overrides,
+        ],
+    )
+    actor = build_policy(
+        read_hf_config(model_dir),
+        tp=tp,
+        pp=pp,
+        init_weights=False,
+        lora=lora_options(cfg),
+        sequence_parallel=cfg.actor.sequence_parallel,
+        recompute_granularity=None if cfg.actor.recompute == "none" else cfg.actor.recompute,
+    )
     load_hf_weights(actor, model_dir)
     ddp = wrap_ddp(actor, False)
     opt = build_optimizer(ddp, cfg.optim)
     attach_to_schedule(ddp, opt)
-    parts = SimpleNamespace(cfg=cfg, groups=groups, actor=ddp, optimizer=opt, reference=None,
-                            scheduler=build_scheduler(opt, cfg.optim, 10), kl=SimpleNamespace(coef=cfg.algo.kl_coef))
+    parts = SimpleNamespace(
+        cfg=cfg,
+        groups=groups,
+        actor=ddp,
+        optimizer=opt,
+        reference=None,
+        scheduler=build_scheduler(opt, cfg.optim, 10),
+        kl=SimpleNamespace(coef=cfg.algo.kl_coef),
+    )
     return Trainer(parts, logger=None), actor, opt
 
 
 def _local_rows(trainer, batch):
     g = trainer.groups
     rows = batch["input_ids"].shape[0] // g.dp_size
-    return {k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()}
+    return {k: v[g.dp_rank * rows : (g.dp_rank + 1) * rows] for k, v in batch.items()}
 
 
 # ---- bodies (run in every process) ----------------------------------------------------------------
@@ -115,8 +146,9 @@ def _update_body(rank, world, model_dir, tp, pp, out_path, sp=False, recompute="
     from remax_megatron.models.lora import is_adapter
     from remax_megatron.weights import export_hf_weights
 
-    trainer, actor, opt = _trainer(world, model_dir, tp, pp, [f"actor.sequence_parallel={sp}",
-                                                              f"actor.recompute={recompute}"])
+    trainer, actor, opt = _trainer(
+        world, model_dir, tp, pp, [f"actor.sequence_parallel={sp}", f"actor.recompute={recompute}"]
+    )
     assert actor.config.sequence_parallel == sp
     assert actor.config.recompute_granularity == (None if recompute == "none" else recompute)
     before = _snapshot(actor)
@@ -193,8 +225,13 @@ def _engine_body(rank, world, model_dir, out_path):
     with adapters_disabled(actor):
         base_lp = trainer.updater.logprobs(actor, batch, trainer.updater.micro_batch_plan(batch)[1])
     if rank == 0:
-        torch.save({"gap": (actor_lp - engine_lp)[mask].abs().max().item(),
-                    "adapter_effect": (actor_lp - base_lp)[mask].abs().max().item()}, out_path)
+        torch.save(
+            {
+                "gap": (actor_lp - engine_lp)[mask].abs().max().item(),
+                "adapter_effect": (actor_lp - base_lp)[mask].abs().max().item(),
+            },
+            out_path,
+        )
 
 
 def _resume_body(rank, world, model_dir, top, out_path):
@@ -299,8 +336,14 @@ def _bf16_body(rank, world, model_dir, out_path):
     from remax_megatron.weights import export_hf_weights, load_hf_weights
 
     ParallelLayout(tp=1, pp=1, world_size=world).initialize(seed=0)
-    actor = build_policy(read_hf_config(model_dir), tp=1, pp=1, init_weights=False, params_dtype=torch.bfloat16,
-                         lora=LoraOptions(rank=RANK, alpha=ALPHA))
+    actor = build_policy(
+        read_hf_config(model_dir),
+        tp=1,
+        pp=1,
+        init_weights=False,
+        params_dtype=torch.bfloat16,
+        lora=LoraOptions(rank=RANK, alpha=ALPHA),
+    )
     load_hf_weights(actor, model_dir)
     random_adapters(actor, 0)
     with torch.no_grad():
@@ -309,14 +352,19 @@ def _bf16_body(rank, world, model_dir, out_path):
                 p.mul_(0.02)  # a small update, as after a few steps: bf16 rounding of W would eat it
     exported = dict(export_hf_weights(actor, dtype=torch.bfloat16))
     module = lora_modules(actor)["decoder.layers.0.self_attention.linear_proj.weight"]
-    ref = (module.weight.double() + ALPHA / RANK * module.lora_B.double() @ module.lora_A.double())
+    ref = module.weight.double() + ALPHA / RANK * module.lora_B.double() @ module.lora_A.double()
     bf16_merge = module.weight + ALPHA / RANK * (module.lora_B @ module.lora_A)  # all in bf16
     got = exported["model.layers.0.self_attn.o_proj.weight"]
-    torch.save({"exact": (got.double() - ref.to(torch.bfloat16).double()).abs().max().item(),
-                "update": (got.double() - module.weight.double()).abs().max().item(),
-                # elements that differ from the fp64 merge rounded once (fp32 merge: none)
-                "bf16_merge_off": (bf16_merge != ref.to(torch.bfloat16)).sum().item(), "numel": got.numel()},
-               out_path)
+    torch.save(
+        {
+            "exact": (got.double() - ref.to(torch.bfloat16).double()).abs().max().item(),
+            "update": (got.double() - module.weight.double()).abs().max().item(),
+            # elements that differ from the fp64 merge rounded once (fp32 merge: none)
+            "bf16_merge_off": (bf16_merge != ref.to(torch.bfloat16)).sum().item(),
+            "numel": got.numel(),
+        },
+        out_path,
+    )
 
 
 def _moe_body(rank, world, moe_dir, out_path):
@@ -330,10 +378,17 @@ def _moe_body(rank, world, moe_dir, out_path):
     ParallelLayout(tp=1, pp=1, world_size=world).initialize(seed=0)
     arch = read_hf_config(moe_dir)
     with pytest.raises(ValueError, match="is a MoE expert"):
-        build_policy(arch, tp=1, pp=1, init_weights=False, experts=ExpertOptions(),
-                     lora=LoraOptions(rank=RANK, alpha=ALPHA))
-    lora = build_policy(arch, tp=1, pp=1, init_weights=False, experts=ExpertOptions(),
-                        lora=LoraOptions(rank=RANK, alpha=ALPHA, targets=("linear_qkv", "linear_proj")))
+        build_policy(
+            arch, tp=1, pp=1, init_weights=False, experts=ExpertOptions(), lora=LoraOptions(rank=RANK, alpha=ALPHA)
+        )
+    lora = build_policy(
+        arch,
+        tp=1,
+        pp=1,
+        init_weights=False,
+        experts=ExpertOptions(),
+        lora=LoraOptions(rank=RANK, alpha=ALPHA, targets=("linear_qkv", "linear_proj")),
+    )
     base = build_policy(arch, tp=1, pp=1, init_weights=False, experts=ExpertOptions())
     for m in (lora, base):
         load_hf_weights(m, moe_dir)
@@ -359,8 +414,19 @@ def launched(model_dir, tmp_path_factory):
     for world in (1, 2):
         cases[world][f"init-{world}"] = (_init_body, (model_dir, out(f"init-{world}")))
     cases[1]["bf16"] = (_bf16_body, (model_dir, out("bf16")))
-    moe_dir = make_tiny_model(os.path.join(top, "moe"), "qwen3_moe", hidden=64, layers=2, heads=4, kv_heads=2,
-                              ffn=32, vocab=300, experts=4, top_k=2, seed=10)
+    moe_dir = make_tiny_model(
+        os.path.join(top, "moe"),
+        "qwen3_moe",
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn=32,
+        vocab=300,
+        experts=4,
+        top_k=2,
+        seed=10,
+    )
     cases[1]["moe"] = (_moe_body, (moe_dir, out("moe")))
     for tp, pp, dp in UPDATE_LAYOUTS:
         name = f"update-{tp}{pp}{dp}"
@@ -415,9 +481,11 @@ def test_update_across_layouts_equals_world_one_and_moves_only_adapters(launched
             for key in ("loss", "grad_norm"):
                 assert abs(other["stats"][k][key] - base["stats"][k][key]) < 1e-5, (name, k, key)
         worst = max((other["weights"][n] - base["weights"][n]).abs().max().item() for n in base["weights"])
-        print(f"lora {name}: merged weights vs world 1 {worst:.2e}, loss "
-              f"{[abs(other['stats'][k]['loss'] - base['stats'][k]['loss']) for k in range(2)]}, grad norm "
-              f"{[abs(other['stats'][k]['grad_norm'] - base['stats'][k]['grad_norm']) for k in range(2)]}")
+        print(
+            f"lora {name}: merged weights vs world 1 {worst:.2e}, loss "
+            f"{[abs(other['stats'][k]['loss'] - base['stats'][k]['loss']) for k in range(2)]}, grad norm "
+            f"{[abs(other['stats'][k]['grad_norm'] - base['stats'][k]['grad_norm']) for k in range(2)]}"
+        )
         assert worst < 1e-5, (name, worst)
     assert base["stats"][1]["grad_norm"] > 0
 
@@ -461,15 +529,18 @@ def test_converter_exports_the_merged_weights_of_a_lora_checkpoint(launched):
     assert out["worst"][2] == 0.0 and out["worst"][1] < 1e-6, out
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["actor.lora_targets=[linear_qkv,q_proj]"], "is not one of linear_qkv"),
-    (["actor.lora_rank=-1"], "actor.lora_rank=-1 must be >= 0"),
-    (["actor.lora_alpha=0"], "actor.lora_alpha=0.0 must be > 0"),
-    (["actor.lora_dropout=1.5"], r"actor.lora_dropout=1.5 must be in \[0, 1\)"),
-    (["actor.lora_dropout=0.1", "actor.tp=2"], "set actor.lora_dropout=0 or actor.sequence_parallel=true"),
-    (["actor.lora_targets=[]"], "is empty"),
-    (["reference.model=/x"], "unset reference.model"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["actor.lora_targets=[linear_qkv,q_proj]"], "is not one of linear_qkv"),
+        (["actor.lora_rank=-1"], "actor.lora_rank=-1 must be >= 0"),
+        (["actor.lora_alpha=0"], "actor.lora_alpha=0.0 must be > 0"),
+        (["actor.lora_dropout=1.5"], r"actor.lora_dropout=1.5 must be in \[0, 1\)"),
+        (["actor.lora_dropout=0.1", "actor.tp=2"], "set actor.lora_dropout=0 or actor.sequence_parallel=true"),
+        (["actor.lora_targets=[]"], "is empty"),
+        (["reference.model=/x"], "unset reference.model"),
+    ],
+)
 def test_bad_lora_config_is_one_line(overrides, message):
     from remax_megatron.config import load_config
 
@@ -497,7 +568,7 @@ def test_what_transformer_engine_would_run_is_refused_or_avoided(monkeypatch):
     from remax_megatron.models import arch
 
     monkeypatch.setattr(startup, "transformer_engine_usable", lambda: True)
-    monkeypatch.setattr(arch, "transformer_engine_usable", lambda: True)   # expert_options' (its owner's)
+    monkeypatch.setattr(arch, "transformer_engine_usable", lambda: True)  # expert_options' (its owner's)
     base = ["reward.functions=[exact_match]", "actor.lora_rank=4"]
     dense = SimpleNamespace(is_moe=False, architecture="LlamaForCausalLM")
     moe = SimpleNamespace(is_moe=True, architecture="MixtralForCausalLM")
@@ -538,8 +609,14 @@ def _vllm_body(rank, world, model_dir, out_path):
 
     trainer, actor, _ = _trainer(world, model_dir, world, 1)
     random_adapters(actor, trainer.groups.tp_rank)
-    engine = build_engine(RolloutConfig(engine="vllm", tp=1, kv_cache_gib=0.05), hf_dir=model_dir,
-                          arch=actor.arch, seed=0, dtype=torch.float32, max_model_len=64)
+    engine = build_engine(
+        RolloutConfig(engine="vllm", tp=1, kv_cache_gib=0.05),
+        hf_dir=model_dir,
+        arch=actor.arch,
+        seed=0,
+        dtype=torch.float32,
+        max_model_len=64,
+    )
     WeightSync(engine, actor, bucket_mb=0.05, groups=trainer.groups)()
     batch = _batch()
     batch["labels"][:, -1] = -100  # the engine scores tokens 1.. of each row
@@ -550,8 +627,13 @@ def _vllm_body(rank, world, model_dir, out_path):
     engine_lp = engine_score(engine, batch["input_ids"], batch["labels"])
     mask = batch["labels"] != -100
     if rank == 0:
-        torch.save({"gap": (actor_lp - engine_lp)[mask].abs().max().item(),
-                    "adapter_effect": (actor_lp - base_lp)[mask].abs().max().item()}, out_path)
+        torch.save(
+            {
+                "gap": (actor_lp - engine_lp)[mask].abs().max().item(),
+                "adapter_effect": (actor_lp - base_lp)[mask].abs().max().item(),
+            },
+            out_path,
+        )
 
 
 @pytest.mark.slow
@@ -560,8 +642,9 @@ def test_vllm_engine_after_sync_from_tp2_lora_actor(tmp_path):
     from tests._dist import run_distributed
 
     # head size 32: vLLM's CPU attention runs it (16 it refuses)
-    model_dir = make_tiny_model(str(tmp_path / "llama"), "llama", hidden=128, layers=2, heads=4, kv_heads=2,
-                                ffn=96, tie=True, seed=5)
+    model_dir = make_tiny_model(
+        str(tmp_path / "llama"), "llama", hidden=128, layers=2, heads=4, kv_heads=2, ffn=96, tie=True, seed=5
+    )
     out_path = str(tmp_path / "vllm.pt")
     run_distributed(_vllm_body, world_size=2, args=(model_dir, out_path))
     out = torch.load(out_path)

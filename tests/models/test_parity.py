@@ -26,30 +26,108 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     return {
         # Llama: tied embeddings, GQA 4 heads / 2 kv heads, vocab 104 (chars only).
-        "llama": make_tiny_model(str(root / "llama"), "llama", hidden=64, layers=4, heads=4, kv_heads=2,
-                                 ffn=96, tie=True, seed=1),
+        "llama": make_tiny_model(
+            str(root / "llama"), "llama", hidden=64, layers=4, heads=4, kv_heads=2, ffn=96, tie=True, seed=1
+        ),
         # Qwen2: untied, qkv bias, GQA, vocab 300 (not a multiple of 128 * tp).
-        "qwen2": make_tiny_model(str(root / "qwen2"), "qwen2", hidden=64, layers=4, heads=4, kv_heads=2,
-                                 ffn=96, vocab=300, rope_theta=1e6, seed=2),
+        "qwen2": make_tiny_model(
+            str(root / "qwen2"),
+            "qwen2",
+            hidden=64,
+            layers=4,
+            heads=4,
+            kv_heads=2,
+            ffn=96,
+            vocab=300,
+            rope_theta=1e6,
+            seed=2,
+        ),
         # Qwen3: q/k norms per head, head_dim 32 != hidden / heads (16), untied; and a tied one.
-        "qwen3": make_tiny_model(str(root / "qwen3"), "qwen3", hidden=64, layers=4, heads=4, kv_heads=2,
-                                 ffn=96, vocab=300, head_dim=32, rope_theta=1e6, seed=5),
-        "qwen3-tied": make_tiny_model(str(root / "qwen3-tied"), "qwen3", hidden=64, layers=4, heads=4,
-                                      kv_heads=2, ffn=96, tie=True, seed=6),
+        "qwen3": make_tiny_model(
+            str(root / "qwen3"),
+            "qwen3",
+            hidden=64,
+            layers=4,
+            heads=4,
+            kv_heads=2,
+            ffn=96,
+            vocab=300,
+            head_dim=32,
+            rope_theta=1e6,
+            seed=5,
+        ),
+        "qwen3-tied": make_tiny_model(
+            str(root / "qwen3-tied"), "qwen3", hidden=64, layers=4, heads=4, kv_heads=2, ffn=96, tie=True, seed=6
+        ),
         # Mistral: a sliding window longer than every sequence here (the same as full attention).
-        "mistral": make_tiny_model(str(root / "mistral"), "mistral", hidden=64, layers=4, heads=4, kv_heads=2,
-                                   ffn=96, vocab=300, head_dim=32, sliding_window=64, seed=7),
-        "rm": make_tiny_model(str(root / "rm"), "qwen2", hidden=64, layers=4, heads=4, kv_heads=2,
-                              ffn=96, vocab=300, reward=True, seed=3),
+        "mistral": make_tiny_model(
+            str(root / "mistral"),
+            "mistral",
+            hidden=64,
+            layers=4,
+            heads=4,
+            kv_heads=2,
+            ffn=96,
+            vocab=300,
+            head_dim=32,
+            sliding_window=64,
+            seed=7,
+        ),
+        "rm": make_tiny_model(
+            str(root / "rm"), "qwen2", hidden=64, layers=4, heads=4, kv_heads=2, ffn=96, vocab=300, reward=True, seed=3
+        ),
         # MoE: 4 experts of width 32, 2 per token; Qwen3-MoE renormalises the top-k (norm_topk_prob)
-        "qwen3_moe": make_tiny_model(str(root / "qwen3_moe"), "qwen3_moe", hidden=64, layers=4, heads=4,
-                                     kv_heads=2, ffn=32, vocab=300, experts=4, top_k=2, seed=10),
-        "mixtral": make_tiny_model(str(root / "mixtral"), "mixtral", hidden=64, layers=4, heads=4, kv_heads=2,
-                                   ffn=32, vocab=300, experts=4, top_k=2, seed=11),
-        "rm-qwen3": make_tiny_model(str(root / "rm-qwen3"), "qwen3", hidden=64, layers=4, heads=4, kv_heads=2,
-                                    ffn=96, vocab=300, head_dim=32, reward=True, seed=8),
-        "rm-mistral": make_tiny_model(str(root / "rm-mistral"), "mistral", hidden=64, layers=4, heads=4,
-                                      kv_heads=2, ffn=96, vocab=300, reward=True, seed=9),
+        "qwen3_moe": make_tiny_model(
+            str(root / "qwen3_moe"),
+            "qwen3_moe",
+            hidden=64,
+            layers=4,
+            heads=4,
+            kv_heads=2,
+            ffn=32,
+            vocab=300,
+            experts=4,
+            top_k=2,
+            seed=10,
+        ),
+        "mixtral": make_tiny_model(
+            str(root / "mixtral"),
+            "mixtral",
+            hidden=64,
+            layers=4,
+            heads=4,
+            kv_heads=2,
+            ffn=32,
+            vocab=300,
+            experts=4,
+            top_k=2,
+            seed=11,
+        ),
+        "rm-qwen3": make_tiny_model(
+            str(root / "rm-qwen3"),
+            "qwen3",
+            hidden=64,
+            layers=4,
+            heads=4,
+            kv_heads=2,
+            ffn=96,
+            vocab=300,
+            head_dim=32,
+            reward=True,
+            seed=8,
+        ),
+        "rm-mistral": make_tiny_model(
+            str(root / "rm-mistral"),
+            "mistral",
+            hidden=64,
+            layers=4,
+            heads=4,
+            kv_heads=2,
+            ffn=96,
+            vocab=300,
+            reward=True,
+            seed=9,
+        ),
     }
 
 
@@ -70,7 +148,9 @@ def launched(models, tmp_path_factory):
         for tp, pp, ep, world in MOE_LAYOUTS:
             for dispatcher in DISPATCHERS:
                 cases[world][f"moe-{name}-{tp}{pp}{ep}-{dispatcher}"] = (
-                    _moe_body, (models[name], tp, pp, ep, dispatcher, logits[name]))
+                    _moe_body,
+                    (models[name], tp, pp, ep, dispatcher, logits[name]),
+                )
     for name in REWARD_MODELS:
         for tp, pp in LAYOUTS:
             cases[tp * pp][f"{name}-{tp}-{pp}"] = (_rm_body, (models[name], tp, pp, scores[name]))
@@ -134,8 +214,14 @@ def _actor_body(rank, world, model_dir, tp, pp, expected, sp=False):
         logprobs, entropy = m.token_logprobs(hidden, batch["labels"], temperature=0.7, with_entropy=True)
         return m.full_logits(hidden)[:, :S], logprobs[:, :S], entropy[:, :S]
 
-    out = forward_only(model, [{"input_ids": ids[:2], "labels": labels[:2]},
-                               {"input_ids": ids[2:].expand(2, -1), "labels": labels[2:].expand(2, -1)}], head)
+    out = forward_only(
+        model,
+        [
+            {"input_ids": ids[:2], "labels": labels[:2]},
+            {"input_ids": ids[2:].expand(2, -1), "labels": labels[2:].expand(2, -1)},
+        ],
+        head,
+    )
     if model.post_process:
         logits = torch.cat([out[0][0], out[1][0][:1]])
         assert logits.shape == expected.shape, (logits.shape, expected.shape)
@@ -175,15 +261,17 @@ def _moe_body(rank, world, model_dir, tp, pp, ep, dispatcher, expected):
     etp = 1 if ep > 1 else tp
     ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize()
     arch = read_hf_config(model_dir)
-    model = build_policy(arch, tp=tp, pp=pp, sequence_parallel=tp > 1,
-                         experts=ExpertOptions(ep=ep, etp=etp, dispatcher=dispatcher))
+    model = build_policy(
+        arch, tp=tp, pp=pp, sequence_parallel=tp > 1, experts=ExpertOptions(ep=ep, etp=etp, dispatcher=dispatcher)
+    )
     load_hf_weights(model, model_dir)
     ids = _inputs(arch.vocab_size)
     S = ids.shape[1]
     if tp > 1:
         ids, _ = _sp_pad(ids, None, fill=5)
-    (logits,) = forward_only(model, [{"input_ids": ids}], lambda m, hidden, batch: m.full_logits(hidden)[:, :S]) \
-        or (None,)
+    (logits,) = forward_only(model, [{"input_ids": ids}], lambda m, hidden, batch: m.full_logits(hidden)[:, :S]) or (
+        None,
+    )
     if logits is not None:
         err = (logits - expected).abs().max().item()
         assert err < 1e-5, f"{arch.architecture} tp={tp} pp={pp} ep={ep} {dispatcher}: max |logits - HF| = {err}"
@@ -227,8 +315,11 @@ def _rm_body(rank, world, model_dir, tp, pp, expected, sp=False):
     if sp:
         ids, _ = _sp_pad(ids, None, fill=arch.pad_token_id)
     positions = model.score_positions(ids, lengths, arch.pad_token_id)
-    out = forward_only(model, [{"input_ids": ids, "positions": positions}],
-                       lambda m, values, batch: m.scores(values, batch["positions"]))
+    out = forward_only(
+        model,
+        [{"input_ids": ids, "positions": positions}],
+        lambda m, values, batch: m.scores(values, batch["positions"]),
+    )
     scores = broadcast_from_last_stage(out[0] if out else None, (ids.shape[0],), torch.float32)
     err = (scores - expected).abs().max().item()
     assert err < 1e-5, f"tp={tp} pp={pp}: max |score - transformers| = {err}"
@@ -286,13 +377,29 @@ def _llama3_rope_case(top):
 
     from transformers import AutoModelForCausalLM
 
-    path = make_tiny_model(str(top / "llama3"), "llama", hidden=128, layers=2, heads=2, kv_heads=2, ffn=96,
-                           rope_theta=500000.0, max_positions=16384, seed=4)
+    path = make_tiny_model(
+        str(top / "llama3"),
+        "llama",
+        hidden=128,
+        layers=2,
+        heads=2,
+        kv_heads=2,
+        ffn=96,
+        rope_theta=500000.0,
+        max_positions=16384,
+        seed=4,
+    )
     with open(f"{path}/config.json") as f:
         config = json.load(f)
     plain = dict(config)
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     config["rope_parameters"] = rope
     config["rope_scaling"] = rope
     with open(f"{path}/config.json", "w") as f:
@@ -349,19 +456,19 @@ def _packed_body(rank, world, model_dir, sequences, expected):
     width = max(PACKED_LENGTHS)
     ids = torch.zeros(3, width, dtype=torch.long)
     for i, seq in enumerate(sequences):
-        ids[i, :len(seq)] = seq
+        ids[i, : len(seq)] = seq
     batch = {"input_ids": ids, "labels": torch.full_like(ids, -100), "lengths": torch.tensor(PACKED_LENGTHS)}
     row = sum(PACKED_LENGTHS)
     mb = assemble(batch, MicroBatch([0, 1, 2], width, bins=[[0, 1, 2]], row_width=row), "mask")
     assert mb["input_ids"].shape == (1, row)
 
     def head(m, hidden, micro):
-        logits = m.full_logits(hidden)                                     # [1, row, vocab]
+        logits = m.full_logits(hidden)  # [1, row, vocab]
         return torch.stack([to_sequences(micro, logits[..., v]) for v in range(logits.shape[-1])], -1)
 
-    (logits,) = forward_only(model, [mb], head, inputs=model_inputs)       # [3, width, vocab]
+    (logits,) = forward_only(model, [mb], head, inputs=model_inputs)  # [3, width, vocab]
     for i, (seq, ref) in enumerate(zip(sequences, expected)):
-        err = (logits[i, :len(seq)] - ref).abs().max().item()
+        err = (logits[i, : len(seq)] - ref).abs().max().item()
         assert err < 1e-5, f"sequence {i} of the packed row: max |logits - transformers| = {err}"
 
 

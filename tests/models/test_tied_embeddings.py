@@ -83,8 +83,18 @@ def _tied_body(rank, world, model_dir, tp, pp):
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """Both layouts in one launch of 2 processes."""
-    model_dir = make_tiny_model(str(tmp_path_factory.mktemp("tied") / "llama"), "llama", hidden=64, layers=2,
-                                heads=4, kv_heads=2, ffn=96, vocab=300, tie=True, seed=12)
+    model_dir = make_tiny_model(
+        str(tmp_path_factory.mktemp("tied") / "llama"),
+        "llama",
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn=96,
+        vocab=300,
+        tie=True,
+        seed=12,
+    )
     cases = {2: {name: (_tied_body, (model_dir, tp, pp)) for name, (tp, pp) in LAYOUTS.items()}}
     return SharedLaunches(cases, str(tmp_path_factory.mktemp("launches")))
 

@@ -18,8 +18,9 @@ def test_forward_flops_match_torch_flop_counter(tmp_path, family, head_dim):
     from remax_megatron.flops import forward_flops
     from remax_megatron.models import read_hf_config
 
-    model_dir = make_tiny_model(str(tmp_path / "m"), family, hidden=64, layers=3, heads=4, kv_heads=2, ffn=96,
-                                vocab=300, seed=0)
+    model_dir = make_tiny_model(
+        str(tmp_path / "m"), family, hidden=64, layers=3, heads=4, kv_heads=2, ffn=96, vocab=300, seed=0
+    )
     if head_dim:
         with open(f"{model_dir}/config.json") as f:
             config = json.load(f)
@@ -28,8 +29,7 @@ def test_forward_flops_match_torch_flop_counter(tmp_path, family, head_dim):
             json.dump(config, f)
     arch = read_hf_config(model_dir)
     assert arch.num_heads * arch.head_dim == (4 * head_dim if head_dim else 64)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir),
-                                             attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), attn_implementation="eager").eval()
     total = 0
     for s in (16, 5):
         with torch.no_grad(), FlopCounterMode(display=False) as counter:

@@ -13,10 +13,10 @@ from remax_megatron.reward.functions import last_number
 
 
 def test_builtins():
-    fns = RewardFunctions(["exact_match", "numeric_match", "format", "length_penalty"],
-                          options={"limit": 4})
-    total, parts = fns(["p"] * 4, ["7", " 7 ", "the answer is 1,234.0", "12345678"],
-                       {"answer": ["7", "8", "1234", "x"]}, [0, 1, 2, 3])
+    fns = RewardFunctions(["exact_match", "numeric_match", "format", "length_penalty"], options={"limit": 4})
+    total, parts = fns(
+        ["p"] * 4, ["7", " 7 ", "the answer is 1,234.0", "12345678"], {"answer": ["7", "8", "1234", "x"]}, [0, 1, 2, 3]
+    )
     assert parts["exact_match"] == [1.0, 0.0, 0.0, 0.0]
     assert parts["numeric_match"] == [1.0, 0.0, 1.0, 0.0]
     assert parts["format"] == [1.0, 1.0, 0.0, 1.0]
@@ -56,11 +56,14 @@ def test_user_function_by_dotted_path_gets_columns():
     assert total == [1.5, 1.5] and seen == {"answer": ["1", "2"], "level": [3, 4]}
 
 
-@pytest.mark.parametrize("fn,message", [
-    ("raises", "'{m}:raises' raised ZeroDivisionError: division by zero (on prompt 11)"),
-    ("nan", "'{m}:nan' returned nan for prompt 11"),
-    ("short", "'{m}:short' returned 1 values for 2 responses"),
-])
+@pytest.mark.parametrize(
+    "fn,message",
+    [
+        ("raises", "'{m}:raises' raised ZeroDivisionError: division by zero (on prompt 11)"),
+        ("nan", "'{m}:nan' returned nan for prompt 11"),
+        ("short", "'{m}:short' returned 1 values for 2 responses"),
+    ],
+)
 def test_bad_reward_function_names_function_and_prompt(fn, message):
     name = _user_module()
     fns = RewardFunctions([f"{name}:{fn}"])
@@ -69,11 +72,14 @@ def test_bad_reward_function_names_function_and_prompt(fn, message):
     assert message.format(m=name) in str(e.value)
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("no_such_builtin", "is not built in"),
-    ("no.such.module:fn", "cannot import no.such.module"),
-    ("json:nothing_here", "has no callable 'nothing_here'"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("no_such_builtin", "is not built in"),
+        ("no.such.module:fn", "cannot import no.such.module"),
+        ("json:nothing_here", "has no callable 'nothing_here'"),
+    ],
+)
 def test_unresolvable_reward_paths(spec, message):
     with pytest.raises(ValueError, match=message):
         RewardFunctions([spec])
@@ -89,10 +95,14 @@ def test_greedy_scored_by_same_reward_and_duplicates_scored_once():
     name = _user_module()
     sys.modules[name].counting = counting
     scorer = RewardScorer(RewardFunctions([f"{name}:counting"]))
-    responses = [[([5], "5"), ([6], "6"), ([5], "5")],      # sample, sample, greedy (= first sample)
-                 [([1], "1"), ([1], "1"), ([2], "2")]]
-    prompts = [Prompt(index=0, text="a", token_ids=[0], columns={"answer": "5"}),
-               Prompt(index=1, text="b", token_ids=[0], columns={"answer": "2"})]
+    responses = [
+        [([5], "5"), ([6], "6"), ([5], "5")],  # sample, sample, greedy (= first sample)
+        [([1], "1"), ([1], "1"), ([2], "2")],
+    ]
+    prompts = [
+        Prompt(index=0, text="a", token_ids=[0], columns={"answer": "5"}),
+        Prompt(index=1, text="b", token_ids=[0], columns={"answer": "2"}),
+    ]
     scores, metrics = scorer.score(prompts, responses)
     assert scores == [[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]]
     assert sorted(calls) == sorted(["5", "6", "1", "2"]) and metrics["reward/unique_scored"] == 4
@@ -112,6 +122,7 @@ def test_adaptive_kl_controller_matches_formula():
 
 # ---- TRL's reward-function convention --------------------------------------------------------------------------
 
+
 def _trl(name):
     return f"tests.reward.trl_rewards:{name}"
 
@@ -122,8 +133,15 @@ def test_trl_functions_get_keywords_and_chat_completions_as_trl_gives_them():
     trl_rewards.calls.clear()
     messages = [[{"role": "user", "content": "2+3?"}], [{"role": "user", "content": "7*6?"}]]
     fns = RewardFunctions([_trl("accuracy"), _trl("short")])
-    total, parts = fns(["<templated 2+3?>", "<templated 7*6?>"], ["5", "41"], {"answer": ["5", "42"], "level": [1, 2]},
-                       [0, 1], raw_prompts=messages, completion_ids=[[9], [8, 7]], chat=True)
+    total, parts = fns(
+        ["<templated 2+3?>", "<templated 7*6?>"],
+        ["5", "41"],
+        {"answer": ["5", "42"], "level": [1, 2]},
+        [0, 1],
+        raw_prompts=messages,
+        completion_ids=[[9], [8, 7]],
+        chat=True,
+    )
     (call,) = trl_rewards.calls
     assert call["completions"] == [[{"role": "assistant", "content": "5"}], [{"role": "assistant", "content": "41"}]]
     assert call["prompts"] == messages and call["completion_ids"] == [[9], [8, 7]]
@@ -157,10 +175,13 @@ def test_conventions_and_required_columns_come_from_the_signature():
     assert required_columns(mine) == ["answer", "level"]
 
 
-@pytest.mark.parametrize("name,message", [
-    ("one_value", "returned 1 values for 2 responses at start-up (called on the first 2 rows of d.jsonl"),
-    ("text_values", "returned '1.0' (str), not a number at start-up"),
-])
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        ("one_value", "returned 1 values for 2 responses at start-up (called on the first 2 rows of d.jsonl"),
+        ("text_values", "returned '1.0' (str), not a number at start-up"),
+    ],
+)
 def test_the_start_up_call_refuses_a_wrong_count_or_type_naming_the_contract(name, message):
     from remax_megatron.reward.functions import CONTRACT, RewardBatch
 

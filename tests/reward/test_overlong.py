@@ -6,11 +6,17 @@ import pytest
 from remax_megatron.reward.overlong import overlong_shaping, shape_rewards
 
 
-@pytest.mark.parametrize("length,want", [
-    (1, 0.0), (12, 0.0),            # up to max_new_tokens - buffer = 12: no penalty
-    (13, -0.5 * 1 / 4), (14, -0.5 * 2 / 4), (15, -0.5 * 3 / 4),
-    (16, -0.5),                     # at the limit: the whole penalty
-])
+@pytest.mark.parametrize(
+    "length,want",
+    [
+        (1, 0.0),
+        (12, 0.0),  # up to max_new_tokens - buffer = 12: no penalty
+        (13, -0.5 * 1 / 4),
+        (14, -0.5 * 2 / 4),
+        (15, -0.5 * 3 / 4),
+        (16, -0.5),  # at the limit: the whole penalty
+    ],
+)
 def test_overlong_shaping_is_linear_over_the_buffer(length, want):
     assert overlong_shaping(length, max_new_tokens=16, buffer=4, penalty=0.5) == pytest.approx(want, abs=1e-15)
 

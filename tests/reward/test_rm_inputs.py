@@ -43,8 +43,9 @@ def test_differences_leave_the_fast_path():
 def test_template_frame_recovers_the_user_message():
     actor = build_tokenizer()
     frame = TemplateFrame(actor)
-    text = actor.apply_chat_template([{"role": "user", "content": "2+3= ?"}], tokenize=False,
-                                     add_generation_prompt=True)
+    text = actor.apply_chat_template(
+        [{"role": "user", "content": "2+3= ?"}], tokenize=False, add_generation_prompt=True
+    )
     assert frame.user_message(text) == "2+3= ?"
     assert frame.user_message(text[3:]) == "2+3= ?"  # cut on the left (data.overlong=truncate)
     with pytest.raises(ValueError, match="does not end like the actor's chat template"):
@@ -70,12 +71,17 @@ def test_the_rm_reads_the_whole_conversation_of_a_chat_prompt():
     """A message-list prompt (system turn included) reaches the RM's template as the same conversation
     plus the response as the assistant turn: what rm_tokenizer.apply_chat_template would make of it."""
     actor, rm = build_tokenizer(), other_tokenizer()
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3= ?"},
-                {"role": "assistant", "content": "Let me see."}, {"role": "user", "content": "Well?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+3= ?"},
+        {"role": "assistant", "content": "Let me see."},
+        {"role": "user", "content": "Well?"},
+    ]
     text = actor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     inputs = RewardModelInputs(actor, rm, chat_template=True)
-    [ids] = inputs.sequences([actor(text, add_special_tokens=False)["input_ids"]], [text],
-                             [(0, actor("5")["input_ids"], "5")], [messages])
+    [ids] = inputs.sequences(
+        [actor(text, add_special_tokens=False)["input_ids"]], [text], [(0, actor("5")["input_ids"], "5")], [messages]
+    )
     expected = rm.apply_chat_template([*messages, {"role": "assistant", "content": "5"}])["input_ids"]
     assert ids == expected, rm.decode(ids)
 
@@ -86,7 +92,8 @@ def _bos_adding(tokenizer):
 
     bos = tokenizer.bos_token_id
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", bos)])
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
     assert tokenizer("ab")["input_ids"][0] == bos
     return tokenizer
 
@@ -98,8 +105,11 @@ def test_the_rm_gets_its_special_tokens_exactly_once(chat_template):
     actor, rm = build_tokenizer(), _bos_adding(other_tokenizer())
     inputs = RewardModelInputs(actor, rm, chat_template=chat_template)
     assert not inputs.passthrough
-    prompt = actor.apply_chat_template([{"role": "user", "content": "2+3= ?"}], tokenize=False,
-                                       add_generation_prompt=True) if chat_template else "2+3= ?"
+    prompt = (
+        actor.apply_chat_template([{"role": "user", "content": "2+3= ?"}], tokenize=False, add_generation_prompt=True)
+        if chat_template
+        else "2+3= ?"
+    )
     [ids] = inputs.sequences([actor(prompt)["input_ids"]], [prompt], [(0, actor("5")["input_ids"], "5")])
     body = "[user]2+3= ?[assistant]5</s>" if chat_template else "2+3= ?5"
     # the reference: the RM's ids of the text without any special token added, BOS in front by hand

@@ -29,9 +29,10 @@ def other_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                                   eos_token="</s>", unk_token="<unk>")
-    fast.chat_template = ("<s>{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}</s>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.chat_template = "<s>{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}</s>"
     return fast
 
 
@@ -55,15 +56,18 @@ def dirs(tmp_path_factory):
     other_rm = make_tiny_model(str(root / "other_rm"), "llama", seed=5, **kw)
     tok = other_tokenizer()
     tok.save_pretrained(other_rm)
-    _set_config(other_rm, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id)
+    _set_config(other_rm, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     return {"eos_rm": eos_rm, "other_rm": other_rm}
 
 
 def _actor_batch(actor_tok, chat_template: bool):
     """prompt_ids, prompt_texts and responses [(ids, text)] as the trainer hands them to the scorer."""
-    texts = [actor_tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True) if chat_template else p for p in PROMPTS]
+    texts = [
+        actor_tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        if chat_template
+        else p
+        for p in PROMPTS
+    ]
     prompt_ids = [actor_tok(t, add_special_tokens=not chat_template)["input_ids"] for t in texts]
     responses = []
     for row in RESPONSES:
@@ -145,8 +149,9 @@ def scorer_runs(dirs, tmp_path_factory):
     the case's test checks in this process}, the launch)."""
     prepared = {f"pad_eos-{mbs}": _pad_eos_case(dirs, mbs) for mbs in (2, 8)}
     prepared.update({f"own_tokenizer-{ct}": _own_tokenizer_case(dirs, ct) for ct in (True, False)})
-    launches = SharedLaunches({1: {k: (_scorer_body, v[-1]) for k, v in prepared.items()}},
-                              str(tmp_path_factory.mktemp("scorer")))
+    launches = SharedLaunches(
+        {1: {k: (_scorer_body, v[-1]) for k, v in prepared.items()}}, str(tmp_path_factory.mktemp("scorer"))
+    )
     return {k: v[:-1] for k, v in prepared.items()}, launches
 
 
@@ -201,9 +206,13 @@ def _layout_body(rank, world, model_dir, actor_tp, actor_pp, rm_tp, rm_pp, seque
     scores, _ = scorer.score(empty, [[(sequences[i], "") for i in mine]])
     # One item: the other RM replicas have nothing to score and still join the sum.
     single, _ = scorer.score(empty, [[(sequences[mine[-1]], "")]])
-    result = {"groups": [model.tp_group.size(), model.pp_group.size()],
-              "replicas": [model.layout.replicas, model.layout.actor_replicas],
-              "mine": mine, "scores": scores[0], "single": single[0][0]}
+    result = {
+        "groups": [model.tp_group.size(), model.pp_group.size()],
+        "replicas": [model.layout.replicas, model.layout.actor_replicas],
+        "mine": mine,
+        "scores": scores[0],
+        "single": single[0][0],
+    }
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(result, f)
 
@@ -217,12 +226,12 @@ def test_replicas_share_the_items():
 
 
 LAYOUTS = [  # actor_tp, actor_pp, rm_tp, rm_pp, world
-    (2, 1, 1, 1, 2),   # actor TP=2, RM TP=1: two RM replicas split the items
-    (1, 2, 1, 1, 2),   # actor PP=2, RM PP=1
-    (2, 2, 1, 2, 4),   # RM pipeline (PP=2) on its own groups inside a TP=2 x PP=2 actor group
-    (2, 1, 1, 1, 4),   # DP=2: each actor replica scores its own items
-    (1, 1, 2, 1, 2),   # RM TP=2 over two actor DP replicas (TP=1): their items are gathered
-    (1, 1, 1, 2, 2),   # RM PP=2 over two actor DP replicas
+    (2, 1, 1, 1, 2),  # actor TP=2, RM TP=1: two RM replicas split the items
+    (1, 2, 1, 1, 2),  # actor PP=2, RM PP=1
+    (2, 2, 1, 2, 4),  # RM pipeline (PP=2) on its own groups inside a TP=2 x PP=2 actor group
+    (2, 1, 1, 1, 4),  # DP=2: each actor replica scores its own items
+    (1, 1, 2, 1, 2),  # RM TP=2 over two actor DP replicas (TP=1): their items are gathered
+    (1, 1, 1, 2, 2),  # RM PP=2 over two actor DP replicas
 ]
 
 
@@ -259,8 +268,9 @@ def test_reward_model_layout_independent_of_actor(layout_runs, actor_tp, actor_p
             r = json.load(f)
         assert r["groups"] == [rm_tp, rm_pp], (case, rank, r["groups"])
         replicas, actor_replicas = r["replicas"]
-        assert replicas * actor_replicas == actor_tp * actor_pp // (rm_tp * rm_pp) or \
-            actor_replicas == rm_tp * rm_pp // (actor_tp * actor_pp), (case, rank, r["replicas"])
+        assert replicas * actor_replicas == actor_tp * actor_pp // (
+            rm_tp * rm_pp
+        ) or actor_replicas == rm_tp * rm_pp // (actor_tp * actor_pp), (case, rank, r["replicas"])
         mine = r["mine"]
         err = max(abs(r["scores"][j] - expected[i]) for j, i in enumerate(mine))
         assert err < 1e-5, f"{case} rank {rank}: max |score - transformers| = {err}"

@@ -31,8 +31,11 @@ TIMEOUT_S = 6.0  # generous: on a loaded 2-core machine a fresh worker's first c
 
 
 def _batch(responses):
-    return RewardBatch(prompts=[f"p{i}" for i in range(len(responses))], responses=list(responses),
-                       prompt_index=list(range(len(responses))))
+    return RewardBatch(
+        prompts=[f"p{i}" for i in range(len(responses))],
+        responses=list(responses),
+        prompt_index=list(range(len(responses))),
+    )
 
 
 def _functions(specs=SPECS, weights=WEIGHTS):
@@ -44,8 +47,11 @@ def _children(before=frozenset()) -> set[int]:
     resource tracker (started by the first 'spawn', it lives as long as this process, as in every rank
     that saves a checkpoint)."""
     tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-    return {p.pid for p in psutil.Process().children(recursive=True)
-            if p.pid != tracker and p.pid not in before and _alive(p.pid)}
+    return {
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if p.pid != tracker and p.pid not in before and _alive(p.pid)
+    }
 
 
 @pytest.fixture
@@ -100,8 +106,9 @@ def test_the_scorer_counts_timeouts_and_workers_0_is_unchanged():
     calm = [[r if "hang" not in r[1] and "die" not in r[1] else ([9], "0") for r in row] for row in responses]
     plain_scores, plain = RewardScorer(_functions()).score(prompts, calm)
     assert "reward/timeouts" not in plain and set(plain) == set(metrics) - {"reward/timeouts"}
-    assert [[s for s, r in zip(row, calm_row) if r[1] != "0"] for row, calm_row in zip(scores, calm)] == \
-        [[s for s, r in zip(row, calm_row) if r[1] != "0"] for row, calm_row in zip(plain_scores, calm)]
+    assert [[s for s, r in zip(row, calm_row) if r[1] != "0"] for row, calm_row in zip(scores, calm)] == [
+        [s for s, r in zip(row, calm_row) if r[1] != "0"] for row, calm_row in zip(plain_scores, calm)
+    ]
 
 
 def test_a_function_that_raises_fails_as_in_process():
@@ -115,8 +122,11 @@ def test_a_function_that_raises_fails_as_in_process():
             workers.score(batch)
     finally:
         workers.close()
-    assert str(pooled.value) == str(in_process.value) == \
-        "reward function 'tests.reward.hostile_rewards:raises' raised ArithmeticError: boom (on prompt 2)"
+    assert (
+        str(pooled.value)
+        == str(in_process.value)
+        == "reward function 'tests.reward.hostile_rewards:raises' raised ArithmeticError: boom (on prompt 2)"
+    )
 
 
 def test_calls_run_side_by_side_without_a_limit():
@@ -158,8 +168,12 @@ def _orphans(script: str, tmp_path) -> list[int]:
     after it exited (killed then: a broken guard leaves nothing behind)."""
     pid_file = tmp_path / "pids"
     with open(tmp_path / "out", "w") as out:  # not a pipe: a surviving worker would hold it open
-        code = subprocess.run([sys.executable, "-c", textwrap.dedent(script), str(pid_file)], stdout=out,
-                              stderr=subprocess.STDOUT, timeout=60).returncode
+        code = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(script), str(pid_file)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=60,
+        ).returncode
     pids = [int(p) for p in pid_file.read_text().split()]
     assert len(pids) == 2, (tmp_path / "out").read_text()
     deadline = time.monotonic() + 10
@@ -193,31 +207,42 @@ PREAMBLE = f"""
 
 def test_workers_die_with_the_process_that_ran_them(tmp_path):
     """A rank that exits at once (train._fail: os._exit, no clean-up) while a call hangs leaves no worker."""
-    code, left = _orphans(PREAMBLE + f"""
+    code, left = _orphans(
+        PREAMBLE
+        + f"""
     if __name__ == "__main__":
         pool = started(RewardWorkers(RewardFunctions(["{HOSTILE}:hangs"]), workers=2))
         threading.Timer(1.0, os._exit, (1,)).start()
         pool.score(RewardBatch(["p", "p"], ["hang", "hang"], prompt_index=[0, 1]))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert code == 1 and left == []
 
 
 def test_an_exit_without_close_ends_the_workers(tmp_path):
     """An exception out of the run (no close()): the interpreter exits, its workers with it."""
-    code, left = _orphans(PREAMBLE + f"""
+    code, left = _orphans(
+        PREAMBLE
+        + f"""
     if __name__ == "__main__":
         pool = started(RewardWorkers(RewardFunctions(["{HOSTILE}:hangs"]), workers=2))
         raise SystemExit(3)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert code == 3 and left == []
 
 
-@pytest.mark.parametrize("values,message", [
-    (dict(functions=["format"], timeout_s=5.0), "reward.timeout_s=5.0 needs reward.workers >= 1"),
-    (dict(workers=2), "reward.workers=2 runs reward.functions, and there are none"),
-    (dict(functions=["format"], workers=-1), "reward.workers=-1 must be >= 0"),
-    (dict(functions=["format"], workers=1, timeout_value=float("nan")), "reward.timeout_value=nan is not a finite"),
-])
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        (dict(functions=["format"], timeout_s=5.0), "reward.timeout_s=5.0 needs reward.workers >= 1"),
+        (dict(workers=2), "reward.workers=2 runs reward.functions, and there are none"),
+        (dict(functions=["format"], workers=-1), "reward.workers=-1 must be >= 0"),
+        (dict(functions=["format"], workers=1, timeout_value=float("nan")), "reward.timeout_value=nan is not a finite"),
+    ],
+)
 def test_bad_worker_settings_are_refused_in_one_line(values, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
         RewardConfig(**values)
@@ -251,7 +276,8 @@ def _agree_body(rank, world, out_dir):
             time.sleep(3.0)
         start = time.perf_counter()
         scores, metrics = RewardScorer(functions, workers=workers, mp_group=dist.group.WORLD).score(
-            prompts, responses, wait=wait)
+            prompts, responses, wait=wait
+        )
         elapsed = time.perf_counter() - start
     finally:
         workers.close()
@@ -288,16 +314,36 @@ def test_tiny_default_with_reward_workers(tmp_path):
     logs reward/timeouts (0: nothing hangs) and time/wait_s apart from time/reward_s; no worker is left."""
     out = str(tmp_path / "run")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-m", "remax_megatron.launch", "--nproc_per_node=2", "-m",
-                        "remax_megatron.train", "--config", "configs/tiny_cpu.yaml", "rollout.engine=native",
-                        "reward.workers=2", "reward.timeout_s=5", "trainer.steps=2", f"trainer.output_dir={out}",
-                        "logging.progress_bar=false", "checkpoint.save_every=0"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "remax_megatron.launch",
+            "--nproc_per_node=2",
+            "-m",
+            "remax_megatron.train",
+            "--config",
+            "configs/tiny_cpu.yaml",
+            "rollout.engine=native",
+            "reward.workers=2",
+            "reward.timeout_s=5",
+            "trainer.steps=2",
+            f"trainer.output_dir={out}",
+            "logging.progress_bar=false",
+            "checkpoint.save_every=0",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     steps = [rec for rec in _records(out) if "loss" in rec]
     assert [rec["step"] for rec in steps] == [1, 2]
-    assert all(rec["reward/timeouts"] == 0.0 and rec["time/wait_s"] >= 0.0 and rec["time/reward_s"] >= 0.0
-               for rec in steps)
+    assert all(
+        rec["reward/timeouts"] == 0.0 and rec["time/wait_s"] >= 0.0 and rec["time/reward_s"] >= 0.0 for rec in steps
+    )
 
 
 @pytest.mark.slow
@@ -309,11 +355,25 @@ def test_a_hang_and_a_death_in_training_cost_one_limit_and_two_responses(tmp_pat
     out, hostile = str(tmp_path / "run"), tmp_path / "claims"
     hostile.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", REMAX_HOSTILE_DIR=str(hostile))
-    r = run_main("remax_megatron.train", [
-        "--config", "configs/tiny_cpu.yaml", "rollout.engine=native", f"trainer.output_dir={out}",
-        "logging.progress_bar=false", "checkpoint.save_every=0", "trainer.eval_every=0", "trainer.steps=2",
-        f"reward.functions=[exact_match,{HOSTILE}:once]", "reward.workers=2", "reward.timeout_s=5",
-        "reward.timeout_value=-1"], 2, env=env)
+    r = run_main(
+        "remax_megatron.train",
+        [
+            "--config",
+            "configs/tiny_cpu.yaml",
+            "rollout.engine=native",
+            f"trainer.output_dir={out}",
+            "logging.progress_bar=false",
+            "checkpoint.save_every=0",
+            "trainer.eval_every=0",
+            "trainer.steps=2",
+            f"reward.functions=[exact_match,{HOSTILE}:once]",
+            "reward.workers=2",
+            "reward.timeout_s=5",
+            "reward.timeout_value=-1",
+        ],
+        2,
+        env=env,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     first, second = _records(out)
     assert sorted(os.listdir(hostile)) == ["die.claim", "hang.claim", "hung"]

@@ -21,8 +21,11 @@ def _actor_logprobs(actor, batch, temperature):
     """Actor token log-probs [B, S] of a packed batch, on every rank."""
     from remax_megatron.models.forward import broadcast_from_last_stage, forward_only
 
-    out = forward_only(actor, [{"input_ids": batch["input_ids"], "labels": batch["labels"]}],
-                       lambda m, hidden, mb: m.token_logprobs(hidden, mb["labels"], temperature=temperature)[0])
+    out = forward_only(
+        actor,
+        [{"input_ids": batch["input_ids"], "labels": batch["labels"]}],
+        lambda m, hidden, mb: m.token_logprobs(hidden, mb["labels"], temperature=temperature)[0],
+    )
     return broadcast_from_last_stage(out[0] if out else None, batch["input_ids"].shape, torch.float32)
 
 
@@ -36,10 +39,10 @@ def _actor_greedy(actor, prompts, eos_ids, pad_id, multiple=1):
         lengths = torch.tensor([len(s) for s in seqs])
         ids = torch.full((len(seqs), -(-int(lengths.max()) // multiple) * multiple), pad_id, dtype=torch.long)
         for i, s in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s)
+            ids[i, : len(s)] = torch.tensor(s)
 
         def head(m, hidden, batch):
-            logits = m.full_logits(hidden)                                # [B, S, V]
+            logits = m.full_logits(hidden)  # [B, S, V]
             return logits[torch.arange(len(seqs)), lengths - 1].argmax(-1)
 
         out = forward_only(actor, [{"input_ids": ids}], head)
@@ -48,7 +51,7 @@ def _actor_greedy(actor, prompts, eos_ids, pad_id, multiple=1):
             if not done[i]:
                 seqs[i].append(tok)
                 done[i] = tok in eos_ids
-    return [s[len(p):] for s, p in zip(seqs, prompts)]
+    return [s[len(p) :] for s, p in zip(seqs, prompts)]
 
 
 def _body(rank, world, model_dir, tp, pp, ep=1):
@@ -71,8 +74,9 @@ def _body(rank, world, model_dir, tp, pp, ep=1):
     sp = moe and tp > 1  # megatron's MoE at TP > 1 with whole experts per rank needs sequence parallel
     actor = build_policy(arch, tp=tp, pp=pp, trainable=False, experts=experts, sequence_parallel=sp)
     load_hf_weights(actor, model_dir)
-    engine = build_engine(RolloutConfig(engine="native", routing_replay=moe), hf_dir=model_dir, arch=arch, seed=0,
-                          dtype=torch.float32)
+    engine = build_engine(
+        RolloutConfig(engine="native", routing_replay=moe), hf_dir=model_dir, arch=arch, seed=0, dtype=torch.float32
+    )
     stats = sync_weights(engine, export_hf_weights(actor, bucket_mb=0.05), bucket_mb=0.05)
     assert stats["buckets"] > 1, stats
 
@@ -88,8 +92,9 @@ def _body(rank, world, model_dir, tp, pp, ep=1):
 
     # Generated rows (rank 0's rollout, so the whole model-parallel group scores the same batch).
     prompts = [[5, 17, 40, 41, 42], [9, 10], [60, 61, 62, 63, 64, 65, 66, 67]]
-    results = engine.generate(prompts, n=2, sampling=SamplingParams(temperature=TEMPERATURE,
-                                                                     max_new_tokens=MAX_NEW, seed=3))
+    results = engine.generate(
+        prompts, n=2, sampling=SamplingParams(temperature=TEMPERATURE, max_new_tokens=MAX_NEW, seed=3)
+    )
     shared = [results]
     dist.broadcast_object_list(shared, src=0)
     results = shared[0]
@@ -102,10 +107,10 @@ def _body(rank, world, model_dir, tp, pp, ep=1):
         given = batch["routed_experts"]
         assert (given >= 0).sum() > 50
         assert torch.equal(given.sort(-1).values, own_routes(actor, batch).sort(-1).values)
-    greedy = pad_sequences(prompts, [ro.greedy for ro in results], pad_id=engine.pad_token_id,
-                            pad_to_multiple=tp if sp else 1)
-    mismatch = logprob_mismatch(_actor_logprobs(actor, greedy, 1.0), greedy["engine_logprobs"],
-                                greedy["response_mask"])
+    greedy = pad_sequences(
+        prompts, [ro.greedy for ro in results], pad_id=engine.pad_token_id, pad_to_multiple=tp if sp else 1
+    )
+    mismatch = logprob_mismatch(_actor_logprobs(actor, greedy, 1.0), greedy["engine_logprobs"], greedy["response_mask"])
     assert mismatch["max"] < 1e-5, f"greedy rows at T=1: {mismatch}"
 
     # Greedy == the actor's own argmax decoding.
@@ -117,16 +122,27 @@ def _body(rank, world, model_dir, tp, pp, ep=1):
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
     # Untied output layer, qkv bias, vocab 300 (not a multiple of 128 * tp: padding rows excluded).
-    return make_tiny_model(str(tmp_path_factory.mktemp("rollout-parity") / "qwen2"), "qwen2", hidden=64,
-                           layers=2, heads=4, kv_heads=2, ffn=96, vocab=300, seed=9)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("rollout-parity") / "qwen2"),
+        "qwen2",
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn=96,
+        vocab=300,
+        seed=9,
+    )
 
 
 @pytest.fixture(scope="module")
 def launched(tiny_llama, qwen2, moe_models, tmp_path_factory):
     """Every family in one launch of 4 processes (process starts and imports dominate on CPU); the MoE
     actors at PP2 x EP2 (experts split over the 2 data-parallel ranks of each stage)."""
-    cases = {f"{family}-tp2-pp2": (_body, (model_dir, 2, 2)) for family, model_dir in
-             [("llama", tiny_llama), ("qwen2", qwen2)]}
+    cases = {
+        f"{family}-tp2-pp2": (_body, (model_dir, 2, 2))
+        for family, model_dir in [("llama", tiny_llama), ("qwen2", qwen2)]
+    }
     cases.update({f"{family}-pp2-ep2": (_body, (model_dir, 1, 2, 2)) for family, model_dir in moe_models.items()})
     cases["mixtral-tp2-ep2-sp"] = (_body, (moe_models["mixtral"], 2, 1, 2))  # the routes gathered over the SP shards
     return SharedLaunches({4: cases}, str(tmp_path_factory.mktemp("launches")))

@@ -45,9 +45,9 @@ def test_each_prompt_samples_from_its_place_in_the_global_batch():
         engine = _Engine()
         dispatch = RolloutDispatch(engine, _groups(dp_rank, 2), RolloutConfig(), seed=11)
         mine = dispatch.share(prompts)
-        assert mine == prompts[4 * dp_rank:4 * dp_rank + 4]
+        assert mine == prompts[4 * dp_rank : 4 * dp_rank + 4]
         rollouts = dispatch.generate(mine, n=2, step=5)
-        (asked, n, given), = engine.asked
+        ((asked, n, given),) = engine.asked
         assert n == 2 and asked == [q.token_ids for q in mine] and rollouts == [f"rollout of {a}" for a in asked]
         seeds.update(zip((a[0] for a in asked), given))
         assert dispatch.decoded_tokens == 12 and engine.slept == 1

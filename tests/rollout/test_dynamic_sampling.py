@@ -14,8 +14,11 @@ N = 2
 
 
 def _cfg(want=4, rounds=4):
-    return SimpleNamespace(rollout=SimpleNamespace(n=N), trainer=SimpleNamespace(prompts_per_step=want),
-                           algo=SimpleNamespace(dynamic_sampling_max_rounds=rounds))
+    return SimpleNamespace(
+        rollout=SimpleNamespace(n=N),
+        trainer=SimpleNamespace(prompts_per_step=want),
+        algo=SimpleNamespace(dynamic_sampling_max_rounds=rounds),
+    )
 
 
 def _round(ids, tied):
@@ -50,9 +53,14 @@ def test_tied_prompts_are_replaced_by_drawn_ones_in_draw_order():
     # each sample keeps its own prompt's greedy reward, and the rewards stay in prompt order
     assert scored.r_greedy == [0.0, 2.0, 4.0, 6.0]
     assert scored.r_sampled == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
-    assert all(has_signal(scored.r_sampled[i * N:(i + 1) * N], g) for i, g in enumerate(scored.r_greedy))
-    assert metrics == {"sampling/rounds": 2, "sampling/prompts_drawn": 8, "sampling/dropped_prompts": 4,
-                       "sampling/unused_prompts": 0, "sampling/short_prompts": 0}
+    assert all(has_signal(scored.r_sampled[i * N : (i + 1) * N], g) for i, g in enumerate(scored.r_greedy))
+    assert metrics == {
+        "sampling/rounds": 2,
+        "sampling/prompts_drawn": 8,
+        "sampling/dropped_prompts": 4,
+        "sampling/unused_prompts": 0,
+        "sampling/short_prompts": 0,
+    }
 
 
 def test_no_round_more_when_the_first_batch_has_signal():
@@ -80,8 +88,9 @@ def _dp_body(rank, world, out_dir):
     first = _round([0, 1] if rank == 0 else [2, 3], tied={0, 1, 2})
     more = {1: _round([4, 5] if rank == 0 else [6, 7], tied={5}), 2: _round([8, 9] if rank == 0 else [10, 11], set())}
     scored, metrics = sampling.fill(first, lambda r: more[r])
-    torch.save({"prompts": scored.prompts, "greedy": scored.r_greedy, "metrics": metrics},
-               os.path.join(out_dir, f"{rank}.pt"))
+    torch.save(
+        {"prompts": scored.prompts, "greedy": scored.r_greedy, "metrics": metrics}, os.path.join(out_dir, f"{rank}.pt")
+    )
 
 
 @pytest.mark.slow

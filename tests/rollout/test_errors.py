@@ -11,13 +11,16 @@ from tools.make_tiny_model import make_tiny_model
 REWARD = "reward.functions=[exact_match]"
 
 
-@pytest.mark.parametrize("override,message", [
-    ("rollout.n=0", "rollout.n=0"),
-    ("rollout.max_new_tokens=0", "rollout.max_new_tokens=0"),
-    ("rollout.sync_bucket_mb=0", "rollout.sync_bucket_mb=0"),
-    ("rollout.sync_bucket_mb=-5", "rollout.sync_bucket_mb=-5"),
-    ("rollout.tp=0", "rollout.tp=0"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("rollout.n=0", "rollout.n=0"),
+        ("rollout.max_new_tokens=0", "rollout.max_new_tokens=0"),
+        ("rollout.sync_bucket_mb=0", "rollout.sync_bucket_mb=0"),
+        ("rollout.sync_bucket_mb=-5", "rollout.sync_bucket_mb=-5"),
+        ("rollout.tp=0", "rollout.tp=0"),
+    ],
+)
 def test_config_refuses(override, message):
     with pytest.raises(ValueError, match=message.replace("[", "\\[")) as info:
         load_config(None, [REWARD, override])
@@ -32,7 +35,7 @@ def test_unknown_engine_is_refused_by_the_factory():
 
 @needs_vllm
 def test_layout_checks(tiny_llama):
-    arch = read_hf_config(tiny_llama)   # 4 heads, 2 kv heads
+    arch = read_hf_config(tiny_llama)  # 4 heads, 2 kv heads
     with pytest.raises(ValueError, match="rollout.tp=3 does not divide the world size 4"):
         check_rollout(RolloutConfig(engine="vllm", tp=3, kv_cache_gib=0.1), arch, 4)
     with pytest.raises(ValueError, match="rollout.tp=4 does not divide num_key_value_heads=2"):
@@ -47,18 +50,21 @@ def test_build_engine_checks_before_building(tiny_llama):
     with pytest.raises(ValueError, match="rollout.tp=2 does not divide the world size 1"):
         build_engine(RolloutConfig(engine="vllm", tp=2), hf_dir=tiny_llama)
     bad = RolloutConfig()
-    bad.engine = "sglang"   # past __post_init__, as a hand-built object could be
+    bad.engine = "sglang"  # past __post_init__, as a hand-built object could be
     with pytest.raises(ValueError, match="rollout.engine='sglang' is not one of native, vllm"):
         build_engine(bad, hf_dir=tiny_llama)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(temperature=0.0), "temperature=0.0"),
-    (dict(top_p=0.0), "top_p=0.0"),
-    (dict(top_k=-1), "top_k=-1"),
-    (dict(max_new_tokens=0), "max_new_tokens=0"),
-    (dict(stop=[""]), "stop=\\[''\\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(temperature=0.0), "temperature=0.0"),
+        (dict(top_p=0.0), "top_p=0.0"),
+        (dict(top_k=-1), "top_k=-1"),
+        (dict(max_new_tokens=0), "max_new_tokens=0"),
+        (dict(stop=[""]), "stop=\\[''\\]"),
+    ],
+)
 def test_sampling_params_refuse(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)

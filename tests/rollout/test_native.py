@@ -94,8 +94,7 @@ def test_seeded_calls_reproduce(engine):
 
 def _first_tokens(engine, prompt, n, sampling):
     out = engine.generate([prompt], n=n, sampling=sampling)[0]
-    return torch.bincount(torch.tensor([c.token_ids[0] for c in out.sampled]),
-                          minlength=engine.model.config.vocab_size)
+    return torch.bincount(torch.tensor([c.token_ids[0] for c in out.sampled]), minlength=engine.model.config.vocab_size)
 
 
 def test_sampling_at_temperature_1_follows_the_model(engine):
@@ -112,8 +111,9 @@ def sharp_engine(tiny_llama):
 
 def test_top_k_is_respected_and_renormalised(sharp_engine):
     prompt = _prompts(sharp_engine, ("hello",))[0]
-    counts = _first_tokens(sharp_engine, prompt, 3000,
-                           SamplingParams(max_new_tokens=1, temperature=0.7, top_k=6, seed=2))
+    counts = _first_tokens(
+        sharp_engine, prompt, 3000, SamplingParams(max_new_tokens=1, temperature=0.7, top_k=6, seed=2)
+    )
     scaled = _next_logits(sharp_engine, prompt) / 0.7
     allowed = torch.topk(scaled, 6).indices
     outside = counts.clone()
@@ -126,8 +126,9 @@ def test_top_k_is_respected_and_renormalised(sharp_engine):
 
 def test_top_p_is_respected_and_renormalised(sharp_engine):
     prompt = _prompts(sharp_engine, ("hello",))[0]
-    counts = _first_tokens(sharp_engine, prompt, 3000,
-                           SamplingParams(max_new_tokens=1, temperature=1.0, top_p=0.6, seed=3))
+    counts = _first_tokens(
+        sharp_engine, prompt, 3000, SamplingParams(max_new_tokens=1, temperature=1.0, top_p=0.6, seed=3)
+    )
     probs = torch.softmax(_next_logits(sharp_engine, prompt), -1)
     sorted_p, order = torch.sort(probs, descending=True)
     keep = order[(sorted_p.cumsum(0) - sorted_p) < 0.6]
@@ -156,7 +157,7 @@ def test_stop_string_ends_the_completion(engine):
     assert out.finish_reason == "stop"
     got = engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     assert got == text[:expected_end], (got, text, stop)
-    assert out.token_ids == free.token_ids[:len(out.token_ids)]
+    assert out.token_ids == free.token_ids[: len(out.token_ids)]
 
 
 def test_eos_ends_the_completion_and_is_kept(engine, monkeypatch):
@@ -167,7 +168,7 @@ def test_eos_ends_the_completion_and_is_kept(engine, monkeypatch):
     monkeypatch.setattr(engine, "eos_token_ids", {eos})
     out = engine.generate([prompt], n=1, sampling=SamplingParams(max_new_tokens=12))[0].greedy
     first = free.token_ids.index(eos)
-    assert out.token_ids == free.token_ids[:first + 1] and out.finish_reason == "stop"
+    assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
 
 
 def test_stop_token_ids_end_the_completion_and_are_kept(engine):
@@ -178,7 +179,7 @@ def test_stop_token_ids_end_the_completion_and_are_kept(engine):
     stop = free.token_ids[4]
     out = engine.generate([prompt], n=1, sampling=SamplingParams(max_new_tokens=12, stop_token_ids=[stop]))[0].greedy
     first = free.token_ids.index(stop)
-    assert out.token_ids == free.token_ids[:first + 1] and out.finish_reason == "stop"
+    assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
 
 
 def test_sleep_wake_and_unsynced_engine(engine, tiny_llama):
@@ -236,14 +237,15 @@ def test_recorded_routes_are_the_experts_each_fed_token_went_to(family, moe_mode
     sync_weights(engine, hf_stream(model_dir), bucket_mb=1)
     prompts = _prompts(engine)
     eos = sorted(engine.eos_token_ids)
-    out = engine.generate(prompts, n=3, sampling=SamplingParams(max_new_tokens=8, temperature=1.5,
-                                                                stop_token_ids=list(range(40, 60))))
+    out = engine.generate(
+        prompts, n=3, sampling=SamplingParams(max_new_tokens=8, temperature=1.5, stop_token_ids=list(range(40, 60)))
+    )
     full = RouteRecorder(engine.model, engine.family)
     lengths = set()
     for prompt, rollout in zip(prompts, out):
         for c in rollout.sampled + [rollout.greedy]:
             fed = prompt + c.token_ids[:-1]
-            assert c.routed_experts.shape == (len(fed), 2, 2), c.routed_experts.shape   # [tokens, layers, top_k]
+            assert c.routed_experts.shape == (len(fed), 2, 2), c.routed_experts.shape  # [tokens, layers, top_k]
             with torch.no_grad():
                 engine.model(torch.tensor([fed]))
             want = full.take(1, len(fed))[0]

@@ -68,8 +68,9 @@ def test_a_registered_engine_is_configured_checked_and_built(toy, tmp_path):
     (rollout,) = engine.generate([[7, 8]], n=3, sampling=SamplingParams(max_new_tokens=1))
     assert [c.token_ids for c in rollout.sampled] == [[7]] * 3 and rollout.greedy.token_ids == [7]
     with pytest.raises(ValueError, match="rollout.n=5: the toy engine samples at most 4"):
-        check_rollout(load_config(None, ["reward.functions=[exact_match]", "rollout.engine=toy",
-                                         "rollout.n=5"]).rollout, arch, 1)
+        check_rollout(
+            load_config(None, ["reward.functions=[exact_match]", "rollout.engine=toy", "rollout.n=5"]).rollout, arch, 1
+        )
 
 
 def test_an_unknown_engine_lists_the_registered_ones(toy):

@@ -22,8 +22,10 @@ PROMPTS = {0: [[5, 6, 7], [8, 9]], 1: [[10], [11, 12, 13], [14, 15]]}  # trainin
 
 def _weights(version: int) -> list[list[tuple[str, torch.Tensor]]]:
     g = torch.Generator().manual_seed(version)
-    return [[("a", torch.randn(3, 4, generator=g)), ("b", torch.randn(5, generator=g))],
-            [("c", torch.randn(2, 2, 2, generator=g))]]
+    return [
+        [("a", torch.randn(3, 4, generator=g)), ("b", torch.randn(5, generator=g))],
+        [("c", torch.randn(2, 2, 2, generator=g))],
+    ]
 
 
 def _stub_engine():
@@ -62,8 +64,9 @@ def _stub_engine():
 
 
 def _body(rank, world, rollout_ranks, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     try:
         import torch.distributed as dist
 
@@ -84,13 +87,20 @@ def _body(rank, world, rollout_ranks, port, results):
         seeds = [100 * rank + i for i in range(len(mine))]
         sampling = SamplingParams(max_new_tokens=4)
         engine.update_weights(iter(_weights(0)))
-        first = engine.submit(mine, 2, sampling, seeds)          # in flight while the "update" runs
-        engine.update_weights(iter(_weights(1)))                 # settles `first` before sending
+        first = engine.submit(mine, 2, sampling, seeds)  # in flight while the "update" runs
+        engine.update_weights(iter(_weights(1)))  # settles `first` before sending
         second = engine.submit(mine, 1, sampling, seeds)
         got_first, got_second = engine.collect(first), engine.collect(second)
         engine.shutdown()
-        results.put((rank, "train", pickle.dumps({"first": got_first, "second": got_second, "side": side,
-                                                  "decoded": engine.decoded_tokens})))
+        results.put(
+            (
+                rank,
+                "train",
+                pickle.dumps(
+                    {"first": got_first, "second": got_second, "side": side, "decoded": engine.decoded_tokens}
+                ),
+            )
+        )
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
         raise

@@ -40,12 +40,14 @@ def test_requests_pair_sampled_and_greedy_with_real_sampling_params():
     assert sampled.include_stop_str_in_output
     # text only where stop strings need it: without them vLLM detokenizes nothing
     assert sampled.detokenize and greedy.detokenize
-    _, plain = build_requests([[1, 2]], 2, dataclasses.replace(SAMPLING, stop=()), seeds=[7],
-                              params_cls=vllm.SamplingParams)
+    _, plain = build_requests(
+        [[1, 2]], 2, dataclasses.replace(SAMPLING, stop=()), seeds=[7], params_cls=vllm.SamplingParams
+    )
     assert not plain[0].detokenize and not plain[1].detokenize and plain[0].stop == []
     # stop token ids (rollout.stop_token_ids) go to the sampled and the greedy entries alike
-    _, ids = build_requests([[1, 2]], 2, dataclasses.replace(SAMPLING, stop_token_ids=[9, 300]), seeds=[7],
-                            params_cls=vllm.SamplingParams)
+    _, ids = build_requests(
+        [[1, 2]], 2, dataclasses.replace(SAMPLING, stop_token_ids=[9, 300]), seeds=[7], params_cls=vllm.SamplingParams
+    )
     assert all(set(q.stop_token_ids) == {9, 300} for q in ids) and not plain[0].stop_token_ids
     # n = 0 (greedy-only eval): vLLM refuses SamplingParams(n=0), so only the greedy entries go out.
     prompts, params = build_requests([[1, 2], [3]], 0, SAMPLING, seeds=[1, 2], params_cls=vllm.SamplingParams)
@@ -53,11 +55,17 @@ def test_requests_pair_sampled_and_greedy_with_real_sampling_params():
     assert all(q.n == 1 and q.temperature == 0.0 for q in params)
     # guided decoding: the sampled AND the greedy entries carry the constraint (the baseline decodes under it)
     assert all(q.structured_outputs is None for q in params)
-    _, guided = build_requests([[1, 2]], 2, dataclasses.replace(SAMPLING, guided_regex="[0-9]+"), seeds=[7],
-                               params_cls=vllm.SamplingParams)
+    _, guided = build_requests(
+        [[1, 2]], 2, dataclasses.replace(SAMPLING, guided_regex="[0-9]+"), seeds=[7], params_cls=vllm.SamplingParams
+    )
     assert [q.structured_outputs.regex for q in guided] == ["[0-9]+", "[0-9]+"] and guided[1].temperature == 0.0
-    _, guided = build_requests([[1, 2]], 2, dataclasses.replace(SAMPLING, guided_json='{"type": "integer"}'),
-                               seeds=[7], params_cls=vllm.SamplingParams)
+    _, guided = build_requests(
+        [[1, 2]],
+        2,
+        dataclasses.replace(SAMPLING, guided_json='{"type": "integer"}'),
+        seeds=[7],
+        params_cls=vllm.SamplingParams,
+    )
     assert [q.structured_outputs.json for q in guided] == ['{"type": "integer"}'] * 2
 
 
@@ -67,8 +75,10 @@ def _output(token_ids, index=0, reason="length"):
 
 
 def test_parse_outputs_orders_samples_and_refuses_surprises():
-    outputs = [SimpleNamespace(outputs=[_output([5, 6], 1), _output([7], 0, "stop")]),
-               SimpleNamespace(outputs=[_output([8, 9, 10])])]
+    outputs = [
+        SimpleNamespace(outputs=[_output([5, 6], 1), _output([7], 0, "stop")]),
+        SimpleNamespace(outputs=[_output([8, 9, 10])]),
+    ]
     (ro,) = parse_outputs(outputs, 2)
     assert [c.token_ids for c in ro.sampled] == [[7], [5, 6]] and ro.sampled[0].finish_reason == "stop"
     assert ro.greedy.token_ids == [8, 9, 10] and ro.greedy.logprobs == pytest.approx([-0.1, -0.2, -0.3])
@@ -87,12 +97,14 @@ def _check_against_actor(actor, rollouts, prompts, eos_id, pad):
 
     rows_p, rows_c = flatten_rollouts(prompts, rollouts)
     batch = pad_sequences(rows_p, rows_c, pad_id=pad)
-    sampled = logprob_mismatch(_actor_logprobs(actor, batch, TEMPERATURE), batch["engine_logprobs"],
-                               batch["response_mask"], threshold=1e-5)
+    sampled = logprob_mismatch(
+        _actor_logprobs(actor, batch, TEMPERATURE), batch["engine_logprobs"], batch["response_mask"], threshold=1e-5
+    )
     assert sampled["max"] < 1e-5 and sampled["tokens"] > 0, f"sampled rows: {sampled}"
     greedy = pad_sequences(prompts, [ro.greedy for ro in rollouts], pad_id=pad)
-    mismatch = logprob_mismatch(_actor_logprobs(actor, greedy, 1.0), greedy["engine_logprobs"],
-                                greedy["response_mask"], threshold=1e-5)
+    mismatch = logprob_mismatch(
+        _actor_logprobs(actor, greedy, 1.0), greedy["engine_logprobs"], greedy["response_mask"], threshold=1e-5
+    )
     assert mismatch["max"] < 1e-5, f"greedy rows at T=1: {mismatch}"
     expected = _actor_greedy(actor, prompts, eos_ids={eos_id}, pad_id=pad)
     got = [ro.greedy.token_ids for ro in rollouts]
@@ -106,11 +118,10 @@ def engine_score(engine, ids, labels):
     import vllm
 
     params = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    outs = engine.llm.generate([{"prompt_token_ids": row.tolist()} for row in ids], [params] * len(ids),
-                               use_tqdm=False)
+    outs = engine.llm.generate([{"prompt_token_ids": row.tolist()} for row in ids], [params] * len(ids), use_tqdm=False)
     result = torch.zeros(labels.shape)
     for b, out in enumerate(outs):
-        for t, entry in enumerate(out.prompt_logprobs[1:]):   # entry t: the log-prob of token t + 1
+        for t, entry in enumerate(out.prompt_logprobs[1:]):  # entry t: the log-prob of token t + 1
             if labels[b, t] >= 0:
                 result[b, t] = entry[int(ids[b, t + 1])].logprob
     return result
@@ -140,8 +151,14 @@ def _body(rank, world, model_dir, tp, pp, rollout_tp, compile_mode="auto", ep=1,
             open(path, "w").close()
     dist.barrier()
     try:
-        engine = build_engine(RolloutConfig(engine="vllm", tp=rollout_tp, kv_cache_gib=0.05, compile=compile_mode),
-                              hf_dir=model_dir, arch=arch, seed=0, dtype=torch.float32, max_model_len=64)
+        engine = build_engine(
+            RolloutConfig(engine="vllm", tp=rollout_tp, kv_cache_gib=0.05, compile=compile_mode),
+            hf_dir=model_dir,
+            arch=arch,
+            seed=0,
+            dtype=torch.float32,
+            max_model_len=64,
+        )
     finally:
         dist.barrier()
         if rank == 0:
@@ -190,8 +207,9 @@ def _body(rank, world, model_dir, tp, pp, rollout_tp, compile_mode="auto", ep=1,
     engine_prompts = [p for r in engine_ranks for p in PROMPTS[r::world]]
     assert generate_calls == [2 * len(engine_prompts)], generate_calls
     prompts, everything = everyones(rollouts)
-    decoded = sum(len(c.token_ids) for p, ro in zip(prompts, everything) if p in engine_prompts
-                  for c in ro.sampled + [ro.greedy])
+    decoded = sum(
+        len(c.token_ids) for p, ro in zip(prompts, everything) if p in engine_prompts for c in ro.sampled + [ro.greedy]
+    )
     assert engine.decoded_tokens == decoded, (engine.decoded_tokens, decoded)
     assert [len(ro.sampled) for ro in rollouts] == [2] * len(mine)
     _check_against_actor(actor, everything, prompts, EOS, PAD)
@@ -208,8 +226,9 @@ def _body(rank, world, model_dir, tp, pp, rollout_tp, compile_mode="auto", ep=1,
         sync()
     prompts, everything = everyones(engine.generate(mine, n=2, sampling=sampling, seeds=seeds))
     _check_against_actor(actor, everything, prompts, EOS, PAD)
-    changed = max(abs(a - b) for before, ro in zip(greedy_before, everything)
-                  for a, b in zip(before, ro.greedy.logprobs))
+    changed = max(
+        abs(a - b) for before, ro in zip(greedy_before, everything) for a, b in zip(before, ro.greedy.logprobs)
+    )
     assert changed > 1e-3, f"engine log-probs did not change after the updates ({changed})"
     if guided:
         _check_guided(engine, actor, mine, seeds, model_dir)
@@ -245,15 +264,22 @@ def _check_guided(engine, actor, prompts, seeds, model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp,rollout_tp,world,compile_mode", [
-    # eager engines at actor PP2 and of rollout.tp 2 spanning DP ranks; one compiled engine at world 1
-    # (world 1 eager: the same engine path as the rollout.tp=1 cases). Actor TP2 with rollout.tp 1 and 2:
-    # the Qwen3 cases below.
-    (1, 2, 1, 2, "auto"), (1, 1, 2, 2, "auto"), (1, 1, 1, 1, "always")])
+@pytest.mark.parametrize(
+    "tp,pp,rollout_tp,world,compile_mode",
+    [
+        # eager engines at actor PP2 and of rollout.tp 2 spanning DP ranks; one compiled engine at world 1
+        # (world 1 eager: the same engine path as the rollout.tp=1 cases). Actor TP2 with rollout.tp 1 and 2:
+        # the Qwen3 cases below.
+        (1, 2, 1, 2, "auto"),
+        (1, 1, 2, 2, "auto"),
+        (1, 1, 1, 1, "always"),
+    ],
+)
 def test_vllm_matches_the_actor(tp, pp, rollout_tp, world, compile_mode, tiny_llama):
     """(rollout.tp=2 case: then guided decoding under a digits-only regex, sampled and greedy rows.)"""
-    run_distributed(_body, world_size=world, args=(tiny_llama, tp, pp, rollout_tp, compile_mode, 1, True,
-                                                   rollout_tp == 2))
+    run_distributed(
+        _body, world_size=world, args=(tiny_llama, tp, pp, rollout_tp, compile_mode, 1, True, rollout_tp == 2)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -263,8 +289,9 @@ def family_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     return {
         # per-head q/k norms, head_dim 64 != hidden / heads (32), untied
-        "qwen3": make_tiny_model(str(root / "qwen3"), "qwen3", hidden=128, layers=2, heads=4, kv_heads=2, ffn=96,
-                                 head_dim=64, seed=12),
+        "qwen3": make_tiny_model(
+            str(root / "qwen3"), "qwen3", hidden=128, layers=2, heads=4, kv_heads=2, ffn=96, head_dim=64, seed=12
+        )
     }
 
 
@@ -290,12 +317,14 @@ def _greedy_body(rank, world, model_dir, result_path):
     from remax_megatron.rollout import build_engine
     from remax_megatron.weights import HFCheckpointReader
 
-    engine = build_engine(RolloutConfig(engine="vllm", kv_cache_gib=0.05), hf_dir=model_dir, seed=0,
-                          dtype=torch.float32, max_model_len=64)
+    engine = build_engine(
+        RolloutConfig(engine="vllm", kv_cache_gib=0.05), hf_dir=model_dir, seed=0, dtype=torch.float32, max_model_len=64
+    )
     engine.update_weights([list(HFCheckpointReader(model_dir).tensors())])  # the model's own weights
     # A hot sampling temperature: a greedy row decoded at it would leave argmax within a few tokens.
-    rollouts = engine.generate(PROMPTS, n=2, sampling=SamplingParams(temperature=1.7, max_new_tokens=MAX_NEW),
-                               seeds=list(range(len(PROMPTS))))
+    rollouts = engine.generate(
+        PROMPTS, n=2, sampling=SamplingParams(temperature=1.7, max_new_tokens=MAX_NEW), seeds=list(range(len(PROMPTS)))
+    )
     torch.save([(ro.greedy.token_ids, ro.greedy.logprobs) for ro in rollouts], result_path)
 
 
@@ -325,7 +354,13 @@ def test_compile_mode_and_device():
     from remax_megatron.config import RolloutConfig
     from remax_megatron.rollout.vllm_engine import compiles
 
-    assert [compiles(m, d) for m in ("auto", "always", "never") for d in ("cpu", "cuda")] == \
-        [False, True, True, True, False, False]
+    assert [compiles(m, d) for m in ("auto", "always", "never") for d in ("cpu", "cuda")] == [
+        False,
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
     with pytest.raises(ValueError, match="rollout.compile=True is not one of auto, always, never"):
         RolloutConfig(compile=True)  # what YAML makes of `on`

@@ -21,13 +21,35 @@ def test_bench_e2e_json_contract(tmp_path):
     hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
     out = tmp_path / "e2e.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "tools/bench_e2e.py", "--hf-dir", hf, "--json", str(out), "--steps", "2",
-                        "--warmup", "1", "--greedy-repeats", "1", "actor.tp=1", "rollout.engine=native",
-                        "trainer.prompts_per_step=4", "rollout.n=2", "trainer.micro_batch_size=4"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "tools/bench_e2e.py",
+            "--hf-dir",
+            hf,
+            "--json",
+            str(out),
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--greedy-repeats",
+            "1",
+            "actor.tp=1",
+            "rollout.engine=native",
+            "trainer.prompts_per_step=4",
+            "rollout.n=2",
+            "trainer.micro_batch_size=4",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert json.loads(r.stdout[r.stdout.index("{"):]) == result  # the same object on stdout
+    assert json.loads(r.stdout[r.stdout.index("{") :]) == result  # the same object on stdout
 
     def positive(x):
         return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
@@ -70,12 +92,40 @@ def test_rounds_alternate_ours_and_the_peer(tmp_path):
     peer.chmod(0o755)
     out = tmp_path / "e2e.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "tools/bench_e2e.py", "--hf-dir", hf, "--json", str(out), "--steps", "2",
-                        "--warmup", "1", "--greedy-repeats", "1", "--rounds", "2", "--peer", "trl",
-                        "--peer-python", str(peer), "--peer-generation", "transformers",
-                        "actor.tp=1", "rollout.engine=native", "trainer.prompts_per_step=4", "rollout.n=2",
-                        "trainer.micro_batch_size=4"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "tools/bench_e2e.py",
+            "--hf-dir",
+            hf,
+            "--json",
+            str(out),
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--greedy-repeats",
+            "1",
+            "--rounds",
+            "2",
+            "--peer",
+            "trl",
+            "--peer-python",
+            str(peer),
+            "--peer-generation",
+            "transformers",
+            "actor.tp=1",
+            "rollout.engine=native",
+            "trainer.prompts_per_step=4",
+            "rollout.n=2",
+            "trainer.micro_batch_size=4",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     calls = [float(t) for t in log.read_text().split()]
@@ -95,8 +145,13 @@ def test_rounds_alternate_ours_and_the_peer(tmp_path):
 
 
 def test_rounds_need_the_peer_and_one_process():
-    r = subprocess.run([sys.executable, "tools/bench_e2e.py", "--hf-dir", "x", "--rounds", "2"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "tools/bench_e2e.py", "--hf-dir", "x", "--rounds", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "--rounds 2 alternates with the peer" in r.stderr.strip().splitlines()[-1]
 
 
@@ -105,16 +160,38 @@ def test_the_peer_refuses_work_it_cannot_match_before_building(tmp_path, what):
     """One line naming the value, exit 2, before the trainer is built (no result written)."""
     hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
     if what == "float16":
-        override, message = "actor.dtype=float16", ("--peer trl runs actor.dtype=float32 or bfloat16 (TRL's "
-                                                    "bf16=True), not actor.dtype=float16: set one of those")
+        override, message = (
+            "actor.dtype=float16",
+            (
+                "--peer trl runs actor.dtype=float32 or bfloat16 (TRL's "
+                "bf16=True), not actor.dtype=float16: set one of those"
+            ),
+        )
     else:
-        rm = make_tiny_model(str(tmp_path / "rm"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128,
-                             reward=True)
+        rm = make_tiny_model(
+            str(tmp_path / "rm"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, reward=True
+        )
         override, message = f"reward.model={rm}", "--peer trl compares rule-based rewards only"
     out = tmp_path / "e2e.json"
-    r = subprocess.run([sys.executable, "tools/bench_e2e.py", "--hf-dir", hf, "--json", str(out), "--peer", "trl",
-                        "actor.tp=1", "rollout.engine=native", override],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "tools/bench_e2e.py",
+            "--hf-dir",
+            hf,
+            "--json",
+            str(out),
+            "--peer",
+            "trl",
+            "actor.tp=1",
+            "rollout.engine=native",
+            override,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and last.startswith(f"error: {message}") and not out.exists()
     assert "build_s" not in r.stdout
@@ -127,19 +204,50 @@ def test_bench_placement_runs_all_four_and_reports_the_ratios(tmp_path):
     hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
     out = tmp_path / "placement.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "tools/bench_placement.py", "--hf-dir", hf, "--world", "3", "--steps", "2",
-                        "--warmup", "1", "--json", str(out), "rollout.engine=native", "trainer.prompts_per_step=6",
-                        "rollout.n=2", "trainer.micro_batch_size=4", "rollout.max_new_tokens=4"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "tools/bench_placement.py",
+            "--hf-dir",
+            hf,
+            "--world",
+            "3",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+            "rollout.engine=native",
+            "trainer.prompts_per_step=6",
+            "rollout.n=2",
+            "trainer.micro_batch_size=4",
+            "rollout.max_new_tokens=4",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     result = json.loads(out.read_text())
     runs = result["runs"]
-    assert [runs[n]["layout"]["world"] for n in ("colocated_small", "colocated", "separate_0", "separate_1")] == \
-        [2, 3, 3, 3]
-    assert runs["separate_1"]["placement"] == {"placement": "separate", "rollout_ranks": 1, "max_staleness": 1,
-                                               "staleness": 1.0}
+    assert [runs[n]["layout"]["world"] for n in ("colocated_small", "colocated", "separate_0", "separate_1")] == [
+        2,
+        3,
+        3,
+        3,
+    ]
+    assert runs["separate_1"]["placement"] == {
+        "placement": "separate",
+        "rollout_ranks": 1,
+        "max_staleness": 1,
+        "staleness": 1.0,
+    }
     assert runs["separate_0"]["placement"]["staleness"] == 0.0 and "greedy_row" not in runs["separate_0"]
     wait = result["rollout_wait_s"]
     assert result["hidden_frac"] == pytest.approx(1 - wait["separate_1"] / wait["separate_0"])
-    assert result["speedup_vs_colocated"] == pytest.approx(result["step_s"]["colocated"] /
-                                                           result["step_s"]["separate_1"])
+    assert result["speedup_vs_colocated"] == pytest.approx(
+        result["step_s"]["colocated"] / result["step_s"]["separate_1"]
+    )

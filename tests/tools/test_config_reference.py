@@ -8,8 +8,9 @@ from tools.config_reference import COMMAND, DOC, render
 def test_docs_config_md_is_generated_from_the_current_knobs():
     with open(DOC) as f:
         written = f.read()
-    assert written == render(), f"docs/config.md is out of date with remax_megatron/config.py: run `{COMMAND}` " \
-                                "and commit docs/config.md"
+    assert written == render(), (
+        f"docs/config.md is out of date with remax_megatron/config.py: run `{COMMAND}` and commit docs/config.md"
+    )
 
 
 def test_every_key_of_help_has_a_row():

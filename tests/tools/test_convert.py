@@ -31,13 +31,27 @@ def _tensors(model_dir):
 @pytest.mark.parametrize("family,tie", [("qwen2", False), ("llama", True)])
 def test_round_trip_tp2_pp2_is_bitwise(tmp_path, family, tie):
     """The command lines, as a user runs them."""
-    hf = make_tiny_model(str(tmp_path / "hf"), family, hidden=64, layers=4, heads=4, kv_heads=2, ffn=96,
-                         vocab=300, tie=tie, seed=5)
+    hf = make_tiny_model(
+        str(tmp_path / "hf"), family, hidden=64, layers=4, heads=4, kv_heads=2, ffn=96, vocab=300, tie=tie, seed=5
+    )
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     r = _run([PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf, "--out", ckpt])
     assert r.returncode == 0, r.stderr[-3000:]
-    r = _run([TORCHRUN, "--nproc_per_node=4", "tools/convert_megatron_to_hf.py", "--ckpt", ckpt, "--out", out,
-              "--tp", "2", "--pp", "2"])
+    r = _run(
+        [
+            TORCHRUN,
+            "--nproc_per_node=4",
+            "tools/convert_megatron_to_hf.py",
+            "--ckpt",
+            ckpt,
+            "--out",
+            out,
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     before, after = _tensors(hf), _tensors(out)
     assert sorted(before) == sorted(after)
@@ -88,8 +102,19 @@ def round_trips(tmp_path_factory):
     cases = {}
     for name, (family, tie, options, to_megatron, to_hf) in FAMILY_ROUND_TRIPS.items():
         ffn = 32 if "experts" in options else 96
-        hf = make_tiny_model(str(top / name / "hf"), family, hidden=64, layers=4, heads=4, kv_heads=2, ffn=ffn,
-                             vocab=300, tie=tie, seed=5, **options)
+        hf = make_tiny_model(
+            str(top / name / "hf"),
+            family,
+            hidden=64,
+            layers=4,
+            heads=4,
+            kv_heads=2,
+            ffn=ffn,
+            vocab=300,
+            tie=tie,
+            seed=5,
+            **options,
+        )
         cases[name] = (_round_trip_body, (hf, str(top / name / "ckpt"), str(top / name / "out"), to_megatron, to_hf))
     return SharedLaunches({4: cases}, str(top / "launches"))
 
@@ -109,8 +134,11 @@ def test_megatron_to_hf_names_the_world_an_expert_layout_needs(tmp_path):
     hf = make_tiny_model(str(tmp_path / "hf"), "mixtral", hidden=32, layers=2, heads=2, kv_heads=1, ffn=32, experts=4)
     r = _run([PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf, "--out", str(tmp_path / "ckpt")])
     assert r.returncode == 0, r.stderr[-3000:]
-    with pytest.raises(ValueError, match=r"world size 1 but tp\(1\) \* pp\(1\) with ep\(2\) \* etp\(1\) needs 2 "
-                                         r"processes \(or a multiple\): launch with torchrun --nproc_per_node=2"):
+    with pytest.raises(
+        ValueError,
+        match=r"world size 1 but tp\(1\) \* pp\(1\) with ep\(2\) \* etp\(1\) needs 2 "
+        r"processes \(or a multiple\): launch with torchrun --nproc_per_node=2",
+    ):
         convert_megatron_to_hf.convert(str(tmp_path / "ckpt"), str(tmp_path / "out"), ep=2)
 
 
@@ -198,8 +226,9 @@ def _run_dir(path):
 @pytest.mark.slow
 @pytest.mark.parametrize("tool", ["hf_to_megatron", "megatron_to_hf"])
 @pytest.mark.parametrize("target,overwrite", [("run_dir", False), ("run_dir", True), ("file", True)])
-def test_converter_refuses_an_existing_out_and_leaves_it_byte_identical(converted, tmp_path, capsys, tool, target,
-                                                                         overwrite):
+def test_converter_refuses_an_existing_out_and_leaves_it_byte_identical(
+    converted, tmp_path, capsys, tool, target, overwrite
+):
     """A training run's directory or a file at --out: one line, exit 2, not a byte changed, nothing
     added beside it; --overwrite does not change that (it replaces only what the tool wrote)."""
     hf, ckpt = converted
@@ -223,20 +252,23 @@ def test_overwrite_replaces_only_what_the_tool_wrote(converted, tmp_path, capsys
     cmd = [PY, f"tools/convert_{tool}.py", *args]
     assert _run(cmd).returncode == 0
     first = _tree(out)
-    line = _refused(tool, args, capsys)                     # without --overwrite: refused, untouched
+    line = _refused(tool, args, capsys)  # without --overwrite: refused, untouched
     assert "already holds" in line and "--overwrite" in line
     assert _tree(out) == first
-    r = _run(cmd + ["--overwrite"])                         # the tool's own output: replaced, and said so
+    r = _run(cmd + ["--overwrite"])  # the tool's own output: replaced, and said so
     assert r.returncode == 0, r.stderr[-3000:]
     said = [ln for ln in r.stdout.splitlines() if ln.startswith("--overwrite: ")]
     assert len(said) == 1 and out in said[0], r.stdout
     # megatron-core's writer: 5 files in model/ up to 0.16 (two writer threads, common.pt), 3 from 0.19 (one thread)
     shards = len(os.listdir(os.path.join(out, "model"))) if tool == "hf_to_megatron" else None
-    expected = f"hf_config/ (5 files), model/ ({shards} files), remax_checkpoint.json" if tool == "hf_to_megatron" \
+    expected = (
+        f"hf_config/ (5 files), model/ ({shards} files), remax_checkpoint.json"
+        if tool == "hf_to_megatron"
         else "config.json, generation_config.json, model.safetensors, remax_written_by.json"
+    )
     assert expected in said[0], said[0]
     assert sorted(first) == sorted(_tree(out))
-    with open(os.path.join(out, "notes.txt"), "w") as f:   # a user's file added: no longer only the tool's
+    with open(os.path.join(out, "notes.txt"), "w") as f:  # a user's file added: no longer only the tool's
         f.write("keep me\n")
     before = _tree(out)
     line = _refused(tool, args + ["--overwrite"], capsys)
@@ -289,13 +321,33 @@ def test_converter_refuses_unsupported_architecture(tmp_path):
 def test_the_tools_print_only_their_result_and_the_export_states_its_dtype(converted, tmp_path):
     """make_tiny_model and convert_megatron_to_hf (as run from a shell): their one line, nothing on stderr (no
     megatron-core warnings, no transformers progress bars); --dtype bfloat16 writes a config.json that says so."""
-    r = _run([PY, "tools/make_tiny_model.py", "--out", str(tmp_path / "tiny"), "--family", "qwen2", "--hidden", "32",
-              "--layers", "2", "--heads", "2", "--kv-heads", "1", "--ffn", "64"])
+    r = _run(
+        [
+            PY,
+            "tools/make_tiny_model.py",
+            "--out",
+            str(tmp_path / "tiny"),
+            "--family",
+            "qwen2",
+            "--hidden",
+            "32",
+            "--layers",
+            "2",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--ffn",
+            "64",
+        ]
+    )
     assert (r.returncode, r.stdout, r.stderr) == (0, f"wrote {tmp_path / 'tiny'}\n", ""), r.stderr[-3000:]
     _, ckpt = converted
     out = str(tmp_path / "bf16")
-    r = _run([PY, "tools/convert_megatron_to_hf.py", "--ckpt", ckpt, "--out", out, "--dtype", "bfloat16"],
-             env_extra={"PYTHONWARNINGS": ""})
+    r = _run(
+        [PY, "tools/convert_megatron_to_hf.py", "--ckpt", ckpt, "--out", out, "--dtype", "bfloat16"],
+        env_extra={"PYTHONWARNINGS": ""},
+    )
     assert (r.returncode, r.stdout, r.stderr) == (0, f"wrote {out}\n", ""), r.stderr[-3000:]
     with open(os.path.join(out, "config.json")) as f:
         config = json.load(f)

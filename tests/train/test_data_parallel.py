@@ -29,14 +29,24 @@ GRADIENT = ("grad_norm",)
 # one rank's optimizer state: its TP / PP share of the model
 LAYOUT_DEPENDENT = ("batch/computed_tokens", "optim/state_mib")
 # micro-batches of 4 sequences divide every DP share of 8 prompts x 2 samples (dp 1, 2, 4)
-COMMON = ["rollout.engine=native", "actor.tp=1", "trainer.micro_batch_size=4", "trainer.eval_every=0",
-          "logging.progress_bar=false", "logging.tensorboard=false"]
+COMMON = [
+    "rollout.engine=native",
+    "actor.tp=1",
+    "trainer.micro_batch_size=4",
+    "trainer.eval_every=0",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+]
 
 
 def _train(out, *overrides, nproc):
     # torchrun's workers, forked from the tests' warm fork server (tests/_dist.run_main)
-    r = run_main("remax_megatron.train", ["--config", "configs/tiny_cpu.yaml", f"trainer.output_dir={out}", *COMMON,
-                                          *overrides], nproc, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = run_main(
+        "remax_megatron.train",
+        ["--config", "configs/tiny_cpu.yaml", f"trainer.output_dir={out}", *COMMON, *overrides],
+        nproc,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -62,11 +72,13 @@ def test_metrics_at_dp2_equal_dp1_and_resume_across_dp(tmp_path):
     dp1 = _train(tmp_path / "dp1", "trainer.steps=3", "checkpoint.save_every=0", *ADAPTIVE_KL, nproc=1)
     assert dp1[0]["reward/sampled_mean"] != dp1[1]["reward/sampled_mean"] or dp1[0]["loss"] != dp1[1]["loss"]
     assert dp1[0]["kl/coef"] != 0.1 and dp1[1]["kl/coef"] != dp1[0]["kl/coef"], "the controller did not move"
-    straight = _train(tmp_path / "dp2", "trainer.steps=6", "checkpoint.save_every=3", "checkpoint.keep=3",
-                      *ADAPTIVE_KL, nproc=2)
+    straight = _train(
+        tmp_path / "dp2", "trainer.steps=6", "checkpoint.save_every=3", "checkpoint.keep=3", *ADAPTIVE_KL, nproc=2
+    )
     _assert_same(straight[:3], dp1, "tp1 x dp2 vs dp1")
-    tp2dp2 = _train(tmp_path / "tp2dp2", "trainer.steps=3", "checkpoint.save_every=0", "actor.tp=2", *ADAPTIVE_KL,
-                    nproc=4)
+    tp2dp2 = _train(
+        tmp_path / "tp2dp2", "trainer.steps=3", "checkpoint.save_every=0", "actor.tp=2", *ADAPTIVE_KL, nproc=4
+    )
     _assert_same(tp2dp2, dp1, "tp2 x dp2 vs dp1")
 
     ckpt = tmp_path / "dp2" / "checkpoints" / "step_000003"
@@ -74,8 +86,9 @@ def test_metrics_at_dp2_equal_dp1_and_resume_across_dp(tmp_path):
     final = saved_weights(tmp_path / "dp2" / "checkpoints" / "step_000006")
     assert max_difference(final, saved_weights(ckpt)) > 1e-4  # the 3 steps after the checkpoint moved them
     for nproc in (1, 4):
-        resumed = _train(tmp_path / f"resume{nproc}", "trainer.steps=6", f"checkpoint.resume={ckpt}", *ADAPTIVE_KL,
-                         nproc=nproc)
+        resumed = _train(
+            tmp_path / f"resume{nproc}", "trainer.steps=6", f"checkpoint.resume={ckpt}", *ADAPTIVE_KL, nproc=nproc
+        )
         _assert_same(resumed, straight[3:], f"saved at dp2, resumed at dp{nproc}")
         worst = max_difference(saved_weights(tmp_path / f"resume{nproc}" / "checkpoints" / "step_000006"), final)
         assert worst < 1e-6, f"weights after 3 resumed steps at dp{nproc} differ by {worst}"
@@ -84,8 +97,9 @@ def test_metrics_at_dp2_equal_dp1_and_resume_across_dp(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_tiny_default_learns_at_dp2(tmp_path, tp):
-    records = _train(tmp_path / "learn", "trainer.eval_every=30", "checkpoint.save_every=0", f"actor.tp={tp}",
-                     nproc=2 * tp)
+    records = _train(
+        tmp_path / "learn", "trainer.eval_every=30", "checkpoint.save_every=0", f"actor.tp={tp}", nproc=2 * tp
+    )
     evals = [r for r in records if "eval/reward_mean" in r]
     assert [r["step"] for r in evals] == [0, 30]
     assert_learns([r["eval/reward_mean"] for r in evals])

@@ -52,15 +52,22 @@ def _metrics_steps(out):
 # ---- item 5: unwritable output directories, refused before any work --------------------------------
 
 
-@pytest.mark.parametrize("override, message", [
-    # a path under a regular file: root cannot create it either (chmod would not stop root)
-    ("trainer.output_dir={file}/run", "trainer.output_dir={file}/run cannot be created ({file} is a file, "
-                                      "not a directory)"),
-    ("checkpoint.dir={file}", "checkpoint.dir={file} cannot be written ({file} is a file, not a directory)"),
-    # sysfs refuses mkdir to root too (EPERM)
-    ("checkpoint.dir=/sys/remax-checkpoints", "checkpoint.dir=/sys/remax-checkpoints cannot be created "
-                                              "(PermissionError: Operation not permitted)"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        # a path under a regular file: root cannot create it either (chmod would not stop root)
+        (
+            "trainer.output_dir={file}/run",
+            "trainer.output_dir={file}/run cannot be created ({file} is a file, not a directory)",
+        ),
+        ("checkpoint.dir={file}", "checkpoint.dir={file} cannot be written ({file} is a file, not a directory)"),
+        # sysfs refuses mkdir to root too (EPERM)
+        (
+            "checkpoint.dir=/sys/remax-checkpoints",
+            "checkpoint.dir=/sys/remax-checkpoints cannot be created (PermissionError: Operation not permitted)",
+        ),
+    ],
+)
 def test_unwritable_output_is_refused_at_start_up(tmp_path, monkeypatch, override, message):
     """The start-up checks (load_config + check_inputs, what train.py runs first; its exit 2 and one
     line: tests/train/test_train_e2e.py) in this process: nothing written, no built-in model built."""
@@ -72,24 +79,32 @@ def test_unwritable_output_is_refused_at_start_up(tmp_path, monkeypatch, overrid
     out, cache = tmp_path / "out", tmp_path / "cache"
     monkeypatch.setenv("REMAX_CACHE", str(cache))
     with pytest.raises(ValueError) as refused:
-        cfg = load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml"), [
-            "actor.tp=1", f"trainer.output_dir={out}", *SHORT, "trainer.steps=1", override.format(file=blocker)])
+        cfg = load_config(
+            os.path.join(ROOT, "configs/tiny_cpu.yaml"),
+            ["actor.tp=1", f"trainer.output_dir={out}", *SHORT, "trainer.steps=1", override.format(file=blocker)],
+        )
         check_inputs(cfg, 1)
     assert str(refused.value) == f"{message.format(file=blocker)}: point it at a writable directory"
     assert not out.exists() and blocker.read_text() == "not a directory\n"
-    assert not [p for p in os.listdir(cache) if os.path.isfile(os.path.join(cache, p, "remax_builtin.json"))] \
-        if cache.exists() else True   # no built-in model was built
+    assert (
+        not [p for p in os.listdir(cache) if os.path.isfile(os.path.join(cache, p, "remax_builtin.json"))]
+        if cache.exists()
+        else True
+    )  # no built-in model was built
 
 
 # ---- item 6: user reward functions that go wrong -------------------------------------------------
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fn, message", [
-    ("raises", "raised ZeroDivisionError: division by zero (on prompt "),
-    ("nan", "returned nan for prompt "),
-    ("short", " values for "),
-])
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        ("raises", "raised ZeroDivisionError: division by zero (on prompt "),
+        ("nan", "returned nan for prompt "),
+        ("short", " values for "),
+    ],
+)
 def test_bad_reward_function_is_one_line_from_its_rank(tmp_path, fn, message):
     """actor.tp=1, dp=2: the function fails on rank 1 only; rank 0 would otherwise wait in the next
     collective. An earlier run's files in the output directory stay as they were."""
@@ -102,7 +117,7 @@ def test_bad_reward_function_is_one_line_from_its_rank(tmp_path, fn, message):
     assert len(lines) == 1, r.stderr[-3000:]
     assert lines[0].startswith(f"error: reward function 'tests.reward.faulty_rewards:{fn}'"), lines
     assert message in lines[0] and lines[0].endswith("(rank 1)"), lines
-    assert sorted(os.listdir(out)) == ["config.yaml"]   # no metrics.jsonl, tensorboard/, checkpoints/
+    assert sorted(os.listdir(out)) == ["config.yaml"]  # no metrics.jsonl, tensorboard/, checkpoints/
     assert (out / "config.yaml").read_text() == "# an earlier run's config\n"
 
 
@@ -117,8 +132,9 @@ def test_first_record_moves_superseded_rows_aside(tmp_path):
     old = [{"step": s, "loss": float(s)} for s in range(1, 7)]
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
     started = []
-    log = MetricsLogger(str(out), 10, tensorboard=False, progress_bar=False,
-                        on_first_record=lambda: started.append(True))
+    log = MetricsLogger(
+        str(out), 10, tensorboard=False, progress_bar=False, on_first_record=lambda: started.append(True)
+    )
     assert not started
     log.log({"step": 4, "loss": 40.0})
     log.log({"step": 5, "loss": 50.0})
@@ -133,8 +149,13 @@ def test_first_record_moves_superseded_rows_aside(tmp_path):
 
 def test_logger_writes_nothing_before_the_first_record(tmp_path):
     out = tmp_path / "run"
-    log = MetricsLogger(str(out), 10, tensorboard=True, progress_bar=False,
-                        on_first_record=lambda: (out / "config.yaml").write_text("x"))
+    log = MetricsLogger(
+        str(out),
+        10,
+        tensorboard=True,
+        progress_bar=False,
+        on_first_record=lambda: (out / "config.yaml").write_text("x"),
+    )
     log.close()
     assert not out.exists()
 
@@ -144,8 +165,12 @@ def test_fallback_resume_has_each_step_once_and_short_steps_warn(tmp_path):
     out = str(tmp_path / "run")
     r = _train(out, "trainer.steps=4", "checkpoint.save_every=2", "logging.tensorboard=false", launcher=None)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    shard = next(os.path.join(d, n) for d, _, names in os.walk(os.path.join(out, "checkpoints", "step_000004"))
-                 for n in sorted(names) if n.endswith(".distcp"))
+    shard = next(
+        os.path.join(d, n)
+        for d, _, names in os.walk(os.path.join(out, "checkpoints", "step_000004"))
+        for n in sorted(names)
+        if n.endswith(".distcp")
+    )
     with open(shard, "r+b") as f:  # same size, other bytes: the checksum finds it
         f.write(b"\xff" * 64)
     r = _train(out, "trainer.steps=4", "logging.tensorboard=false", launcher=None)
@@ -156,9 +181,11 @@ def test_fallback_resume_has_each_step_once_and_short_steps_warn(tmp_path):
     r = _train(out, "trainer.steps=3", "logging.tensorboard=false", launcher=None)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "done" not in r.stdout
-    assert r.stderr.splitlines() == ["warning: the checkpoint resumed from is at step 4, past trainer.steps=3: "
-                                     "nothing was trained; set trainer.steps above 4 to train on (or "
-                                     "checkpoint.resume=none to start over)"], r.stderr[-3000:]
+    assert r.stderr.splitlines() == [
+        "warning: the checkpoint resumed from is at step 4, past trainer.steps=3: "
+        "nothing was trained; set trainer.steps above 4 to train on (or "
+        "checkpoint.resume=none to start over)"
+    ], r.stderr[-3000:]
 
 
 @pytest.fixture
@@ -175,14 +202,30 @@ def test_a_policy_that_collapses_is_warned_and_not_checkpointed(tmp_path, builti
     from step 2, rewards 0). One warning; the saves of the collapsed steps are refused, each said on
     stderr, and step 1's checkpoint stays the newest."""
     out = str(tmp_path / "run")
-    r = _run([sys.executable, "-m", "remax_megatron.train", "--config", "configs/tiny_cpu.yaml", "actor.tp=1",
-              f"trainer.output_dir={out}", *SHORT, "trainer.steps=3", "optim.lr=1e3", "checkpoint.save_every=1",
-              "logging.tensorboard=false"])
+    r = _run(
+        [
+            sys.executable,
+            "-m",
+            "remax_megatron.train",
+            "--config",
+            "configs/tiny_cpu.yaml",
+            "actor.tp=1",
+            f"trainer.output_dir={out}",
+            *SHORT,
+            "trainer.steps=3",
+            "optim.lr=1e3",
+            "checkpoint.save_every=1",
+            "logging.tensorboard=false",
+        ]
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     lines = r.stderr.splitlines()
     assert lines[0].startswith("warning: the policy collapsed to uniform at step 2: entropy 4.6"), r.stderr
     first = os.path.join(out, "checkpoints", "step_000001")
-    assert lines[1:] == [f"warning: not saving step {s}: the policy has been collapsed to uniform since step 2 "
-                         f"(entropy at ln(vocab) = 4.615); the newest checkpoint stays {first}" for s in (2, 3)], lines
+    assert lines[1:] == [
+        f"warning: not saving step {s}: the policy has been collapsed to uniform since step 2 "
+        f"(entropy at ln(vocab) = 4.615); the newest checkpoint stays {first}"
+        for s in (2, 3)
+    ], lines
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "step_000001"
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000001"]

@@ -36,8 +36,14 @@ def test_tiny_lora_default_learns_with_a_small_optimizer_state(env, lora_run, tm
     # eager-vs-sdpa floor (docs/benchmarks.md, noise floor), so the bound is of that order, not 1e-5.
     gaps = [r["logprob/engine_vs_actor_max_diff"] for r in train]
     assert max(gaps) <= 5e-5, gaps
-    full = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "full"), "trainer.steps=1", "trainer.eval_every=0",
-                  "checkpoint.save_every=0")
+    full = _train(
+        env,
+        "configs/tiny_cpu.yaml",
+        str(tmp_path / "full"),
+        "trainer.steps=1",
+        "trainer.eval_every=0",
+        "checkpoint.save_every=0",
+    )
     lora_state, full_state = train[-1]["optim/state_mib"], full[-1]["optim/state_mib"]
     # measured 0.133 vs 2.509 MiB per rank (5.3%)
     assert 0 < lora_state < 0.1 * full_state, (lora_state, full_state)
@@ -46,16 +52,28 @@ def test_tiny_lora_default_learns_with_a_small_optimizer_state(env, lora_run, tm
 @pytest.mark.slow
 def test_tiny_lora_default_resumes_exactly(env, lora_run, tmp_path):  # noqa: F811
     out, straight, _ = lora_run
-    resumed = _train(env, CONFIG, str(tmp_path / "resumed"), "trainer.eval_every=30",
-                     f"checkpoint.resume={os.path.join(out, 'checkpoints', 'step_000020')}")
+    resumed = _train(
+        env,
+        CONFIG,
+        str(tmp_path / "resumed"),
+        "trainer.eval_every=30",
+        f"checkpoint.resume={os.path.join(out, 'checkpoints', 'step_000020')}",
+    )
     assert [r["step"] for r in resumed] == list(range(21, 31))
     assert _timeless(resumed) == _timeless([r for r in straight if r["step"] > 20])
 
 
 @pytest.mark.slow
 def test_lora_with_kl_builds_no_reference_model(env, tmp_path):  # noqa: F811
-    records, stdout, _ = _train_logged(env, CONFIG, str(tmp_path / "kl"), "algo.kl_coef=0.05", "trainer.steps=3",
-                                       "trainer.eval_every=0", "checkpoint.save_every=0")
+    records, stdout, _ = _train_logged(
+        env,
+        CONFIG,
+        str(tmp_path / "kl"),
+        "algo.kl_coef=0.05",
+        "trainer.steps=3",
+        "trainer.eval_every=0",
+        "checkpoint.save_every=0",
+    )
     assert "no reference model is built, the KL reference is the actor with its adapters off" in stdout
     train = [r for r in records if "loss" in r]
     # step 1: adapters at B = 0, the actor is its reference (KL exactly 0); then the adapters move it
@@ -70,8 +88,11 @@ def test_resume_refuses_other_lora_settings(tmp_path):
 
     ckpt = tmp_path / "step_000010"
     ckpt.mkdir()
-    (ckpt / "remax_checkpoint.json").write_text(json.dumps({"lora": {
-        "rank": 4, "alpha": 16.0, "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]}}))
+    (ckpt / "remax_checkpoint.json").write_text(
+        json.dumps(
+            {"lora": {"rank": 4, "alpha": 16.0, "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]}}
+        )
+    )
     base = ["reward.functions=[exact_match]"]
     check_lora_resume(load_config(None, [*base, "actor.lora_rank=4"]), str(ckpt))
     for overrides in (["actor.lora_rank=8"], [], ["actor.lora_rank=4", "actor.lora_targets=[linear_qkv]"]):

@@ -31,16 +31,22 @@ def test_tiny_moe_default_learns_at_ep2_with_vllm(moe_run):
     gaps = [r["logprob/engine_vs_actor_max_diff"] for r in train]
     assert max(gaps) <= 1e-5, gaps
     # Load balancing: a loss near 1 (1.0 = balanced) and each layer's busiest expert over the mean.
-    assert all(0.9 < r["moe/aux_loss"] < 2.0 and r["moe/expert_load"] >= 1.0 for r in train), \
-        [(r["moe/aux_loss"], r["moe/expert_load"]) for r in train]
+    assert all(0.9 < r["moe/aux_loss"] < 2.0 and r["moe/expert_load"] >= 1.0 for r in train), [
+        (r["moe/aux_loss"], r["moe/expert_load"]) for r in train
+    ]
     assert all(r["grad_norm"] > 0 for r in train)
 
 
 @pytest.mark.slow
 def test_tiny_moe_default_resumes_exactly(env, moe_run, tmp_path):  # noqa: F811
     out, straight, _ = moe_run
-    resumed = _train(env, "configs/tiny_cpu_moe.yaml", str(tmp_path / "resumed"), "trainer.eval_every=30",
-                     f"checkpoint.resume={os.path.join(out, 'checkpoints', 'step_000020')}")
+    resumed = _train(
+        env,
+        "configs/tiny_cpu_moe.yaml",
+        str(tmp_path / "resumed"),
+        "trainer.eval_every=30",
+        f"checkpoint.resume={os.path.join(out, 'checkpoints', 'step_000020')}",
+    )
     assert [r["step"] for r in resumed] == list(range(21, 31))
     assert _timeless(resumed) == _timeless([r for r in straight if r["step"] > 20])
 
@@ -50,9 +56,16 @@ def test_routing_replay_with_the_native_engine_at_ep2(env, tmp_path):  # noqa: F
     """rollout.routing_replay on CPU: the native engine records the experts of every token it feeds, the
     step packs them with their rows and the EP=2 actor's training forward routes there; in fp32 the
     engine still follows the actor to rounding every step (the routes agree, so the replay is exact)."""
-    records = _train(env, "configs/tiny_cpu_moe.yaml", str(tmp_path / "replay"), "rollout.engine=native",
-                     "rollout.routing_replay=true", "trainer.steps=3", "trainer.eval_every=0",
-                     "checkpoint.save_every=0")
+    records = _train(
+        env,
+        "configs/tiny_cpu_moe.yaml",
+        str(tmp_path / "replay"),
+        "rollout.engine=native",
+        "rollout.routing_replay=true",
+        "trainer.steps=3",
+        "trainer.eval_every=0",
+        "checkpoint.save_every=0",
+    )
     train = [r for r in records if "loss" in r]
     assert len(train) == 3 and all(r["grad_norm"] > 0 for r in train)
     assert max(r["logprob/engine_vs_actor_max_diff"] for r in train) <= 1e-5, train

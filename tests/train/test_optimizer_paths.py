@@ -37,9 +37,14 @@ def run_step(model_dir, dtype, out, cuda_visible=None):
     env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("MASTER_ADDR", None)
     if cuda_visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
-    r = subprocess.run([sys.executable, "-m", "tests.gpu.optimizer_step", "--model-dir", model_dir,
-                        "--dtype", dtype, "--out", out], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.gpu.optimizer_step", "--model-dir", model_dir, "--dtype", dtype, "--out", out],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out)
 
@@ -47,8 +52,9 @@ def run_step(model_dir, dtype, out, cuda_visible=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_optimizer_step_equals_fp64_adamw(tmp_path, dtype):
-    model_dir = make_tiny_model(str(tmp_path / "m"), "qwen2", hidden=32, layers=2, heads=4, kv_heads=2,
-                                ffn=48, vocab=200, seed=4)
+    model_dir = make_tiny_model(
+        str(tmp_path / "m"), "qwen2", hidden=32, layers=2, heads=4, kv_heads=2, ffn=48, vocab=200, seed=4
+    )
     res = run_step(model_dir, dtype, str(tmp_path / "cpu.pt"), cuda_visible="")
     assert res["optimizer"] == "CpuAdamW" and not res["cuda"]
     want = expected_after(res["before"], res["grads"], torch.float32)
@@ -128,12 +134,12 @@ def test_a_resume_takes_the_schedule_and_adam_settings_from_its_config():
     import types
 
     from remax_megatron.config import load_config
-    from remax_megatron.optimizer import CpuAdamW, build_scheduler, restore_config_hyperparameters, \
-        schedule_changes
+    from remax_megatron.optimizer import CpuAdamW, build_scheduler, restore_config_hyperparameters, schedule_changes
 
     def build(*overrides, updates):
-        cfg = load_config(None, ["reward.functions=[exact_match]", "optim.schedule=linear", "optim.min_lr=0",
-                                 *overrides]).optim
+        cfg = load_config(
+            None, ["reward.functions=[exact_match]", "optim.schedule=linear", "optim.min_lr=0", *overrides]
+        ).optim
         torch.manual_seed(0)
         ddp = types.SimpleNamespace(module=torch.nn.Linear(8, 4), zero_grad_buffer=lambda: None)
         opt = CpuAdamW(ddp, cfg, process_groups=types.SimpleNamespace(mp=None))
@@ -152,8 +158,11 @@ def test_a_resume_takes_the_schedule_and_adam_settings_from_its_config():
     assert schedule.num_steps == 4
     assert resumed.param_groups[0]["lr"] == pytest.approx(2e-3 * (1 - 4 / 8))  # > 0, from the new lr
     assert resumed.param_groups[0]["betas"] == (0.9, 0.99)
-    assert changes == ["optim.beta1, optim.beta2 (0.9, 0.99) (checkpoint: (0.9, 0.999))",
-                       "optim.lr 0.002 (checkpoint: 0.001)", "trainer.steps * trainer.mini_batches 8 (checkpoint: 4)"]
+    assert changes == [
+        "optim.beta1, optim.beta2 (0.9, 0.99) (checkpoint: (0.9, 0.999))",
+        "optim.lr 0.002 (checkpoint: 0.001)",
+        "trainer.steps * trainer.mini_batches 8 (checkpoint: 4)",
+    ]
     schedule.step(increment=1)
     assert resumed.param_groups[0]["lr"] == pytest.approx(2e-3 * (1 - 5 / 8))
 

@@ -19,10 +19,16 @@ from tests.train.test_update import _trainer, _var_batch, model_dir  # noqa: F40
 
 CORRECTIONS = ("none", "token-tis", "seq-mis")
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]  # tp, pp, dp
-VARIANTS = {"fixed": ["trainer.micro_batch_size=2"],
-            "packed": ["trainer.micro_batch_tokens=24", "trainer.pack_sequences=true", "data.max_prompt_tokens=4",
-                       "rollout.max_new_tokens=8"]}
-SHIFTED_ROW = 3   # of _var_batch(): 4 response tokens of the batch's 29
+VARIANTS = {
+    "fixed": ["trainer.micro_batch_size=2"],
+    "packed": [
+        "trainer.micro_batch_tokens=24",
+        "trainer.pack_sequences=true",
+        "data.max_prompt_tokens=4",
+        "rollout.max_new_tokens=8",
+    ],
+}
+SHIFTED_ROW = 3  # of _var_batch(): 4 response tokens of the batch's 29
 CAP = 1.5
 
 
@@ -41,21 +47,36 @@ def _body(rank, world, model_dir, tp, pp, out_path):
     from remax_megatron.weights import export_hf_weights
 
     results = {}
-    runs = [(v, o, m) for v, o in VARIANTS.items() for m in _modes(tp, pp, world // (tp * pp))
-            if m == "token-mean" or v == "fixed"]
+    runs = [
+        (v, o, m)
+        for v, o in VARIANTS.items()
+        for m in _modes(tp, pp, world // (tp * pp))
+        if m == "token-mean" or v == "fixed"
+    ]
     for variant, overrides, mode in runs:
         for correction in CORRECTIONS:
-            for shift in ((0.0,) if correction == "none" else (0.0, -0.5, 0.5)):
+            for shift in (0.0,) if correction == "none" else (0.0, -0.5, 0.5):
                 if correction == "token-tis" and shift > 0:
                     continue  # a ratio below 1 is not capped: token-tis truncates from above only
                 trainer, actor, _, _ = _trainer(
-                    world, model_dir, tp, pp,
-                    [*overrides, "optim.lr=1e-2", "optim.grad_clip=0", "optim.eps=1e-3", f"algo.loss_agg={mode}",
-                     f"algo.rollout_correction={correction}", f"algo.rollout_is_cap={CAP}"])
+                    world,
+                    model_dir,
+                    tp,
+                    pp,
+                    [
+                        *overrides,
+                        "optim.lr=1e-2",
+                        "optim.grad_clip=0",
+                        "optim.eps=1e-3",
+                        f"algo.loss_agg={mode}",
+                        f"algo.rollout_correction={correction}",
+                        f"algo.rollout_is_cap={CAP}",
+                    ],
+                )
                 g, batch = trainer.groups, _var_batch()
                 batch["row"] = torch.arange(8)  # which global row each local row is, wherever the plan moves it
                 rows = batch["input_ids"].shape[0] // g.dp_size
-                mine = {k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()}
+                mine = {k: v[g.dp_rank * rows : (g.dp_rank + 1) * rows] for k, v in batch.items()}
                 local, plan = trainer.updater.micro_batch_plan(mine)
                 # The engine: the actor's own log-probs (the separate pass: fp32-equal to the training forward)
                 exact = trainer.updater.logprobs(actor, local, plan)
@@ -67,8 +88,11 @@ def _body(rank, world, model_dir, tp, pp, out_path):
                 metrics = trainer.metrics.correction(local, update.logprobs)
                 mine = {int(r): exact[i] for i, r in enumerate(local["row"])} if g.is_last_stage else {}
                 results[variant, mode, correction, shift] = {
-                    "stats": update.stats, "metrics": metrics, "logprobs": mine,
-                    "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
+                    "stats": update.stats,
+                    "metrics": metrics,
+                    "logprobs": mine,
+                    "weights": {n: t.clone() for n, t in export_hf_weights(actor)},
+                }
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, results)
     if rank == 0:

@@ -23,8 +23,19 @@ LAYOUTS = [(1, 1, 1, 1), (2, 1, 2, 2), (1, 2, 2, 4)]  # tp, pp, ep, world
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("replay") / "mixtral"), "mixtral", hidden=64, layers=2,
-                           heads=4, kv_heads=2, ffn=32, vocab=128, experts=4, top_k=2, seed=8)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("replay") / "mixtral"),
+        "mixtral",
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn=32,
+        vocab=128,
+        experts=4,
+        top_k=2,
+        seed=8,
+    )
 
 
 def _actor(world, model_dir, tp, pp, ep, overrides=()):
@@ -40,16 +51,29 @@ def _actor(world, model_dir, tp, pp, ep, overrides=()):
 
     etp = 1 if ep > 1 else tp
     groups = ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize(seed=0)
-    cfg = load_config(None, ["reward.functions=[exact_match]", "trainer.micro_batch_size=2", "optim.lr=1e-3",
-                             *overrides])
-    actor = build_policy(read_hf_config(model_dir), tp=tp, pp=pp, init_weights=False, sequence_parallel=tp > 1,
-                         experts=ExpertOptions(ep=ep, etp=etp, routing_replay=True))
+    cfg = load_config(
+        None, ["reward.functions=[exact_match]", "trainer.micro_batch_size=2", "optim.lr=1e-3", *overrides]
+    )
+    actor = build_policy(
+        read_hf_config(model_dir),
+        tp=tp,
+        pp=pp,
+        init_weights=False,
+        sequence_parallel=tp > 1,
+        experts=ExpertOptions(ep=ep, etp=etp, routing_replay=True),
+    )
     load_hf_weights(actor, model_dir)
     ddp = wrap_ddp(actor, False)
     opt = build_optimizer(ddp, cfg.optim)
     attach_to_schedule(ddp, opt)
-    parts = SimpleNamespace(cfg=cfg, groups=groups, actor=ddp, optimizer=opt,
-                            scheduler=build_scheduler(opt, cfg.optim, 10), kl=SimpleNamespace(coef=0.0))
+    parts = SimpleNamespace(
+        cfg=cfg,
+        groups=groups,
+        actor=ddp,
+        optimizer=opt,
+        scheduler=build_scheduler(opt, cfg.optim, 10),
+        kl=SimpleNamespace(coef=0.0),
+    )
     return Trainer(parts, logger=None), actor
 
 
@@ -78,22 +102,22 @@ def _replay_body(rank, world, model_dir, tp, pp, ep, routes_path, replay, out_pa
     rows = batch["input_ids"].shape[0] // g.dp_size
     mine = slice(g.dp_rank * rows, (g.dp_rank + 1) * rows)
     local = {k: v[mine] for k, v in batch.items()}
-    expected = routes[mine]                                                   # [b, S, L, k] of this DP rank
-    counts = torch.zeros(2, dtype=torch.long)                                 # [mismatched, compared] tokens
+    expected = routes[mine]  # [b, S, L, k] of this DP rank
+    counts = torch.zeros(2, dtype=torch.long)  # [mismatched, compared] tokens
     micro = [0]
 
     def observe(router, args, output):
         if not torch.is_grad_enabled():
             return
-        _, routing_map = output                                               # [s_local * b, E]
+        _, routing_map = output  # [s_local * b, E]
         mb = slice(2 * (micro[0] // len(routers(actor))), 2 * (micro[0] // len(routers(actor))) + 2)
         micro[0] += 1
-        want = expected[mb][:, :, router.layer_number - 1]                    # [b, S, k]
+        want = expected[mb][:, :, router.layer_number - 1]  # [b, S, k]
         b, s, k = want.shape
         if actor.config.sequence_parallel:
             t, r = actor.tp_group.size(), actor.tp_group.rank()
-            want = want[:, r * s // t:(r + 1) * s // t]
-        want = want.transpose(0, 1).reshape(-1, k)                            # [s_local * b, k]
+            want = want[:, r * s // t : (r + 1) * s // t]
+        want = want.transpose(0, 1).reshape(-1, k)  # [s_local * b, k]
         given = (want >= 0).all(-1)
         target = torch.zeros_like(routing_map).scatter(1, want.clamp(min=0), True)
         counts[0] += (target != routing_map).any(-1)[given].sum()
@@ -115,7 +139,10 @@ def launched(model_dir, tmp_path_factory):
     for tp, pp, ep, world in LAYOUTS:
         for replay in (True, False):
             name = f"{tp}{pp}{ep}-replay{replay}"
-            cases[world][name] = (_replay_body, (model_dir, tp, pp, ep, routes, replay, os.path.join(top, name + ".pt")))
+            cases[world][name] = (
+                _replay_body,
+                (model_dir, tp, pp, ep, routes, replay, os.path.join(top, name + ".pt")),
+            )
     for tp, pp, ep, world in PACKED_LAYOUTS:
         name = f"packed-{tp}{pp}{ep}"
         cases[world][name] = (_packed_replay_body, (model_dir, tp, pp, ep, routes, os.path.join(top, name + ".pt")))
@@ -143,14 +170,24 @@ def test_replayed_routes_are_the_given_ones(launched, tp, pp, ep, world):
     # ... and with replay the run's moe/route_mismatch_frac counts the token-layers whose live router would
     # have chosen otherwise: what this test counts without replay, but for the first layer's inputs alike.
     # (measured: equal at world 1 and tp2+ep2, 0.900 vs 0.892 at pp2+ep2+dp2)
-    assert replayed_frac > 0.1 and abs(replayed_frac - live_elsewhere / compared_live) < 0.05, \
-        (replayed_frac, live_elsewhere, compared_live)
+    assert replayed_frac > 0.1 and abs(replayed_frac - live_elsewhere / compared_live) < 0.05, (
+        replayed_frac,
+        live_elsewhere,
+        compared_live,
+    )
 
 
 PACKED_LAYOUTS = [(1, 1, 1, 1), (2, 1, 2, 2)]  # tp, pp, ep, world
-PACKED = ["trainer.micro_batch_tokens=24", "trainer.pack_sequences=true", "data.max_prompt_tokens=4",
-          "rollout.max_new_tokens=8", "optim.lr=1e-2", "optim.eps=1e-3", "optim.grad_clip=0",
-          "algo.moe_aux_loss=seq_aux"]
+PACKED = [
+    "trainer.micro_batch_tokens=24",
+    "trainer.pack_sequences=true",
+    "data.max_prompt_tokens=4",
+    "rollout.max_new_tokens=8",
+    "optim.lr=1e-2",
+    "optim.eps=1e-3",
+    "optim.grad_clip=0",
+    "algo.moe_aux_loss=seq_aux",
+]
 
 
 def _packed_replay_body(rank, world, model_dir, tp, pp, ep, routes_path, out_path):
@@ -173,7 +210,9 @@ def _packed_replay_body(rank, world, model_dir, tp, pp, ep, routes_path, out_pat
         if replay:
             batch["routed_experts"] = torch.load(routes_path)
         rows = batch["input_ids"].shape[0] // g.dp_size
-        trainer.updater.train_on({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()}, None, None)
+        trainer.updater.train_on(
+            {k: v[g.dp_rank * rows : (g.dp_rank + 1) * rows] for k, v in batch.items()}, None, None
+        )
         results[name] = {n: t.clone() for n, t in export_hf_weights(actor)}
     if rank == 0:
         torch.save(results, out_path)

@@ -70,18 +70,33 @@ def _fit(cfg_overrides, world, scorer=None, resume=None):
 def _body(rank, world, model_dir, top, result_path):
     from remax_megatron.checkpoint import load_checkpoint
 
-    common = [f"actor.model={model_dir}", "rollout.engine=native", "rollout.n=2", "rollout.max_new_tokens=4",
-              "reward.functions=[exact_match]", "trainer.prompts_per_step=4", "trainer.micro_batch_size=4",
-              "trainer.eval_every=0", "data.max_prompt_tokens=64", "logging.tensorboard=false",
-              "logging.progress_bar=false", "optim.schedule=linear", "optim.min_lr=0"]
+    common = [
+        f"actor.model={model_dir}",
+        "rollout.engine=native",
+        "rollout.n=2",
+        "rollout.max_new_tokens=4",
+        "reward.functions=[exact_match]",
+        "trainer.prompts_per_step=4",
+        "trainer.micro_batch_size=4",
+        "trainer.eval_every=0",
+        "data.max_prompt_tokens=64",
+        "logging.tensorboard=false",
+        "logging.progress_bar=false",
+        "optim.schedule=linear",
+        "optim.min_lr=0",
+    ]
     result = {}
 
-    _, _, err = _fit(common + ["rollout.top_k=1", "trainer.steps=2", "trainer.no_signal_steps=2",
-                               f"trainer.output_dir={top}/greedy"], world)
+    _, _, err = _fit(
+        common
+        + ["rollout.top_k=1", "trainer.steps=2", "trainer.no_signal_steps=2", f"trainer.output_dir={top}/greedy"],
+        world,
+    )
     result["greedy_stderr"] = err
 
-    trainer, out, err = _fit(common + ["trainer.steps=2", "optim.lr=1e-2", f"trainer.output_dir={top}/nan"], world,
-                             scorer=NanOnSecondStep)
+    trainer, out, err = _fit(
+        common + ["trainer.steps=2", "optim.lr=1e-2", f"trainer.output_dir={top}/nan"], world, scorer=NanOnSecondStep
+    )
     result.update(nan_stdout=out, nan_stderr=err, nan_records=trainer.records)
     kept = trainer.parts.scorer.weights_after_step_1
     now = {n: p.detach().clone() for n, p in trainer.actor_module.named_parameters()}
@@ -93,8 +108,11 @@ def _body(rank, world, model_dir, top, result_path):
     result["checkpoint_is_step_1"] = all(torch.equal(p, kept[n]) for n, p in trainer.actor_module.named_parameters())
     result["step_1_moved"] = trainer.records[0]["grad_norm"] > 0
 
-    trainer, out, err = _fit(common + ["trainer.steps=4", "optim.lr=2e-2", f"trainer.output_dir={top}/nan"], world,
-                             resume=f"{top}/nan/checkpoints/step_000002")
+    trainer, out, err = _fit(
+        common + ["trainer.steps=4", "optim.lr=2e-2", f"trainer.output_dir={top}/nan"],
+        world,
+        resume=f"{top}/nan/checkpoints/step_000002",
+    )
     result.update(resumed_stdout=out, resumed_records=trainer.records)
     torch.save(result, result_path)
 
@@ -110,8 +128,9 @@ def run(tmp_path_factory):
 @pytest.mark.slow
 def test_greedy_sampling_warns_once_naming_top_k(run):
     lines = [line for line in run["greedy_stderr"].splitlines() if "learning signal" in line]
-    assert len(lines) == 1 and lines[0].startswith("warning: no learning signal for 2 steps (steps 1-2)"), \
-        run["greedy_stderr"]
+    assert len(lines) == 1 and lines[0].startswith("warning: no learning signal for 2 steps (steps 1-2)"), run[
+        "greedy_stderr"
+    ]
     assert "likely cause: rollout.top_k=1 makes sampling greedy decoding" in lines[0]
 
 
@@ -131,6 +150,7 @@ def test_a_resume_follows_the_schedule_it_is_given(run):
     # 2 of 4 updates were counted before (the skipped one is not an update): lr 2e-2 * (1 - u / 4) after update u
     assert [r["lr"] for r in run["resumed_records"]] == pytest.approx([2e-2 * 2 / 4, 2e-2 * 1 / 4])
     lines = [line for line in run["resumed_stdout"].splitlines() if line.startswith("resume: ")]
-    assert lines == ["resume: following this run's config, not the checkpoint's: optim.lr 0.02 (checkpoint: 0.01); "
-                     "trainer.steps * trainer.mini_batches 4 (checkpoint: 2); lr 0.015 at update 1"], \
-        run["resumed_stdout"]
+    assert lines == [
+        "resume: following this run's config, not the checkpoint's: optim.lr 0.02 (checkpoint: 0.01); "
+        "trainer.steps * trainer.mini_batches 4 (checkpoint: 2); lr 0.015 at update 1"
+    ], run["resumed_stdout"]

@@ -20,8 +20,15 @@ import subprocess
 
 import pytest
 
-from tests.launch.test_stop_signals import LAUNCH, ROOT, _assert_saved_last_step, _job, _session, _wait_for_steps, \
-    _workers
+from tests.launch.test_stop_signals import (
+    LAUNCH,
+    ROOT,
+    _assert_saved_last_step,
+    _job,
+    _session,
+    _wait_for_steps,
+    _workers,
+)
 from tests.train.test_train_e2e import assert_learns, _timeless, _train, _train_logged, env  # noqa: F401  (env: fixture)
 
 SEPARATE = ("rollout.placement=separate", "rollout.ranks=1")
@@ -37,7 +44,7 @@ def _comparable(records):
 def _assert_same(got, ref, tol=1e-5):
     assert len(got) == len(ref)
     for g, r in zip(_comparable(got), _comparable(ref)):
-        assert set(g) == set(r), (set(g) ^ set(r))
+        assert set(g) == set(r), set(g) ^ set(r)
         for k, v in r.items():
             if isinstance(v, float):
                 assert abs(g[k] - v) <= tol * max(1.0, abs(v)), (r["step"], k, g[k], v)
@@ -46,14 +53,16 @@ def _assert_same(got, ref, tol=1e-5):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine, layout", [(NATIVE, ()), ((), ()), (NATIVE, ("actor.tp=1",))],
-                         ids=["native-tp2", "vllm-tp2", "native-dp2"])
+@pytest.mark.parametrize(
+    "engine, layout", [(NATIVE, ()), ((), ()), (NATIVE, ("actor.tp=1",))], ids=["native-tp2", "vllm-tp2", "native-dp2"]
+)
 def test_separate_without_staleness_equals_colocated(env, tmp_path, engine, layout):  # noqa: F811
     """dp2: the two training ranks are two data-parallel replicas, each submitting its own prompts."""
     common = ("trainer.steps=4", "trainer.eval_every=2", *engine, *layout)
     colocated = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "colocated"), *common, nproc=2)
-    separate = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "separate"), *common, *SEPARATE,
-                      "rollout.max_staleness=0", nproc=3)
+    separate = _train(
+        env, "configs/tiny_cpu.yaml", str(tmp_path / "separate"), *common, *SEPARATE, "rollout.max_staleness=0", nproc=3
+    )
     _assert_same(separate, colocated)
     assert all(r["rollout/staleness"] == 0 for r in separate if "loss" in r)
 
@@ -61,8 +70,16 @@ def test_separate_without_staleness_equals_colocated(env, tmp_path, engine, layo
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", [NATIVE, ()], ids=["native", "vllm"])
 def test_one_step_ahead_learns_with_the_engine_on_the_generating_version(env, tmp_path, engine):  # noqa: F811
-    records = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "run"), *engine, *SEPARATE,
-                     "algo.rollout_correction=token-tis", "rollout.behaviour_logprobs=true", nproc=3)
+    records = _train(
+        env,
+        "configs/tiny_cpu.yaml",
+        str(tmp_path / "run"),
+        *engine,
+        *SEPARATE,
+        "algo.rollout_correction=token-tis",
+        "rollout.behaviour_logprobs=true",
+        nproc=3,
+    )
     evals = [r["eval/reward_mean"] for r in records if "eval/reward_mean" in r]
     assert_learns(evals)
     steps = [r for r in records if "loss" in r]
@@ -77,8 +94,14 @@ def test_one_step_ahead_learns_with_the_engine_on_the_generating_version(env, tm
 @pytest.mark.slow
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_a_resumed_run_loses_and_repeats_no_batch(env, tmp_path, staleness):  # noqa: F811
-    common = (*NATIVE, *SEPARATE, f"rollout.max_staleness={staleness}", "checkpoint.save_every=3",
-              "trainer.eval_every=0", "algo.rollout_correction=token-tis")
+    common = (
+        *NATIVE,
+        *SEPARATE,
+        f"rollout.max_staleness={staleness}",
+        "checkpoint.save_every=3",
+        "trainer.eval_every=0",
+        "algo.rollout_correction=token-tis",
+    )
     whole = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "whole"), "trainer.steps=6", *common, nproc=3)
     out = str(tmp_path / "stopped")
     _train(env, "configs/tiny_cpu.yaml", out, "trainer.steps=3", *common, nproc=3)
@@ -102,14 +125,32 @@ def test_routing_replay_travels_with_its_batch_from_the_rollout_ranks(env, tmp_p
     every metric equals the colocated run's; with staleness 1 the routes of the version that generated a batch
     are replayed (its log-probs agree with the engine's to 1e-5) while the live, one update newer router
     would route some tokens elsewhere."""
-    colocated = _train(env, "configs/tiny_cpu_moe.yaml", str(tmp_path / "colocated"), "trainer.steps=3", *MOE_REPLAY,
-                       nproc=2)
-    separate = _train(env, "configs/tiny_cpu_moe.yaml", str(tmp_path / "separate"), "trainer.steps=3", *MOE_REPLAY,
-                      *SEPARATE, "rollout.max_staleness=0", nproc=3)
+    colocated = _train(
+        env, "configs/tiny_cpu_moe.yaml", str(tmp_path / "colocated"), "trainer.steps=3", *MOE_REPLAY, nproc=2
+    )
+    separate = _train(
+        env,
+        "configs/tiny_cpu_moe.yaml",
+        str(tmp_path / "separate"),
+        "trainer.steps=3",
+        *MOE_REPLAY,
+        *SEPARATE,
+        "rollout.max_staleness=0",
+        nproc=3,
+    )
     _assert_same(separate, colocated)
     assert all(r["moe/route_mismatch_frac"] == 0.0 for r in separate)
-    ahead = _train(env, "configs/tiny_cpu_moe.yaml", str(tmp_path / "ahead"), "trainer.steps=4", *MOE_REPLAY,
-                   *SEPARATE, "rollout.behaviour_logprobs=true", "algo.rollout_correction=token-tis", nproc=3)
+    ahead = _train(
+        env,
+        "configs/tiny_cpu_moe.yaml",
+        str(tmp_path / "ahead"),
+        "trainer.steps=4",
+        *MOE_REPLAY,
+        *SEPARATE,
+        "rollout.behaviour_logprobs=true",
+        "algo.rollout_correction=token-tis",
+        nproc=3,
+    )
     assert [r["rollout/staleness"] for r in ahead] == [0, 1, 1, 1]
     assert max(r["logprob/engine_vs_behaviour_max_diff"] for r in ahead) <= 1e-5, ahead
     assert max(r["moe/route_mismatch_frac"] for r in ahead[1:]) > 0, ahead
@@ -132,9 +173,21 @@ def _job_command(out, *overrides):
     from remax_megatron.builtin.models import ensure_builtin_model
 
     ensure_builtin_model("tiny-arith", verbose=False)
-    return [*LAUNCH, "--nproc_per_node=3", "-m", "remax_megatron.train", "--config", "configs/tiny_cpu.yaml",
-            *NATIVE, *SEPARATE, "algo.rollout_correction=token-tis", "trainer.eval_every=0",
-            "logging.progress_bar=false", f"trainer.output_dir={out}", *overrides]
+    return [
+        *LAUNCH,
+        "--nproc_per_node=3",
+        "-m",
+        "remax_megatron.train",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        *NATIVE,
+        *SEPARATE,
+        "algo.rollout_correction=token-tis",
+        "trainer.eval_every=0",
+        "logging.progress_bar=false",
+        f"trainer.output_dir={out}",
+        *overrides,
+    ]
 
 
 @pytest.mark.slow
@@ -164,8 +217,14 @@ def test_a_killed_rank_ends_the_job_and_the_next_run_resumes(tmp_path, victim):
     assert _session(proc.pid) == [] and _workers(proc.pid) == []
     saved = int(open(os.path.join(out, "checkpoints", "latest")).read().strip().split("_")[-1])
     assert saved >= 2
-    r = subprocess.run([*cmd, f"trainer.steps={saved + 2}"], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [*cmd, f"trainer.steps={saved + 2}"],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert f"resumed from" in r.stdout and f"at step {saved}" in r.stdout, r.stdout[-3000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:

@@ -20,22 +20,35 @@ from tests._dist import SharedLaunches
 from tests.train.test_update import _trainer, _var_batch
 from tools.make_tiny_model import make_tiny_model
 
-TIED = [1, 3, 4, 6]        # rows whose reward equals the baseline (rank 0 of dp2 holds rows 0-3)
+TIED = [1, 3, 4, 6]  # rows whose reward equals the baseline (rank 0 of dp2 holds rows 0-3)
 ALL_OF_RANK0 = [0, 1, 2, 3]  # every row of DP rank 0 ties
 
 VARIANTS = {  # name: overrides
     "fixed": ["trainer.micro_batch_size=2"],
     "minibatches": ["trainer.micro_batch_size=2", "trainer.mini_batches=2"],
     "budget": ["trainer.micro_batch_tokens=24", "data.max_prompt_tokens=4", "rollout.max_new_tokens=8"],
-    "packed": ["trainer.micro_batch_tokens=24", "trainer.pack_sequences=true", "data.max_prompt_tokens=4",
-               "rollout.max_new_tokens=8"],
+    "packed": [
+        "trainer.micro_batch_tokens=24",
+        "trainer.pack_sequences=true",
+        "data.max_prompt_tokens=4",
+        "rollout.max_new_tokens=8",
+    ],
 }
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("m") / "llama"), "llama", hidden=64, layers=2, heads=4,
-                           kv_heads=2, ffn=96, tie=False, seed=7)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("m") / "llama"),
+        "llama",
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn=96,
+        tie=False,
+        seed=7,
+    )
 
 
 def _tied_batch(tied):
@@ -57,17 +70,29 @@ def _skip_body(rank, world, model_dir, tp, pp, variants, tied, out_path, sabotag
     for variant in variants:
         for skip in ("off", "on"):
             trainer, actor, _, _ = _trainer(
-                world, model_dir, tp, pp,
-                [*VARIANTS[variant], f"trainer.skip_zero_advantage={skip}", "optim.lr=1e-2", "optim.grad_clip=0",
-                 "optim.eps=1e-3"])
+                world,
+                model_dir,
+                tp,
+                pp,
+                [
+                    *VARIANTS[variant],
+                    f"trainer.skip_zero_advantage={skip}",
+                    "optim.lr=1e-2",
+                    "optim.grad_clip=0",
+                    "optim.eps=1e-3",
+                ],
+            )
             g, batch = trainer.groups, _tied_batch(tied)
             rows = batch["input_ids"].shape[0] // g.dp_size
-            mine = {k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()}
+            mine = {k: v[g.dp_rank * rows : (g.dp_rank + 1) * rows] for k, v in batch.items()}
             local, plan = trainer.updater.micro_batch_plan(mine)
             update = trainer.updater.train_on(local, None, None, plan)
-            results[variant, skip] = {"stats": update.stats, "computed": update.computed_tokens,
-                                      "skipped_rows": update.skipped_rows,
-                                      "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
+            results[variant, skip] = {
+                "stats": update.stats,
+                "computed": update.computed_tokens,
+                "skipped_rows": update.skipped_rows,
+                "weights": {n: t.clone() for n, t in export_hf_weights(actor)},
+            }
     if rank == 0:
         torch.save(results, out_path)
 
@@ -88,8 +113,10 @@ def launched(model_dir, tmp_path_factory):
     cases = {1: {}, 2: {}, 4: {}}
     for name, (tp, pp, dp, variants, tied) in LAYOUTS.items():
         cases[tp * pp * dp][name] = (_skip_body, (model_dir, tp, pp, variants, tied, os.path.join(top, name + ".pt")))
-    cases[1]["sabotage"] = (_skip_body, (model_dir, 1, 1, ["fixed", "budget", "minibatches"], TIED,
-                                         os.path.join(top, "sabotage.pt"), True))
+    cases[1]["sabotage"] = (
+        _skip_body,
+        (model_dir, 1, 1, ["fixed", "budget", "minibatches"], TIED, os.path.join(top, "sabotage.pt"), True),
+    )
     launches = SharedLaunches(cases, top)
 
     def result(name):
@@ -137,12 +164,15 @@ def _cfg(*overrides):
     return load_config(None, ["reward.functions=[exact_match]", *overrides])
 
 
-@pytest.mark.parametrize("overrides,is_moe,why", [
-    (["algo.kl_coef=0.05", "reference.enabled=true"], False, "KL penalty in the reward"),
-    (["algo.kl_coef=0.05", "reference.enabled=true", "algo.kl_mode=loss"], False, "KL term in the loss"),
-    ([], True, "load-balancing loss"),
-    (["actor.lora_rank=4", "actor.lora_dropout=0.1"], False, "lora_dropout"),
-])
+@pytest.mark.parametrize(
+    "overrides,is_moe,why",
+    [
+        (["algo.kl_coef=0.05", "reference.enabled=true"], False, "KL penalty in the reward"),
+        (["algo.kl_coef=0.05", "reference.enabled=true", "algo.kl_mode=loss"], False, "KL term in the loss"),
+        ([], True, "load-balancing loss"),
+        (["actor.lora_rank=4", "actor.lora_dropout=0.1"], False, "lora_dropout"),
+    ],
+)
 def test_auto_is_off_where_tied_rows_have_a_gradient_and_on_is_refused(overrides, is_moe, why):
     from remax_megatron.algo.zero_advantage import skip_start_line, skips_zero_advantage
 

@@ -26,8 +26,9 @@ def test_stage_error_names_step_stage_rank_and_cause(one_rank):
     with pytest.raises(StageError) as e:
         with Trainer._stage(trainer, "rollout", times):
             raise RuntimeError("Connection closed by peer [127.0.0.1]:29500\nsecond line of a gloo trace")
-    assert str(e.value) == ("step 7, stage 'rollout' failed on rank 0: RuntimeError: Connection closed by peer "
-                            "[127.0.0.1]:29500")
+    assert str(e.value) == (
+        "step 7, stage 'rollout' failed on rank 0: RuntimeError: Connection closed by peer [127.0.0.1]:29500"
+    )
     assert "time/rollout_s" not in times  # a failed stage is not timed as if it had run
 
 

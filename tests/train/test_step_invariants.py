@@ -30,8 +30,17 @@ OFFSETS = (-1.0, 0.0, 2.0)  # sample j's reward minus its prompt's greedy reward
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("m") / "llama"), "llama", hidden=64, layers=2, heads=4,
-                           kv_heads=2, ffn=96, tie=False, seed=3)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("m") / "llama"),
+        "llama",
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn=96,
+        tie=False,
+        seed=3,
+    )
 
 
 class SpyScorer:
@@ -45,8 +54,10 @@ class SpyScorer:
     def score(self, prompts, responses, wait=None):
         indices = [q.index for q in prompts]
         self.calls.append((indices, responses))
-        return [[10.0 * i + (self.offsets[j] if j < N else 0.0) for j in range(len(row))]
-                for i, row in zip(indices, responses)], {}
+        return [
+            [10.0 * i + (self.offsets[j] if j < N else 0.0) for j in range(len(row))]
+            for i, row in zip(indices, responses)
+        ], {}
 
 
 def _step_body(rank, world, model_dir, out_dir, result_path, skip="off"):
@@ -55,13 +66,26 @@ def _step_body(rank, world, model_dir, out_dir, result_path, skip="off"):
     from remax_megatron.config import load_config
     from remax_megatron.startup import build, check_inputs
 
-    cfg = load_config(None, [
-        f"actor.model={model_dir}", "rollout.engine=native", f"rollout.n={N}", "rollout.max_new_tokens=6",
-        "reward.functions=[exact_match]", "trainer.prompts_per_step=4", "trainer.micro_batch_size=4",
-        "trainer.eval_every=0", f"trainer.output_dir={out_dir}", "data.max_prompt_tokens=64",
-        "logging.tensorboard=false", "logging.progress_bar=false", "optim.lr=1e-2",
-        # off: every row reaches the loss, so the spies see each pairing (on: test_skipped_rows_are_...)
-        f"trainer.skip_zero_advantage={skip}"])
+    cfg = load_config(
+        None,
+        [
+            f"actor.model={model_dir}",
+            "rollout.engine=native",
+            f"rollout.n={N}",
+            "rollout.max_new_tokens=6",
+            "reward.functions=[exact_match]",
+            "trainer.prompts_per_step=4",
+            "trainer.micro_batch_size=4",
+            "trainer.eval_every=0",
+            f"trainer.output_dir={out_dir}",
+            "data.max_prompt_tokens=64",
+            "logging.tensorboard=false",
+            "logging.progress_bar=false",
+            "optim.lr=1e-2",
+            # off: every row reaches the loss, so the spies see each pairing (on: test_skipped_rows_are_...)
+            f"trainer.skip_zero_advantage={skip}",
+        ],
+    )
     parts = build(cfg, check_inputs(cfg, world))
     parts.scorer = SpyScorer(OFFSETS)
     generated = []
@@ -90,10 +114,17 @@ def _step_body(rank, world, model_dir, out_dir, result_path, skip="off"):
         records.append(trainer.train_step())
         trainer.step += 1
         weights.append({n: p.detach().clone() for n, p in trainer.actor_module.named_parameters()})
-    steps = [{"calls": call, "generated": gen, "record": rec,
-              "rewards": torch.cat([r for r, _, _ in adv]), "baseline": torch.cat([b for _, b, _ in adv]),
-              "advantages": torch.cat([a for _, _, a in adv])}
-             for call, gen, rec, adv in zip(parts.scorer.calls, generated, records, advantages)]
+    steps = [
+        {
+            "calls": call,
+            "generated": gen,
+            "record": rec,
+            "rewards": torch.cat([r for r, _, _ in adv]),
+            "baseline": torch.cat([b for _, b, _ in adv]),
+            "advantages": torch.cat([a for _, _, a in adv]),
+        }
+        for call, gen, rec, adv in zip(parts.scorer.calls, generated, records, advantages)
+    ]
     moved = max((after - initial[n]).abs().max().item() for n, after in weights[0].items())
     torch.save({"steps": steps, "moved": moved}, result_path)
 
@@ -152,8 +183,10 @@ def test_each_sample_is_paired_with_its_own_prompts_greedy_reward(run):
         assert step["baseline"].shape[0] == len(rows) == 4 * N
         for b, (i, j, _) in enumerate(rows):
             assert step["rewards"][b] == 10.0 * i + OFFSETS[j], (b, step["rewards"])
-            assert step["baseline"][b] == 10.0 * i, f"row {b} (prompt {i}, sample {j}) got baseline " \
-                                                    f"{float(step['baseline'][b])}, not its prompt's greedy reward"
+            assert step["baseline"][b] == 10.0 * i, (
+                f"row {b} (prompt {i}, sample {j}) got baseline "
+                f"{float(step['baseline'][b])}, not its prompt's greedy reward"
+            )
 
 
 def test_advantage_is_reward_minus_greedy_reward_with_its_sign_and_zero_on_ties(run):
@@ -178,8 +211,7 @@ def test_the_baseline_is_the_greedy_reward_not_a_mean_of_samples(run):
         assert torch.equal(step["baseline"].view(-1, N)[:, 0], torch.tensor([10.0 * i for i in indices]))
         record = step["record"]
         assert record["reward/greedy_mean"] == pytest.approx(sum(10.0 * i for i in indices) / 4)
-        assert record["reward/sampled_mean"] == pytest.approx(
-            sum(10.0 * i + o for i in indices for o in OFFSETS) / 12)
+        assert record["reward/sampled_mean"] == pytest.approx(sum(10.0 * i + o for i in indices for o in OFFSETS) / 12)
         assert record["reward/tie_frac"] == pytest.approx(1 / 3)  # sample 1 of each prompt
 
 
@@ -195,20 +227,34 @@ def test_the_engine_follows_the_actor_after_an_update(run):
 
 # ---- the reference model + KL (both modes) and several mini-batches, through the real step ------
 
+
 def _paths_body(rank, world, model_dir, ref_dir, out_dir, result_path):
     import remax_megatron.trainer as trainer_module
     import remax_megatron.update as update_module
     from remax_megatron.config import load_config
     from remax_megatron.startup import build, check_inputs
 
-    common = [f"actor.model={model_dir}", "rollout.engine=native", f"rollout.n={N}", "rollout.max_new_tokens=6",
-              "reward.functions=[exact_match]", "trainer.prompts_per_step=4", "trainer.micro_batch_size=2",
-              "trainer.eval_every=0", "data.max_prompt_tokens=64", "logging.tensorboard=false",
-              "logging.progress_bar=false", "optim.lr=1e-3",
-              "trainer.skip_zero_advantage=off"]  # the spies count every row's loss call (sample 0 ties)
+    common = [
+        f"actor.model={model_dir}",
+        "rollout.engine=native",
+        f"rollout.n={N}",
+        "rollout.max_new_tokens=6",
+        "reward.functions=[exact_match]",
+        "trainer.prompts_per_step=4",
+        "trainer.micro_batch_size=2",
+        "trainer.eval_every=0",
+        "data.max_prompt_tokens=64",
+        "logging.tensorboard=false",
+        "logging.progress_bar=false",
+        "optim.lr=1e-3",
+        "trainer.skip_zero_advantage=off",
+    ]  # the spies count every row's loss call (sample 0 ties)
     kl = ["reference.enabled=true", f"reference.model={ref_dir}", "algo.kl_coef=0.5"]
-    runs = {"kl_reward": kl + ["algo.kl_mode=reward"], "kl_loss": kl + ["algo.kl_mode=loss"],
-            "mini_batches": ["trainer.mini_batches=2"]}
+    runs = {
+        "kl_reward": kl + ["algo.kl_mode=reward"],
+        "kl_loss": kl + ["algo.kl_mode=loss"],
+        "mini_batches": ["trainer.mini_batches=2"],
+    }
     kernel, loss_fn, results = update_module.compute_advantages, update_module.remax_loss, {}
     for name, extra in runs.items():
         cfg = load_config(None, common + extra + [f"trainer.output_dir={out_dir}/{name}"])
@@ -218,13 +264,20 @@ def _paths_body(rank, world, model_dir, ref_dir, out_dir, result_path):
 
         def spy_advantages(*args, **kwargs):
             out = kernel(*args, **kwargs)
-            seen["advantages"].append(([a.clone() if torch.is_tensor(a) else a for a in args], dict(kwargs),
-                                       out.clone()))
+            seen["advantages"].append(
+                ([a.clone() if torch.is_tensor(a) else a for a in args], dict(kwargs), out.clone())
+            )
             return out
 
         def spy_loss(logprobs, advantages, mask, **kwargs):
-            seen["loss"].append({k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in kwargs.items()
-                                 if k in ("old_logprobs", "ref_logprobs", "kl_coef")} | {"logprobs": logprobs.detach().clone()})
+            seen["loss"].append(
+                {
+                    k: (v.detach().clone() if torch.is_tensor(v) else v)
+                    for k, v in kwargs.items()
+                    if k in ("old_logprobs", "ref_logprobs", "kl_coef")
+                }
+                | {"logprobs": logprobs.detach().clone()}
+            )
             return loss_fn(logprobs, advantages, mask, **kwargs)
 
         update_module.compute_advantages, update_module.remax_loss = spy_advantages, spy_loss
@@ -248,8 +301,9 @@ def _paths_body(rank, world, model_dir, ref_dir, out_dir, result_path):
 @pytest.fixture(scope="module")
 def paths(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("paths")
-    ref_dir = make_tiny_model(str(tmp / "ref"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=96,
-                              tie=False, seed=11)  # same architecture, other weights: KL > 0 from step 1
+    ref_dir = make_tiny_model(
+        str(tmp / "ref"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=96, tie=False, seed=11
+    )  # same architecture, other weights: KL > 0 from step 1
     run_distributed(_paths_body, world_size=1, args=(model_dir, ref_dir, str(tmp / "out"), str(tmp / "paths.pt")))
     return torch.load(tmp / "paths.pt", weights_only=False)
 

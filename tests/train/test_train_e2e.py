@@ -23,9 +23,23 @@ from tests._needs import engine_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
-DESIGN_KEYS = ["reward/sampled_mean", "reward/greedy_mean", "advantage/mean", "advantage/std", "kl/mean", "loss",
-               "entropy/mean", "response/length_mean", "time/rollout_s", "time/reward_s", "time/train_s",
-               "time/sync_s", "time/step_s", "throughput/tokens_per_s", "logprob/engine_vs_actor_max_diff"]
+DESIGN_KEYS = [
+    "reward/sampled_mean",
+    "reward/greedy_mean",
+    "advantage/mean",
+    "advantage/std",
+    "kl/mean",
+    "loss",
+    "entropy/mean",
+    "response/length_mean",
+    "time/rollout_s",
+    "time/reward_s",
+    "time/train_s",
+    "time/sync_s",
+    "time/step_s",
+    "throughput/tokens_per_s",
+    "logprob/engine_vs_actor_max_diff",
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,21 +67,33 @@ README_LAUNCHER = (sys.executable, "-m", "remax_megatron.launch")  # the README'
 
 
 def _timeless(records):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "memory/", "perf/"))}
-            for r in records]
+    return [
+        {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "memory/", "perf/"))} for r in records
+    ]
 
 
 def _train_logged(env, config, out, *overrides, nproc=2, launcher=None, progress_bar=False):
     """(metrics records, the run's stdout, its stderr). launcher=None: the ranks are forked from the
     tests' warm fork server (tests/_dist.run_main: no imports per launch); else the real command, e.g.
     the README's launcher or torchrun."""
-    argv = ["--config", config, f"trainer.output_dir={out}", *([] if progress_bar else ["logging.progress_bar=false"]),
-            *overrides]
+    argv = [
+        "--config",
+        config,
+        f"trainer.output_dir={out}",
+        *([] if progress_bar else ["logging.progress_bar=false"]),
+        *overrides,
+    ]
     if launcher is None:
         r = run_main("remax_megatron.train", argv, nproc, env=env)
     else:
-        r = subprocess.run([*launcher, f"--nproc_per_node={nproc}", "-m", "remax_megatron.train", *argv], cwd=ROOT,
-                           env=env, capture_output=True, text=True, timeout=900)
+        r = subprocess.run(
+            [*launcher, f"--nproc_per_node={nproc}", "-m", "remax_megatron.train", *argv],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f], r.stdout, r.stderr
@@ -79,9 +105,14 @@ def default_run(env, tmp_path_factory):
     progress bar, no PYTHONWARNINGS), evaluated at the start and the end: (output directory, metrics
     records, stdout, stderr)."""
     out = tmp_path_factory.mktemp("default") / "run"
-    records, stdout, stderr = _train_logged({k: v for k, v in env.items() if k != "PYTHONWARNINGS"},
-                                            "configs/tiny_cpu.yaml", str(out), "trainer.eval_every=30",
-                                            launcher=README_LAUNCHER, progress_bar=True)
+    records, stdout, stderr = _train_logged(
+        {k: v for k, v in env.items() if k != "PYTHONWARNINGS"},
+        "configs/tiny_cpu.yaml",
+        str(out),
+        "trainer.eval_every=30",
+        launcher=README_LAUNCHER,
+        progress_bar=True,
+    )
     return out, records, stdout, stderr
 
 
@@ -131,8 +162,9 @@ def test_tiny_default_learns_with_vllm(default_run):
     gaps = sorted(r["logprob/engine_vs_actor_max_diff"] for r in train)
     assert gaps[-1] <= 1e-4 and gaps[len(gaps) // 2] <= 1e-5, gaps
     # At actor TP=2 each rank's engine decoded only its share: no token decoded twice.
-    assert all(r["rollout/decoded_per_token"] == 1.0 and r["rollout/tokens"] > 0 for r in train), \
-        [r["rollout/decoded_per_token"] for r in train]
+    assert all(r["rollout/decoded_per_token"] == 1.0 and r["rollout/tokens"] > 0 for r in train), [
+        r["rollout/decoded_per_token"] for r in train
+    ]
     assert os.path.isfile(out / "config.yaml")
 
 
@@ -141,8 +173,13 @@ def test_tiny_default_resumes_exactly_with_vllm(env, default_run, tmp_path):
     """Resumed from the default run's step-20 checkpoint, the last 10 steps and the final eval are
     those of the straight run (weights, Adam state, scheduler, data order and vLLM sampling seeds)."""
     out, straight, _, _ = default_run
-    resumed = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "resumed"), "trainer.eval_every=30",
-                     f"checkpoint.resume={out / 'checkpoints' / 'step_000020'}")
+    resumed = _train(
+        env,
+        "configs/tiny_cpu.yaml",
+        str(tmp_path / "resumed"),
+        "trainer.eval_every=30",
+        f"checkpoint.resume={out / 'checkpoints' / 'step_000020'}",
+    )
     assert [r["step"] for r in resumed] == list(range(21, 31)) and "eval/reward_mean" in resumed[-1]
     assert _timeless(resumed) == _timeless([r for r in straight if r["step"] > 20])
 
@@ -151,11 +188,26 @@ def test_tiny_default_resumes_exactly_with_vllm(env, default_run, tmp_path):
 def test_vllm_runs_without_torchrun(env, tmp_path):
     """`python -m remax_megatron.train` (no torchrun: no RANK / LOCAL_RANK for vLLM's external launcher)."""
     out = tmp_path / "plain"
-    r = subprocess.run([sys.executable, "-m", "remax_megatron.train", "--config", "configs/tiny_cpu.yaml",
-                        f"trainer.output_dir={out}", "actor.tp=1", "trainer.steps=2", "trainer.eval_every=0",
-                        "checkpoint.save_every=0", "logging.progress_bar=false"],
-                       cwd=ROOT, env={k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "remax_megatron.train",
+            "--config",
+            "configs/tiny_cpu.yaml",
+            f"trainer.output_dir={out}",
+            "actor.tp=1",
+            "trainer.steps=2",
+            "trainer.eval_every=0",
+            "checkpoint.save_every=0",
+            "logging.progress_bar=false",
+        ],
+        cwd=ROOT,
+        env={k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     with open(out / "metrics.jsonl") as f:
         train = [json.loads(line) for line in f]
@@ -168,14 +220,34 @@ def test_a_finished_run_releases_the_engine_and_process_groups(env, tmp_path):
     """At the end of a run every rank releases vLLM (its finalizer destroys its groups and torch's
     default one) and then the process groups, in that order, before the interpreter exits: left to
     exit, the two teardowns raced (a rare abort after the last line, exit 134)."""
-    script = ("import sys, torch.distributed as dist\n"
-              "from remax_megatron.train import main\n"
-              "main(sys.argv[1:])\n"
-              "print('process group left:', dist.is_initialized(), flush=True)\n")
-    r = subprocess.run([TORCHRUN, "--nproc_per_node=2", "--no-python", sys.executable, "-c", script,
-                        "--config", "configs/tiny_cpu.yaml", f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=1",
-                        "trainer.eval_every=0", "checkpoint.save_every=0", "logging.progress_bar=false"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    script = (
+        "import sys, torch.distributed as dist\n"
+        "from remax_megatron.train import main\n"
+        "main(sys.argv[1:])\n"
+        "print('process group left:', dist.is_initialized(), flush=True)\n"
+    )
+    r = subprocess.run(
+        [
+            TORCHRUN,
+            "--nproc_per_node=2",
+            "--no-python",
+            sys.executable,
+            "-c",
+            script,
+            "--config",
+            "configs/tiny_cpu.yaml",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "trainer.steps=1",
+            "trainer.eval_every=0",
+            "checkpoint.save_every=0",
+            "logging.progress_bar=false",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert r.stdout.count("process group left: False") == 2, (r.stdout + r.stderr)[-4000:]
     for symptom in ("Invalid process group", "terminate called", "warning: teardown at exit failed"):
@@ -187,8 +259,10 @@ def test_same_seed_same_metrics_and_layouts_agree(env, tmp_path):
     # The native engine (cheaper to start five times); vLLM's determinism: the resume test above.
     short = ["trainer.steps=2", "trainer.eval_every=0", "checkpoint.save_every=0", "rollout.engine=native"]
     a = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "a"), *short)
-    assert all(f"memory/rss_gib_{stage}" in a[0] for stage in ("sync", "rollout", "reward", "pack", "logprobs", "update",
-                                                                "metrics"))
+    assert all(
+        f"memory/rss_gib_{stage}" in a[0]
+        for stage in ("sync", "rollout", "reward", "pack", "logprobs", "update", "metrics")
+    )
     assert a[0]["perf/tflops_per_device"] > 0 and "perf/mfu" not in a[0]  # no known CPU peak
     # The same seed again, with the training state offloaded while the engine generates: bitwise the
     # same run (a failure here is nondeterminism or an offload that changed something).
@@ -203,8 +277,14 @@ def test_same_seed_same_metrics_and_layouts_agree(env, tmp_path):
     assert sp[0]["reward/sampled_mean"] == a[0]["reward/sampled_mean"]
     # trainer.skip_zero_advantage: auto (on here, no KL) skips exactly the tied rows; off trains every row:
     # the same first update to fp32 rounding (later steps sample from weights equal to rounding only)
-    full = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "full"), *short, "trainer.skip_zero_advantage=off",
-                  "logging.rollouts_every=1")
+    full = _train(
+        env,
+        "configs/tiny_cpu.yaml",
+        str(tmp_path / "full"),
+        *short,
+        "trainer.skip_zero_advantage=off",
+        "logging.rollouts_every=1",
+    )
     for record in full:  # the rollout dump holds the step's samples and their ties (logging.rollouts_every)
         with open(tmp_path / "full" / "rollouts" / f"step_{record['step']:06d}.jsonl") as f:
             rows = [json.loads(line) for line in f]
@@ -219,8 +299,9 @@ def test_same_seed_same_metrics_and_layouts_agree(env, tmp_path):
     for key in ("loss", "grad_norm"):
         assert abs(a[0][key] - full[0][key]) <= 1e-6 * abs(full[0][key]), (key, a[0][key], full[0][key])
     # with KL in the reward every sampled token has an advantage: auto is off and says why at start
-    records, stdout, _ = _train_logged(env, "configs/tiny_cpu.yaml", str(tmp_path / "kl"), *short,
-                                       "reference.enabled=true", "algo.kl_coef=0.05")
+    records, stdout, _ = _train_logged(
+        env, "configs/tiny_cpu.yaml", str(tmp_path / "kl"), *short, "reference.enabled=true", "algo.kl_coef=0.05"
+    )
     assert "trainer.skip_zero_advantage=auto: off" in stdout and "KL penalty in the reward" in stdout
     assert all(r["batch/skipped_rows"] == 0 for r in records)
 
@@ -229,8 +310,15 @@ def test_same_seed_same_metrics_and_layouts_agree(env, tmp_path):
 def test_bf16_trains_with_fp32_main_weights(env, tmp_path):
     """actor.dtype=bfloat16 end to end on CPU: bf16 actor and engine, and CpuAdamW
     stepping fp32 main weights (the GPU path's megatron optimizer does the same)."""
-    records = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "bf16"), "trainer.steps=3",
-                     "trainer.eval_every=0", "checkpoint.save_every=0", "actor.dtype=bfloat16")
+    records = _train(
+        env,
+        "configs/tiny_cpu.yaml",
+        str(tmp_path / "bf16"),
+        "trainer.steps=3",
+        "trainer.eval_every=0",
+        "checkpoint.save_every=0",
+        "actor.dtype=bfloat16",
+    )
     train = [r for r in records if "loss" in r]
     assert len(train) == 3 and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in train)
     assert train[0]["optim/skipped_updates"] == 0
@@ -241,9 +329,23 @@ def test_bf16_trains_with_fp32_main_weights(env, tmp_path):
 def _refused(env, tmp_path, *overrides, world=1):
     out = tmp_path / "out"
     env = dict(env, WORLD_SIZE=str(world))  # checks run before any process group: a world of 3 is enough
-    r = subprocess.run([sys.executable, "-m", "remax_megatron.train", "--config", "configs/tiny_cpu.yaml",
-                        f"trainer.output_dir={out}", "actor.tp=1", *overrides], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "remax_megatron.train",
+            "--config",
+            "configs/tiny_cpu.yaml",
+            f"trainer.output_dir={out}",
+            "actor.tp=1",
+            *overrides,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stderr[-3000:]
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr[-3000:]
@@ -262,16 +364,19 @@ def test_bad_input_is_one_line_exit_2_before_a_builtin_model_is_built(env, tmp_p
     cache = tmp_path / "cache"
     assert "did you mean actor.tp" in _refused(dict(env, REMAX_CACHE=str(cache)), tmp_path, "actor.tpp=2")
     assert "actor.tp=3 does not divide num_attention_heads=4" in _refused(
-        dict(env, REMAX_CACHE=str(cache)), tmp_path, "actor.tp=3", world=3)
+        dict(env, REMAX_CACHE=str(cache)), tmp_path, "actor.tp=3", world=3
+    )
     assert _built(cache) == []
 
 
 # Runs the command line in a fresh interpreter and says, at exit, which of the big libraries it imported.
-_IMPORTS_AT_EXIT = ("import atexit, sys\n"
-                    "atexit.register(lambda: print('imported:', sorted({m.split('.')[0] for m in sys.modules} & "
-                    "{'megatron', 'vllm'}), flush=True))\n"
-                    "from remax_megatron.train import main\n"
-                    "main(sys.argv[1:])\n")
+_IMPORTS_AT_EXIT = (
+    "import atexit, sys\n"
+    "atexit.register(lambda: print('imported:', sorted({m.split('.')[0] for m in sys.modules} & "
+    "{'megatron', 'vllm'}), flush=True))\n"
+    "from remax_megatron.train import main\n"
+    "main(sys.argv[1:])\n"
+)
 
 
 @pytest.mark.parametrize("mistake", ["missing column", "reward function signature"])
@@ -282,18 +387,37 @@ def test_a_mistake_is_refused_before_megatron_or_vllm_is_imported(env, tmp_path,
     takes under the README's command: tools/bench_startup_error.py.)"""
     data = _write(tmp_path / "d.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
     overrides, line = {
-        "missing column": ([f"data.train={data}", "data.eval_size=0"],
-                           f"error: {data}:2 lacks the column 'answer' that reward function 'exact_match' needs: "
-                           "add it or remove the row"),
-        "reward function signature": (["reward.functions=[tests.reward.trl_rewards:typo]"],
-                                      "error: reward function 'tests.reward.trl_rewards:typo' raised TypeError: typo() "
-                                      "got multiple values for argument 'answer' at start-up (called on the first 2 "
-                                      "rows of builtin:arith with the placeholder completion '0'); a reward function "
-                                      "is fn(prompts, responses, **columns)"),
+        "missing column": (
+            [f"data.train={data}", "data.eval_size=0"],
+            f"error: {data}:2 lacks the column 'answer' that reward function 'exact_match' needs: "
+            "add it or remove the row",
+        ),
+        "reward function signature": (
+            ["reward.functions=[tests.reward.trl_rewards:typo]"],
+            "error: reward function 'tests.reward.trl_rewards:typo' raised TypeError: typo() "
+            "got multiple values for argument 'answer' at start-up (called on the first 2 "
+            "rows of builtin:arith with the placeholder completion '0'); a reward function "
+            "is fn(prompts, responses, **columns)",
+        ),
     }[mistake]
-    r = subprocess.run([sys.executable, "-c", _IMPORTS_AT_EXIT, "--config", "configs/tiny_cpu.yaml", "actor.tp=1",
-                        *engine_overrides(), *overrides, f"trainer.output_dir={tmp_path / 'out'}"], cwd=ROOT,
-                       env=dict(env, REMAX_CACHE=str(tmp_path / "cache")), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _IMPORTS_AT_EXIT,
+            "--config",
+            "configs/tiny_cpu.yaml",
+            "actor.tp=1",
+            *engine_overrides(),
+            *overrides,
+            f"trainer.output_dir={tmp_path / 'out'}",
+        ],
+        cwd=ROOT,
+        env=dict(env, REMAX_CACHE=str(tmp_path / "cache")),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stderr[-3000:]
     assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(line), r.stderr[-3000:]
     assert r.stdout.splitlines() == ["imported: []"], r.stdout
@@ -319,56 +443,114 @@ BAD_INPUT = [
     # attention refuses, prompt + completion beyond the model's positions
     (["rollout.kv_cache_gib=1000"], 1, "rollout.kv_cache_gib=1000.0"),
     (["actor.model={tmp}/head16"], 1, "head_dim=16"),
-    (["data.max_prompt_tokens=500", "rollout.max_new_tokens=64"], 1,
-     "= 564 exceeds actor.model"),
+    (["data.max_prompt_tokens=500", "rollout.max_new_tokens=64"], 1, "= 564 exceeds actor.model"),
     # Mixture of experts (the built-in MoE default's config; nothing is built for a check)
-    (["actor.model=builtin:tiny-arith-moe", "actor.ep=3", "trainer.prompts_per_step=6", "trainer.micro_batch_size=2"],
-     3, "actor.ep=3 does not divide the 4 experts"),
+    (
+        [
+            "actor.model=builtin:tiny-arith-moe",
+            "actor.ep=3",
+            "trainer.prompts_per_step=6",
+            "trainer.micro_batch_size=2",
+        ],
+        3,
+        "actor.ep=3 does not divide the 4 experts",
+    ),
     (["actor.model=builtin:tiny-arith-moe", "actor.ep=4"], 2, "ep(4) * etp(1) = 4 does not divide tp(1) * dp(2) = 2"),
-    (["actor.model=builtin:tiny-arith-moe", "actor.ep=2", "actor.moe_experts=grouped"], 2,
-     "actor.moe_experts=grouped needs CUDA and Transformer Engine"),
-    (["actor.model=builtin:tiny-arith-moe", "actor.tp=2", "actor.ep=2", "actor.etp=1"], 2,
-     "needs actor.sequence_parallel=true"),
-    (["actor.model=builtin:tiny-arith-moe", "actor.ep=2", "rollout.routing_replay=true"], 2,
-     "vLLM's CPU build cannot return the routed experts"),
+    (
+        ["actor.model=builtin:tiny-arith-moe", "actor.ep=2", "actor.moe_experts=grouped"],
+        2,
+        "actor.moe_experts=grouped needs CUDA and Transformer Engine",
+    ),
+    (
+        ["actor.model=builtin:tiny-arith-moe", "actor.tp=2", "actor.ep=2", "actor.etp=1"],
+        2,
+        "needs actor.sequence_parallel=true",
+    ),
+    (
+        ["actor.model=builtin:tiny-arith-moe", "actor.ep=2", "rollout.routing_replay=true"],
+        2,
+        "vLLM's CPU build cannot return the routed experts",
+    ),
     (["rollout.routing_replay=true"], 1, "has no experts to route"),
     # guided decoding: vLLM's structured outputs only; the constraint compiled by xgrammar at start-up
-    (["rollout.guided_regex='[0-9]+'", "rollout.engine=native"], 1,
-     "rollout.guided_regex needs rollout.engine=vllm (vLLM's structured outputs)"),
-    (["rollout.guided_regex='[0-9'"], 1,
-     "rollout.guided_regex='[0-9' does not compile with xgrammar (vLLM's structured outputs): Regex parsing error"),
+    (
+        ["rollout.guided_regex='[0-9]+'", "rollout.engine=native"],
+        1,
+        "rollout.guided_regex needs rollout.engine=vllm (vLLM's structured outputs)",
+    ),
+    (
+        ["rollout.guided_regex='[0-9'"],
+        1,
+        "rollout.guided_regex='[0-9' does not compile with xgrammar (vLLM's structured outputs): Regex parsing error",
+    ),
     (["rollout.guided_json='{{\"type\": 5}}'"], 1, "does not compile with xgrammar"),  # {{ }}: str.format
     (["rollout.guided_json='[1, 2]'"], 1, "rollout.guided_json='[1, 2]' is not a JSON object"),
     (["rollout.guided_regex='[0-9]+'", "rollout.guided_json='{{}}'"], 1, "are both set"),
     (["actor.ep=2"], 2, "has no experts: expert parallelism needs a mixture-of-experts model"),
     # Token budgets and packed rows (the tiny config's longest sequence: 16 prompt + 4 new tokens)
     (["trainer.micro_batch_tokens=19"], 1, "trainer.micro_batch_tokens=19 is smaller than one row of the longest"),
-    (["trainer.micro_batch_tokens=19", "actor.tp=2", "actor.sequence_parallel=true", "rollout.max_new_tokens=3"], 2,
-     "rounded up to a multiple of tp=2 = 20: raise it to at least 20"),
+    (
+        ["trainer.micro_batch_tokens=19", "actor.tp=2", "actor.sequence_parallel=true", "rollout.max_new_tokens=3"],
+        2,
+        "rounded up to a multiple of tp=2 = 20: raise it to at least 20",
+    ),
     (["trainer.pack_sequences=true"], 1, "trainer.pack_sequences=true needs a token budget"),
-    (["actor.model=builtin:tiny-arith-moe", "actor.ep=2", "actor.moe_dispatcher=allgather",
-      "trainer.micro_batch_tokens=64"], 2, "which its allgather dispatcher refuses"),
-    (["actor.model=builtin:tiny-arith-moe", "actor.ep=2", "trainer.micro_batch_tokens=64", "trainer.pack_sequences=true",
-      "algo.moe_aux_loss=seq_aux", "actor.recompute=full"], 2, "would not know which packed sequence"),
+    (
+        [
+            "actor.model=builtin:tiny-arith-moe",
+            "actor.ep=2",
+            "actor.moe_dispatcher=allgather",
+            "trainer.micro_batch_tokens=64",
+        ],
+        2,
+        "which its allgather dispatcher refuses",
+    ),
+    (
+        [
+            "actor.model=builtin:tiny-arith-moe",
+            "actor.ep=2",
+            "trainer.micro_batch_tokens=64",
+            "trainer.pack_sequences=true",
+            "algo.moe_aux_loss=seq_aux",
+            "actor.recompute=full",
+        ],
+        2,
+        "would not know which packed sequence",
+    ),
     (["rollout.stop_token_ids=[5,100000]"], 1, "rollout.stop_token_ids: [100000] are not tokens of actor.model"),
     # Mistral with a 16-token sliding window, sequences up to 16 + 4: full causal attention is not the model's
-    (["actor.model={tmp}/mistral-window16", "rollout.engine=native"], 1,
-     "'s sliding_window=16, which remax-megatron does not implement"),
+    (
+        ["actor.model={tmp}/mistral-window16", "rollout.engine=native"],
+        1,
+        "'s sliding_window=16, which remax-megatron does not implement",
+    ),
     # weights as a PyTorch pickle only; a tokenizer with a token the model has no embedding for
-    (["actor.model={tmp}/pickled", "rollout.engine=native"], 1,
-     "pickled holds pytorch_model.bin (PyTorch pickle) but no safetensors (model.safetensors or "
-     "model.safetensors.index.json); convert it once: python -c \"import transformers as t; d, o = '{tmp}/pickled', "
-     "'{tmp}/pickled-safetensors'; t.LlamaForCausalLM.from_pretrained(d).save_pretrained(o); "
-     "t.AutoTokenizer.from_pretrained(d).save_pretrained(o)\" and point at {tmp}/pickled-safetensors"),
-    (["actor.model={tmp}/bigtok", "rollout.engine=native"], 1,
-     "bigtok has 102 tokens but the model's vocabulary 101 (config.json vocab_size): ids from 101 on have no "
-     "embedding; use the model's own tokenizer, or resize the model's embeddings"),
+    (
+        ["actor.model={tmp}/pickled", "rollout.engine=native"],
+        1,
+        "pickled holds pytorch_model.bin (PyTorch pickle) but no safetensors (model.safetensors or "
+        "model.safetensors.index.json); convert it once: python -c \"import transformers as t; d, o = '{tmp}/pickled', "
+        "'{tmp}/pickled-safetensors'; t.LlamaForCausalLM.from_pretrained(d).save_pretrained(o); "
+        't.AutoTokenizer.from_pretrained(d).save_pretrained(o)" and point at {tmp}/pickled-safetensors',
+    ),
+    (
+        ["actor.model={tmp}/bigtok", "rollout.engine=native"],
+        1,
+        "bigtok has 102 tokens but the model's vocabulary 101 (config.json vocab_size): ids from 101 on have no "
+        "embedding; use the model's own tokenizer, or resize the model's embeddings",
+    ),
 ]
 
 
 # the checks of the vLLM engine among BAD_INPUT (by message): without vLLM they cannot run
-VLLM_CHECKS = ("rollout.kv_cache_gib=1000.0", "head_dim=16", "= 564 exceeds actor.model", "vLLM's CPU build",
-               "xgrammar", "rollout.stop_token_ids")
+VLLM_CHECKS = (
+    "rollout.kv_cache_gib=1000.0",
+    "head_dim=16",
+    "= 564 exceeds actor.model",
+    "vLLM's CPU build",
+    "xgrammar",
+    "rollout.stop_token_ids",
+)
 
 
 @pytest.mark.parametrize("overrides,world,message", BAD_INPUT, ids=[case[2] for case in BAD_INPUT])
@@ -392,8 +574,7 @@ def test_bad_input_is_refused_by_the_checks(tmp_path_factory, monkeypatch, overr
     if "mistral-window16" in " ".join(overrides):
         from remax_megatron.builtin.tiny import make_tiny_model
 
-        make_tiny_model(str(tmp / "mistral-window16"), "mistral", hidden=64, heads=2, kv_heads=2,
-                        sliding_window=16)
+        make_tiny_model(str(tmp / "mistral-window16"), "mistral", hidden=64, heads=2, kv_heads=2, sliding_window=16)
     if "pickled" in " ".join(overrides) or "bigtok" in " ".join(overrides):
         import safetensors.torch
         import torch
@@ -413,8 +594,10 @@ def test_bad_input_is_refused_by_the_checks(tmp_path_factory, monkeypatch, overr
     monkeypatch.setenv("REMAX_CACHE", str(tmp / "cache"))
     out = tmp / "out"
     with pytest.raises((ValueError, FileNotFoundError)) as refused:
-        cfg = load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml"), [
-            f"trainer.output_dir={out}", "actor.tp=1", *[o.format(tmp=tmp) for o in overrides]])
+        cfg = load_config(
+            os.path.join(ROOT, "configs/tiny_cpu.yaml"),
+            [f"trainer.output_dir={out}", "actor.tp=1", *[o.format(tmp=tmp) for o in overrides]],
+        )
         check_inputs(cfg, world)
     line = str(refused.value)
     assert message.format(tmp=tmp) in line and "\n" not in line, line
@@ -430,14 +613,24 @@ def test_a_qwen3_actor_trains_with_vllm(env, tmp_path):
     weights the actor trains, every step."""
     from tools.make_tiny_model import make_tiny_model
 
-    model = make_tiny_model(str(tmp_path / "qwen3"), "qwen3", hidden=128, layers=2, heads=4, kv_heads=2, ffn=128,
-                            head_dim=64, seed=21)
-    records = _train(env, "configs/tiny_cpu.yaml", str(tmp_path / "run"), f"actor.model={model}",
-                     "trainer.steps=5", "trainer.eval_every=0", "checkpoint.save_every=0",
-                     "reward.functions=[format]", r"reward.format_pattern=\d")
+    model = make_tiny_model(
+        str(tmp_path / "qwen3"), "qwen3", hidden=128, layers=2, heads=4, kv_heads=2, ffn=128, head_dim=64, seed=21
+    )
+    records = _train(
+        env,
+        "configs/tiny_cpu.yaml",
+        str(tmp_path / "run"),
+        f"actor.model={model}",
+        "trainer.steps=5",
+        "trainer.eval_every=0",
+        "checkpoint.save_every=0",
+        "reward.functions=[format]",
+        r"reward.format_pattern=\d",
+    )
     train = [r for r in records if "loss" in r]
     assert len(train) == 5
-    assert all(r["grad_norm"] > 0 and r["advantage/std"] > 0 for r in train), \
-        [(r["grad_norm"], r["advantage/std"]) for r in train]
+    assert all(r["grad_norm"] > 0 and r["advantage/std"] > 0 for r in train), [
+        (r["grad_norm"], r["advantage/std"]) for r in train
+    ]
     gaps = [r["logprob/engine_vs_actor_max_diff"] for r in train]
     assert max(gaps) <= 1e-5, gaps

@@ -18,8 +18,17 @@ from tools.make_tiny_model import make_tiny_model
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("m") / "llama"), "llama", hidden=64, layers=2, heads=4,
-                           kv_heads=2, ffn=96, tie=False, seed=7)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("m") / "llama"),
+        "llama",
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn=96,
+        tie=False,
+        seed=7,
+    )
 
 
 def _batch():
@@ -28,7 +37,7 @@ def _batch():
     labels = torch.roll(ids, -1, 1)
     mask = torch.zeros(8, 12)
     for i in range(8):
-        mask[i, 4:4 + 1 + i % 7] = 1          # responses of different lengths
+        mask[i, 4 : 4 + 1 + i % 7] = 1  # responses of different lengths
     labels[mask == 0] = -100
     rewards = torch.randn(8, generator=g)  # with a zero baseline the advantage is the reward
     return dict(input_ids=ids, labels=labels, response_mask=mask, rewards=rewards, baseline=torch.zeros(8))
@@ -52,8 +61,14 @@ def _trainer(world, model_dir, tp, pp, overrides, **build_kw):
     ddp = wrap_ddp(actor, False)
     opt = build_optimizer(ddp, cfg.optim)
     attach_to_schedule(ddp, opt)
-    parts = SimpleNamespace(cfg=cfg, groups=groups, actor=ddp, optimizer=opt,
-                            scheduler=build_scheduler(opt, cfg.optim, 10), kl=SimpleNamespace(coef=0.0))
+    parts = SimpleNamespace(
+        cfg=cfg,
+        groups=groups,
+        actor=ddp,
+        optimizer=opt,
+        scheduler=build_scheduler(opt, cfg.optim, 10),
+        kl=SimpleNamespace(coef=0.0),
+    )
     return Trainer(parts, logger=None), actor, ddp, opt
 
 
@@ -61,10 +76,19 @@ def _update_body(rank, world, model_dir, tp, pp, micro_batch_size, poison, out_p
     from remax_megatron.weights import export_hf_weights
 
     trainer, actor, _, _ = _trainer(
-        world, model_dir, tp, pp,
-        [f"trainer.micro_batch_size={micro_batch_size}", "optim.lr=1e-2", "optim.grad_clip=0",
-         "optim.eps=1e-3"],  # a large eps keeps Adam's first step linear in the grads
-        sequence_parallel=sp, recompute_granularity=recompute)
+        world,
+        model_dir,
+        tp,
+        pp,
+        [
+            f"trainer.micro_batch_size={micro_batch_size}",
+            "optim.lr=1e-2",
+            "optim.grad_clip=0",
+            "optim.eps=1e-3",
+        ],  # a large eps keeps Adam's first step linear in the grads
+        sequence_parallel=sp,
+        recompute_granularity=recompute,
+    )
     assert actor.config.sequence_parallel == sp and actor.config.recompute_granularity == recompute
     batch = _batch()
     if poison:
@@ -79,8 +103,15 @@ def _max_rel(a, b):
     return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in b)
 
 
-LAYOUT_CASES = [(2, 1, 4, False, None), (1, 2, 4, False, None), (1, 1, 1, False, None), (1, 1, 8, False, None),
-                (2, 1, 4, True, None), (2, 1, 4, True, "selective"), (1, 2, 4, False, "full")]  # tp, pp, mbs, sp, rc
+LAYOUT_CASES = [
+    (2, 1, 4, False, None),
+    (1, 2, 4, False, None),
+    (1, 1, 1, False, None),
+    (1, 1, 8, False, None),
+    (2, 1, 4, True, None),
+    (2, 1, 4, True, "selective"),
+    (1, 2, 4, False, "full"),
+]  # tp, pp, mbs, sp, rc
 
 
 def _cases(model_dir, top):
@@ -203,13 +234,22 @@ def _dp_update_body(rank, world, model_dir, tp, pp, micro_batch_size, out_path):
     results = {}
     for mode in LOSS_AGG:
         trainer, actor, _, _ = _trainer(
-            world, model_dir, tp, pp,
-            [f"trainer.micro_batch_size={micro_batch_size}", "optim.lr=1e-2", "optim.grad_clip=0",
-             "optim.eps=1e-3", f"algo.loss_agg={mode}"])
+            world,
+            model_dir,
+            tp,
+            pp,
+            [
+                f"trainer.micro_batch_size={micro_batch_size}",
+                "optim.lr=1e-2",
+                "optim.grad_clip=0",
+                "optim.eps=1e-3",
+                f"algo.loss_agg={mode}",
+            ],
+        )
         g = trainer.groups
         batch = _batch()
         rows = batch["input_ids"].shape[0] // g.dp_size
-        local = {k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()}
+        local = {k: v[g.dp_rank * rows : (g.dp_rank + 1) * rows] for k, v in batch.items()}
         assert rows // micro_batch_size > 1, "the test needs more than one micro-batch per rank"
         stats = trainer.updater.train_on(local, None, None).stats
         results[mode] = {"stats": stats, "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
@@ -241,16 +281,29 @@ def _saved_forward_body(rank, world, model_dir, tp, pp, out_path):
     results = {}
     for separate in (True, False):
         trainer, actor, _, _ = _trainer(
-            world, model_dir, tp, pp,
-            ["trainer.micro_batch_size=4", "optim.lr=1e-2", "optim.grad_clip=0", "optim.eps=1e-3",
-             "algo.kl_mode=reward"])
+            world,
+            model_dir,
+            tp,
+            pp,
+            [
+                "trainer.micro_batch_size=4",
+                "optim.lr=1e-2",
+                "optim.grad_clip=0",
+                "optim.eps=1e-3",
+                "algo.kl_mode=reward",
+            ],
+        )
         trainer.parts.kl.coef = 0.3
         batch = _batch()
         ref = -3.0 * torch.rand(8, 12, generator=torch.Generator().manual_seed(1))  # [B, S] reference log-probs
         old = trainer.updater.logprobs(actor, batch, trainer.updater.micro_batch_plan(batch)[1]) if separate else None
         update = trainer.updater.train_on(batch, old, ref)
-        results[separate] = {"stats": update.stats, "logprobs": update.logprobs, "advantages": update.advantages,
-                             "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
+        results[separate] = {
+            "stats": update.stats,
+            "logprobs": update.logprobs,
+            "advantages": update.advantages,
+            "weights": {n: t.clone() for n, t in export_hf_weights(actor)},
+        }
     if trainer.groups.is_last_stage and trainer.groups.tp_rank == 0:
         torch.save(results, out_path)
 
@@ -288,13 +341,26 @@ def _gradient_hint_body(rank, world, model_dir, tp, pp, out_path):
         for hinted in (True, False):
             update_module.logprob_gradient = hint if hinted else (lambda *a, **k: None)
             trainer, actor, _, _ = _trainer(
-                world, model_dir, tp, pp,
-                ["trainer.micro_batch_size=2", "optim.lr=1e-2", "optim.grad_clip=1.0", "optim.eps=1e-3",
-                 "algo.loss_agg=seq-mean-token-mean", "algo.advantage_clip=0.8"])
+                world,
+                model_dir,
+                tp,
+                pp,
+                [
+                    "trainer.micro_batch_size=2",
+                    "optim.lr=1e-2",
+                    "optim.grad_clip=1.0",
+                    "optim.eps=1e-3",
+                    "algo.loss_agg=seq-mean-token-mean",
+                    "algo.advantage_clip=0.8",
+                ],
+            )
             recomputes.clear()
             update = trainer.updater.train_on(_batch(), None, None)
-            results[hinted] = {"stats": update.stats, "recomputes": len(recomputes),
-                               "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
+            results[hinted] = {
+                "stats": update.stats,
+                "recomputes": len(recomputes),
+                "weights": {n: t.clone() for n, t in export_hf_weights(actor)},
+            }
     finally:
         TorchBackend.backward_grads, update_module.logprob_gradient = recompute, hint
     if trainer.groups.is_last_stage and trainer.groups.tp_rank == 0:
@@ -324,13 +390,15 @@ def _recompute_body(rank, world, model_dir, out_path):
 
     counts = {}
     for recompute in (None, "full", "selective"):
-        trainer, actor, _, _ = _trainer(world, model_dir, 1, 1, ["trainer.micro_batch_size=4"],
-                                        recompute_granularity=recompute)
+        trainer, actor, _, _ = _trainer(
+            world, model_dir, 1, 1, ["trainer.micro_batch_size=4"], recompute_granularity=recompute
+        )
         calls = {"layer": 0, "core_attention": 0}
 
         def count(key):
             def hook(module, args, output):
                 calls[key] += 1
+
             return hook
 
         for module in actor.modules():
@@ -361,8 +429,19 @@ MOE_LAYOUTS = [(1, 1, 2, 2), (2, 1, 2, 2), (2, 1, 2, 4), (1, 2, 2, 4)]  # tp, pp
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("moe") / "qwen3_moe"), "qwen3_moe", hidden=64, layers=2,
-                           heads=4, kv_heads=2, ffn=32, vocab=128, experts=4, top_k=2, seed=3)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("moe") / "qwen3_moe"),
+        "qwen3_moe",
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn=32,
+        vocab=128,
+        experts=4,
+        top_k=2,
+        seed=3,
+    )
 
 
 def _moe_batch():
@@ -371,8 +450,7 @@ def _moe_batch():
     return batch
 
 
-def _moe_update_body(rank, world, model_dir, tp, pp, ep, kind, micro_batch_size, out_path, overrides=(),
-                     batch_fn=None):
+def _moe_update_body(rank, world, model_dir, tp, pp, ep, kind, micro_batch_size, out_path, overrides=(), batch_fn=None):
     """One update of a tiny Qwen3-MoE (load-balancing coefficient 0.5, so it moves the update) on this DP
     rank's share of the global batch; whole experts split over EP, sequence parallel at TP=2."""
     from types import SimpleNamespace
@@ -387,22 +465,45 @@ def _moe_update_body(rank, world, model_dir, tp, pp, ep, kind, micro_batch_size,
 
     etp = 1 if ep > 1 else tp
     groups = ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize(seed=0)
-    cfg = load_config(None, ["reward.functions=[exact_match]", f"trainer.micro_batch_size={micro_batch_size}",
-                             "optim.lr=1e-2", "optim.grad_clip=0", "optim.eps=1e-3", f"algo.moe_aux_loss={kind}",
-                             "algo.moe_aux_loss_coef=0.5", *overrides])
-    actor = build_policy(read_hf_config(model_dir), tp=tp, pp=pp, init_weights=False, sequence_parallel=tp > 1,
-                         experts=ExpertOptions(ep=ep, etp=etp))
+    cfg = load_config(
+        None,
+        [
+            "reward.functions=[exact_match]",
+            f"trainer.micro_batch_size={micro_batch_size}",
+            "optim.lr=1e-2",
+            "optim.grad_clip=0",
+            "optim.eps=1e-3",
+            f"algo.moe_aux_loss={kind}",
+            "algo.moe_aux_loss_coef=0.5",
+            *overrides,
+        ],
+    )
+    actor = build_policy(
+        read_hf_config(model_dir),
+        tp=tp,
+        pp=pp,
+        init_weights=False,
+        sequence_parallel=tp > 1,
+        experts=ExpertOptions(ep=ep, etp=etp),
+    )
     load_hf_weights(actor, model_dir)
     ddp = wrap_ddp(actor, False)
     opt = build_optimizer(ddp, cfg.optim)
     attach_to_schedule(ddp, opt)
-    parts = SimpleNamespace(cfg=cfg, groups=groups, actor=ddp, optimizer=opt,
-                            scheduler=build_scheduler(opt, cfg.optim, 10), kl=SimpleNamespace(coef=0.0))
+    parts = SimpleNamespace(
+        cfg=cfg,
+        groups=groups,
+        actor=ddp,
+        optimizer=opt,
+        scheduler=build_scheduler(opt, cfg.optim, 10),
+        kl=SimpleNamespace(coef=0.0),
+    )
     trainer = Trainer(parts, logger=None)
     batch, g = (batch_fn or _moe_batch)(), trainer.groups
     rows = batch["input_ids"].shape[0] // g.dp_size
-    stats = trainer.updater.train_on({k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()},
-                              None, None).stats
+    stats = trainer.updater.train_on(
+        {k: v[g.dp_rank * rows : (g.dp_rank + 1) * rows] for k, v in batch.items()}, None, None
+    ).stats
     weights = {n: t.clone() for n, t in export_hf_weights(actor)}
     if rank == 0:
         torch.save({"stats": stats, "weights": weights}, out_path)
@@ -420,14 +521,18 @@ def _aux_vs_megatron_body(rank, world, model_dir, out_path):
     groups = ParallelLayout(tp=1, pp=1, world_size=world).initialize(seed=0)
     actor = build_policy(read_hf_config(model_dir), tp=1, pp=1)
     for router in routers(actor):
-        router.routing_type = "aux_loss"   # megatron's own aux loss, coefficient 1
+        router.routing_type = "aux_loss"  # megatron's own aux loss, coefficient 1
     actor.config.moe_aux_loss_coeff = 1.0
     balance = LoadBalancing(actor, "aux", 1.0, groups.tp, groups.dp, groups.pp)
     batch = _moe_batch()
     balance.begin_update(float(batch["lengths"].sum()), 8.0)
     clear_aux_losses_tracker()
-    hidden = actor(batch["input_ids"], torch.arange(12).expand(8, 12), attention_mask=None,
-                   padding_mask=padding_mask(actor, batch["input_ids"], batch["lengths"]))
+    hidden = actor(
+        batch["input_ids"],
+        torch.arange(12).expand(8, 12),
+        attention_mask=None,
+        padding_mask=padding_mask(actor, batch["input_ids"], batch["lengths"]),
+    )
     hidden.sum().backward()
     ours = balance._aux.clone()
     theirs = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].clone()
@@ -438,17 +543,21 @@ def _moe_launches(moe_dir, top):
     cases = {1: {}, 2: {}, 4: {}}
     for kind in ("aux", "seq_aux"):
         for mbs in (2, 4):
-            cases[1][f"moe-{kind}-111-w1-mbs{mbs}"] = (_moe_update_body, (moe_dir, 1, 1, 1, kind, mbs,
-                                                                         os.path.join(top, f"moe-{kind}-111-w1-mbs{mbs}.pt")))
+            cases[1][f"moe-{kind}-111-w1-mbs{mbs}"] = (
+                _moe_update_body,
+                (moe_dir, 1, 1, 1, kind, mbs, os.path.join(top, f"moe-{kind}-111-w1-mbs{mbs}.pt")),
+            )
         for tp, pp, ep, world in MOE_LAYOUTS:
             name = f"moe-{kind}-{tp}{pp}{ep}-w{world}-mbs2"
             cases[world][name] = (_moe_update_body, (moe_dir, tp, pp, ep, kind, 2, os.path.join(top, name + ".pt")))
     cases[1]["aux-vs-megatron"] = (_aux_vs_megatron_body, (moe_dir, os.path.join(top, "aux-vs-megatron.pt")))
     for tp, pp, ep, world in MOE_PACKED_LAYOUTS:
-        for variant, overrides in (("fixed", ()), ("packed", BUDGET_VARIANTS["packed"]))[world > 1:]:
+        for variant, overrides in (("fixed", ()), ("packed", BUDGET_VARIANTS["packed"]))[world > 1 :]:
             name = f"moe-seq_aux-{tp}{pp}{ep}-w{world}-{variant}"
-            cases[world][name] = (_moe_update_body, (moe_dir, tp, pp, ep, "seq_aux", 2, os.path.join(top, name + ".pt"),
-                                                     overrides, _var_batch))
+            cases[world][name] = (
+                _moe_update_body,
+                (moe_dir, tp, pp, ep, "seq_aux", 2, os.path.join(top, name + ".pt"), overrides, _var_batch),
+            )
     return cases
 
 
@@ -476,7 +585,15 @@ def test_moe_update_equals_one_rank(moe_launched, kind):
     for tp, pp, ep, world in MOE_LAYOUTS:
         got = moe_launched(f"moe-{kind}-{tp}{pp}{ep}-w{world}-mbs2")
         for key in ("loss", "moe/aux_loss", "grad_norm"):
-            assert abs(got["stats"][key] - base["stats"][key]) < 1e-6, (tp, pp, ep, world, key, got["stats"], base["stats"])
+            assert abs(got["stats"][key] - base["stats"][key]) < 1e-6, (
+                tp,
+                pp,
+                ep,
+                world,
+                key,
+                got["stats"],
+                base["stats"],
+            )
         assert got["stats"]["moe/expert_load"] == pytest.approx(base["stats"]["moe/expert_load"], abs=1e-9)
         worst = max((got["weights"][k] - base["weights"][k]).abs().max().item() for k in base["weights"])
         assert worst < 1e-6, (tp, pp, ep, world, worst)
@@ -515,8 +632,12 @@ BUDGET_LAYOUTS = [(1, 1, 1, False), (2, 1, 1, True), (1, 2, 1, False), (1, 1, 2,
 BUDGET_VARIANTS = {
     "fixed": ["trainer.micro_batch_size=2"],
     "budget": ["trainer.micro_batch_tokens=24", "data.max_prompt_tokens=4", "rollout.max_new_tokens=8"],
-    "packed": ["trainer.micro_batch_tokens=24", "trainer.pack_sequences=true", "data.max_prompt_tokens=4",
-               "rollout.max_new_tokens=8"],
+    "packed": [
+        "trainer.micro_batch_tokens=24",
+        "trainer.pack_sequences=true",
+        "data.max_prompt_tokens=4",
+        "rollout.max_new_tokens=8",
+    ],
 }
 
 
@@ -544,12 +665,16 @@ def _budget_body(rank, world, model_dir, tp, pp, sp, out_path):
     for mode in LOSS_AGG:
         for variant, overrides in variants.items():
             trainer, actor, _, _ = _trainer(
-                world, model_dir, tp, pp,
+                world,
+                model_dir,
+                tp,
+                pp,
                 [*overrides, "optim.lr=1e-2", "optim.grad_clip=0", "optim.eps=1e-3", f"algo.loss_agg={mode}"],
-                sequence_parallel=sp)
+                sequence_parallel=sp,
+            )
             g, batch = trainer.groups, _var_batch()
             rows = batch["input_ids"].shape[0] // g.dp_size
-            mine = {k: v[g.dp_rank * rows:(g.dp_rank + 1) * rows] for k, v in batch.items()}
+            mine = {k: v[g.dp_rank * rows : (g.dp_rank + 1) * rows] for k, v in batch.items()}
             local, plan = trainer.updater.micro_batch_plan(mine)
             # the separate log-prob pass (old / reference log-probs) runs the same micro-batches
             separate = trainer.updater.logprobs(actor, local, plan)
@@ -557,8 +682,11 @@ def _budget_body(rank, world, model_dir, tp, pp, sp, out_path):
             if g.is_last_stage:
                 gap = (separate - update.logprobs)[local["response_mask"]].abs().max().item()
                 assert gap < 1e-6, (mode, variant, gap)
-            results[mode, variant] = {"stats": update.stats, "computed": update.computed_tokens,
-                                      "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
+            results[mode, variant] = {
+                "stats": update.stats,
+                "computed": update.computed_tokens,
+                "weights": {n: t.clone() for n, t in export_hf_weights(actor)},
+            }
     if rank == 0:
         torch.save(results, out_path)
 

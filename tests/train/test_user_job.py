@@ -22,14 +22,34 @@ def _job_body(rank, world, model_dir, data, out_dir, result_path):
     from remax_megatron.trainer import Trainer
     from tests.reward import trl_rewards
 
-    cfg = load_config(None, [
-        f"actor.model={model_dir}", "actor.dtype=bfloat16", "rollout.engine=native", "rollout.n=2",
-        "rollout.max_new_tokens=4", f"data.train={data}", "data.eval_size=6", "data.max_prompt_tokens=64",
-        "reward.functions=[tests.reward.trl_rewards:accuracy,tests.reward.trl_rewards:short]",
-        "reward.weights=[1.0,0.5]", "trainer.prompts_per_step=2", "trainer.micro_batch_size=4", "trainer.steps=2",
-        "trainer.eval_every=1", "trainer.eval_prompts=6", "logging.sample_completions=2", "checkpoint.save_every=0",
-        "checkpoint.hf_every=1", "checkpoint.keep=1", f"trainer.output_dir={out_dir}",
-        "logging.tensorboard=false", "logging.progress_bar=false", "optim.lr=1e-3"])
+    cfg = load_config(
+        None,
+        [
+            f"actor.model={model_dir}",
+            "actor.dtype=bfloat16",
+            "rollout.engine=native",
+            "rollout.n=2",
+            "rollout.max_new_tokens=4",
+            f"data.train={data}",
+            "data.eval_size=6",
+            "data.max_prompt_tokens=64",
+            "reward.functions=[tests.reward.trl_rewards:accuracy,tests.reward.trl_rewards:short]",
+            "reward.weights=[1.0,0.5]",
+            "trainer.prompts_per_step=2",
+            "trainer.micro_batch_size=4",
+            "trainer.steps=2",
+            "trainer.eval_every=1",
+            "trainer.eval_prompts=6",
+            "logging.sample_completions=2",
+            "checkpoint.save_every=0",
+            "checkpoint.hf_every=1",
+            "checkpoint.keep=1",
+            f"trainer.output_dir={out_dir}",
+            "logging.tensorboard=false",
+            "logging.progress_bar=false",
+            "optim.lr=1e-3",
+        ],
+    )
     checked = check_inputs(cfg, world)
     parts = build(cfg, checked)
     seen_prompts = []
@@ -58,11 +78,21 @@ def _job_body(rank, world, model_dir, data, out_dir, result_path):
     trl_rewards.calls.clear()
     trainer.fit()
     tok = parts.tokenizer
-    torch.save({"records": log.records, "lines": log.lines, "calls": trl_rewards.calls,
-                "prompts": [(q.raw, q.token_ids, q.columns["answer"]) for q in checked.train + checked.eval],
-                "expected": [tok.apply_chat_template(q.raw, add_generation_prompt=True)["input_ids"]
-                             for q in checked.train + checked.eval],
-                "seen": seen_prompts, "decoded": {}}, result_path)
+    torch.save(
+        {
+            "records": log.records,
+            "lines": log.lines,
+            "calls": trl_rewards.calls,
+            "prompts": [(q.raw, q.token_ids, q.columns["answer"]) for q in checked.train + checked.eval],
+            "expected": [
+                tok.apply_chat_template(q.raw, add_generation_prompt=True)["input_ids"]
+                for q in checked.train + checked.eval
+            ],
+            "seen": seen_prompts,
+            "decoded": {},
+        },
+        result_path,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +100,18 @@ def job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("job")
     model = make_tiny_model(str(tmp / "llama"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=96, seed=7)
     data = tmp / "chat.jsonl"
-    data.write_text("".join(json.dumps({"prompt": [{"role": "system", "content": "Answer with a number."},
-                                                    {"role": "user", "content": q}], "answer": a}) + "\n"
-                            for q, a in QUESTIONS))
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": q}],
+                    "answer": a,
+                }
+            )
+            + "\n"
+            for q, a in QUESTIONS
+        )
+    )
     run_distributed(_job_body, world_size=1, args=(model, str(data), str(tmp / "out"), str(tmp / "job.pt")))
     return torch.load(tmp / "job.pt", weights_only=False), tmp / "out"
 
@@ -109,11 +148,15 @@ def test_eval_logs_each_function_and_samples_rotate_with_answer_and_reward(job):
     evals = [r for r in result["records"] if "eval/reward_mean" in r]
     assert [r["step"] for r in evals] == [0, 1, 2]
     for r in evals:
-        assert r["eval/reward_mean"] == pytest.approx(r["eval/reward/accuracy_mean"] + 0.5 * r["eval/reward/short_mean"])
+        assert r["eval/reward_mean"] == pytest.approx(
+            r["eval/reward/accuracy_mean"] + 0.5 * r["eval/reward/short_mean"]
+        )
     samples = [line for line in result["lines"] if line.startswith("  [eval step")]
     assert len(samples) == 6 and all("(answer '" in line and ", reward " in line for line in samples), samples
-    shown = [[line.split("] ", 1)[1].split(" -> ")[0] for line in samples if line.startswith(f"  [eval step {s}]")]
-             for s in range(3)]
+    shown = [
+        [line.split("] ", 1)[1].split(" -> ")[0] for line in samples if line.startswith(f"  [eval step {s}]")]
+        for s in range(3)
+    ]
     assert len({q for step in shown for q in step}) == 6, shown  # each eval shows the next two of the six
 
 

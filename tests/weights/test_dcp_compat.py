@@ -9,8 +9,12 @@ import dataclasses
 import pytest
 import torch
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from remax_megatron.weights import dcp_compat, megatron_ckpt  # noqa: F401 (megatron_ckpt installs the fix)
 
@@ -18,8 +22,11 @@ from remax_megatron.weights import dcp_compat, megatron_ckpt  # noqa: F401 (mega
 def _metadata_with_strides():
     props = TensorProperties(dtype=torch.bfloat16)
     props.strides = (3, 1)
-    entry = TensorStorageMetadata(properties=props, size=torch.Size([2, 3]),
-                                  chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([2, 3]))])
+    entry = TensorStorageMetadata(
+        properties=props,
+        size=torch.Size([2, 3]),
+        chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([2, 3]))],
+    )
     return Metadata(state_dict_metadata={"decoder.w": entry})
 
 

@@ -50,8 +50,9 @@ def _body(rank, world, model_dir):
 @pytest.mark.slow
 def test_export_tp2_pp2_many_buckets(tmp_path):
     # qwen2: untied output (VOCAB split), QKV bias, GQA, vocab 301 (padded at TP=2).
-    model_dir = make_tiny_model(str(tmp_path / "hf"), "qwen2", hidden=64, layers=4, heads=4, kv_heads=2,
-                                ffn=96, vocab=301, seed=3)
+    model_dir = make_tiny_model(
+        str(tmp_path / "hf"), "qwen2", hidden=64, layers=4, heads=4, kv_heads=2, ffn=96, vocab=301, seed=3
+    )
     run_distributed(_body, world_size=4, args=(model_dir,))
 
 
@@ -62,8 +63,9 @@ def test_merge_shards_into_buffers_equals_fresh():
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        arch = read_hf_config(make_tiny_model(d + "/hf", "qwen2", hidden=64, layers=2, heads=8, kv_heads=4,
-                                              ffn=96, vocab=301, seed=1))
+        arch = read_hf_config(
+            make_tiny_model(d + "/hf", "qwen2", hidden=64, layers=2, heads=8, kv_heads=4, ffn=96, vocab=301, seed=1)
+        )
     mapping = WeightMapping(arch, tp=4, pp=1, padded_vocab=304)
     g = torch.Generator().manual_seed(0)
     for spec in mapping.exported_specs():
@@ -72,7 +74,7 @@ def test_merge_shards_into_buffers_equals_fresh():
         flat = torch.full((sum(t.numel() for _, t in fresh) + 7,), float("nan"))
         out, offset = [], 3
         for _, t in fresh:
-            out.append(flat[offset:offset + t.numel()].view(t.shape))
+            out.append(flat[offset : offset + t.numel()].view(t.shape))
             offset += t.numel()
         merged = mapping.merge_shards(spec, shards, out=out)
         assert [n for n, _ in merged] == [n for n, _ in fresh]

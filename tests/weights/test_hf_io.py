@@ -93,5 +93,6 @@ def test_a_written_config_states_the_dtype_of_its_tensors(hf, tmp_path, dtype):
     assert config["dtype"] == config["torch_dtype"] == dtype
     with open(os.path.join(hf, "config.json")) as f:
         source = json.load(f)
-    assert {k: v for k, v in config.items() if k not in ("dtype", "torch_dtype")} == \
-        {k: v for k, v in source.items() if k not in ("dtype", "torch_dtype")}
+    assert {k: v for k, v in config.items() if k not in ("dtype", "torch_dtype")} == {
+        k: v for k, v in source.items() if k not in ("dtype", "torch_dtype")
+    }

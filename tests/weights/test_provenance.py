@@ -17,8 +17,11 @@ def _stamped(tmp_path, **versions):
 
 
 def test_the_record_names_megatron_core_torch_and_this_project():
-    assert installed_versions() == {"megatron_core": metadata.version("megatron-core"),
-                                    "torch": metadata.version("torch"), "remax_megatron": remax_megatron.__version__}
+    assert installed_versions() == {
+        "megatron_core": metadata.version("megatron-core"),
+        "torch": metadata.version("torch"),
+        "remax_megatron": remax_megatron.__version__,
+    }
 
 
 def test_a_newer_megatron_core_is_refused_naming_both_versions(tmp_path):
@@ -28,7 +31,8 @@ def test_a_newer_megatron_core_is_refused_naming_both_versions(tmp_path):
     assert str(refused.value) == (
         f"checkpoint {path} was written by megatron-core 0.19.2 and the installed megatron-core 0.16.1 cannot read a "
         "newer one's checkpoints: install megatron-core>=0.19.2 (it needs Python >= 3.12 from 0.17 on), or use a "
-        "checkpoint written by this version")
+        "checkpoint written by this version"
+    )
     with pytest.raises(ValueError, match="megatron-core 0.16.2 and the installed megatron-core 0.16.1 "):
         check_readable(_stamped(tmp_path, megatron_core="0.16.2"), installed="0.16.1")
 

@@ -12,8 +12,7 @@ engine's expert, router and routing-replay names all read it.
 
 from __future__ import annotations
 
-from remax_megatron.models.families.base import CAUSAL_LM, DENSE_MLP, REWARD, EngineTensor, Family, MoeNames, \
-    TensorRule
+from remax_megatron.models.families.base import CAUSAL_LM, DENSE_MLP, REWARD, EngineTensor, Family, MoeNames, TensorRule
 
 _BY_NAME: dict[str, Family] = {}
 _BY_ARCHITECTURE: dict[str, Family] = {}
@@ -33,8 +32,9 @@ def register(family: Family) -> Family:
     assert family.name not in _BY_NAME, f"model family {family.name!r} is registered twice"
     for architecture, task in family.architectures.items():
         assert task in (CAUSAL_LM, REWARD), f"{architecture}: task {task!r}"
-        assert architecture not in _BY_ARCHITECTURE, \
+        assert architecture not in _BY_ARCHITECTURE, (
             f"{architecture} is served by {_BY_ARCHITECTURE[architecture].name!r} already"
+        )
     _BY_NAME[family.name] = family
     _BY_ARCHITECTURE.update({a: family for a in family.architectures})
     return family
@@ -67,8 +67,9 @@ def lookup(architecture: str, where: str) -> tuple[Family, str]:
     if family is None:
         listed = "; ".join(f"{f.name} ({', '.join(f.architectures)})" for f in _BY_NAME.values())
         why = f" ({NOT_SUPPORTED[architecture]} would be approximated)" if architecture in NOT_SUPPORTED else ""
-        raise ValueError(f"unsupported architecture {architecture!r} in {where}{why}: remax-megatron's model "
-                         f"families are {listed}")
+        raise ValueError(
+            f"unsupported architecture {architecture!r} in {where}{why}: remax-megatron's model families are {listed}"
+        )
     return family, family.architectures[architecture]
 
 
@@ -81,5 +82,18 @@ def _register_builtin() -> None:
 
 _register_builtin()
 
-__all__ = ["CAUSAL_LM", "DENSE_MLP", "REWARD", "EngineTensor", "Family", "MoeNames", "TensorRule", "families",
-           "family_named", "lookup", "register", "supported_architectures", "unregister"]
+__all__ = [
+    "CAUSAL_LM",
+    "DENSE_MLP",
+    "REWARD",
+    "EngineTensor",
+    "Family",
+    "MoeNames",
+    "TensorRule",
+    "families",
+    "family_named",
+    "lookup",
+    "register",
+    "supported_architectures",
+    "unregister",
+]

@@ -26,11 +26,11 @@ CAUSAL_LM, REWARD = "causal_lm", "reward"
 
 # How a megatron parameter is made of its HF tensors and split over tensor parallelism
 # (weights/mapping.py implements each kind).
-REPLICATED = "replicated"   # one HF tensor, the same on every TP rank (norms, the reward head)
-VOCAB = "vocab"             # split over the padded vocab on dim 0 (embedding, output layer)
-ROW = "row"                 # row-parallel linear: split on dim 1 (attention output, MLP down)
-QKV = "qkv"                 # q, k, v fused per query group: [q heads of g; k_g; v_g] for each group g
-FC1 = "fc1"                 # gate, up fused: per TP rank [its gate rows; its up rows]
+REPLICATED = "replicated"  # one HF tensor, the same on every TP rank (norms, the reward head)
+VOCAB = "vocab"  # split over the padded vocab on dim 0 (embedding, output layer)
+ROW = "row"  # row-parallel linear: split on dim 1 (attention output, MLP down)
+QKV = "qkv"  # q, k, v fused per query group: [q heads of g; k_g; v_g] for each group g
+FC1 = "fc1"  # gate, up fused: per TP rank [its gate rows; its up rows]
 KINDS = (REPLICATED, VOCAB, ROW, QKV, FC1)
 
 
@@ -38,9 +38,9 @@ KINDS = (REPLICATED, VOCAB, ROW, QKV, FC1)
 class TensorRule:
     """One megatron parameter of a decoder layer and the HF tensors it is made of."""
 
-    megatron: str                       # name inside the layer, e.g. "self_attention.linear_qkv.weight"
-    hf: tuple[str, ...]                 # names inside the HF layer, in the order `kind` concatenates them
-    kind: str                           # one of KINDS
+    megatron: str  # name inside the layer, e.g. "self_attention.linear_qkv.weight"
+    hf: tuple[str, ...]  # names inside the HF layer, in the order `kind` concatenates them
+    kind: str  # one of KINDS
     shapes: tuple[tuple[int, ...], ...]  # the HF tensors' shapes, one per name of `hf`
     # MoE: the global index of the expert this parameter belongs to (split over expert parallelism, and
     # over expert tensor parallelism instead of TP); its megatron name carries that global index
@@ -57,23 +57,23 @@ class MoeNames:
     routes with a top-k router module returning (logits, scores, expert indices [tokens, top_k]).
     """
 
-    router: str         # checkpoint: the router's weight [experts, hidden], e.g. "mlp.gate.weight"
-    expert: str         # checkpoint: the prefix of expert e's tensors, "{}" standing for e
-    gate: str           # checkpoint, after `expert`: the SwiGLU gate [ffn, hidden]
-    up: str             # checkpoint, after `expert`: the up projection [ffn, hidden]
-    down: str           # checkpoint, after `expert`: the down projection [hidden, ffn]
-    model_router: str   # transformers' model: the top-k router module (its `.weight` is `router`)
+    router: str  # checkpoint: the router's weight [experts, hidden], e.g. "mlp.gate.weight"
+    expert: str  # checkpoint: the prefix of expert e's tensors, "{}" standing for e
+    gate: str  # checkpoint, after `expert`: the SwiGLU gate [ffn, hidden]
+    up: str  # checkpoint, after `expert`: the up projection [ffn, hidden]
+    down: str  # checkpoint, after `expert`: the down projection [hidden, ffn]
+    model_router: str  # transformers' model: the top-k router module (its `.weight` is `router`)
     model_gate_up: str  # transformers' model: every expert's [gate; up], fused
-    model_down: str     # transformers' model: every expert's down, fused
+    model_down: str  # transformers' model: every expert's down, fused
 
 
 @dataclass(frozen=True)
 class EngineTensor:
     """Where one checkpoint tensor lies in the transformers model the native rollout engine runs."""
 
-    param: str                  # the model's parameter name
-    expert: int | None = None   # fused experts: the index on dim 0; None: the whole parameter
-    part: int = 0               # which of `parts` equal row blocks of that expert's matrix ([gate; up]: 0, 1)
+    param: str  # the model's parameter name
+    expert: int | None = None  # fused experts: the index on dim 0; None: the whole parameter
+    part: int = 0  # which of `parts` equal row blocks of that expert's matrix ([gate; up]: 0, 1)
     parts: int = 1
 
 
@@ -103,8 +103,10 @@ class Family:
         """ModelArch fields this family sets beyond `read_common`'s (e.g. qkv_bias); raise ValueError
         (one line naming the setting in `path`) for what the family cannot run exactly."""
         if getattr(cfg, "attention_bias", False):
-            raise ValueError(f"attention_bias=True in {path} is not supported: it adds a bias to o_proj, which "
-                             "megatron-core only has together with MLP biases (add_bias_linear)")
+            raise ValueError(
+                f"attention_bias=True in {path} is not supported: it adds a bias to o_proj, which "
+                "megatron-core only has together with MLP biases (add_bias_linear)"
+            )
         return {}
 
     # ---- weights ------------------------------------------------------------------------
@@ -136,8 +138,10 @@ class Family:
         """transformers' top-k router modules of `model`, in layer order; [] for a dense family."""
         if self.moe is None:
             return []
-        return [model.get_submodule(f"{self.hf_layer(layer)}{self.moe.model_router}")
-                for layer in range(model.config.num_hidden_layers)]
+        return [
+            model.get_submodule(f"{self.hf_layer(layer)}{self.moe.model_router}")
+            for layer in range(model.config.num_hidden_layers)
+        ]
 
     @cached_property
     def _moe_pattern(self) -> re.Pattern:
@@ -163,8 +167,10 @@ class Family:
         for architecture, served in self.architectures.items():
             if served == task:
                 return architecture
-        raise ValueError(f"the {self.name} family has no {'reward model' if task == REWARD else 'causal LM'} "
-                         f"architecture (it serves {', '.join(self.architectures)})")
+        raise ValueError(
+            f"the {self.name} family has no {'reward model' if task == REWARD else 'causal LM'} "
+            f"architecture (it serves {', '.join(self.architectures)})"
+        )
 
 
 def attention_rules(arch: ModelArch, *, qkv_bias: bool, qk_norm: bool) -> list[TensorRule]:
@@ -172,17 +178,27 @@ def attention_rules(arch: ModelArch, *, qkv_bias: bool, qk_norm: bool) -> list[T
     d, hd, q, kv = arch.hidden_size, arch.head_dim, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     rules = [
         TensorRule("input_layernorm.weight", ("input_layernorm.weight",), REPLICATED, ((d,),)),
-        TensorRule("self_attention.linear_qkv.weight",
-                   ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), QKV,
-                   ((q, d), (kv, d), (kv, d))),
+        TensorRule(
+            "self_attention.linear_qkv.weight",
+            ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+            QKV,
+            ((q, d), (kv, d), (kv, d)),
+        ),
     ]
     if qkv_bias:
-        rules.append(TensorRule("self_attention.linear_qkv.bias",
-                                ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), QKV,
-                                ((q,), (kv,), (kv,))))
+        rules.append(
+            TensorRule(
+                "self_attention.linear_qkv.bias",
+                ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+                QKV,
+                ((q,), (kv,), (kv,)),
+            )
+        )
     if qk_norm:  # RMSNorm over one head's head_dim, shared by the heads
-        rules += [TensorRule("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), REPLICATED, ((hd,),)),
-                  TensorRule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), REPLICATED, ((hd,),))]
+        rules += [
+            TensorRule("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), REPLICATED, ((hd,),)),
+            TensorRule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), REPLICATED, ((hd,),)),
+        ]
     rules.append(TensorRule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), ROW, ((d, q),)))
     return rules
 
@@ -206,22 +222,34 @@ def check_routing(top_k: int, renormalise: bool, path: str) -> None:
     """Top-1 routing renormalised over its one expert (weight 1.0) is what megatron-core refuses to
     build (its router would get no gradient); refuse it by name rather than change the weights."""
     if top_k == 1 and renormalise:
-        raise ValueError(f"num_experts_per_tok=1 with renormalised routing weights in {path} is not supported: "
-                         "megatron-core's router needs the softmax before a top-1 selection")
+        raise ValueError(
+            f"num_experts_per_tok=1 with renormalised routing weights in {path} is not supported: "
+            "megatron-core's router needs the softmax before a top-1 selection"
+        )
 
 
 def moe_mlp_rules(arch: ModelArch, names: MoeNames) -> list[TensorRule]:
     """Pre-norm routed MLP: post-attention norm, the router [experts, hidden], and per expert a SwiGLU MLP
     (megatron's SequentialMLP names, global expert index; the HF names are the checkpoint's of `names`)."""
     d, f, n = arch.hidden_size, arch.moe_ffn_hidden_size, arch.num_experts
-    rules = [TensorRule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), REPLICATED, ((d,),)),
-             TensorRule("mlp.router.weight", (names.router,), REPLICATED, ((n, d),))]
+    rules = [
+        TensorRule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), REPLICATED, ((d,),)),
+        TensorRule("mlp.router.weight", (names.router,), REPLICATED, ((n, d),)),
+    ]
     for e in range(n):
         prefix = names.expert.format(e)
-        rules += [TensorRule(f"mlp.experts.local_experts.{e}.linear_fc1.weight",
-                             (prefix + names.gate, prefix + names.up), FC1, ((f, d), (f, d)), expert=e),
-                  TensorRule(f"mlp.experts.local_experts.{e}.linear_fc2.weight", (prefix + names.down,), ROW,
-                             ((d, f),), expert=e)]
+        rules += [
+            TensorRule(
+                f"mlp.experts.local_experts.{e}.linear_fc1.weight",
+                (prefix + names.gate, prefix + names.up),
+                FC1,
+                ((f, d), (f, d)),
+                expert=e,
+            ),
+            TensorRule(
+                f"mlp.experts.local_experts.{e}.linear_fc2.weight", (prefix + names.down,), ROW, ((d, f),), expert=e
+            ),
+        ]
     return rules
 
 

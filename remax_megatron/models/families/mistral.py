@@ -15,8 +15,7 @@ class Mistral(Family):
         super().features(cfg, path)  # attention_bias refused
         return {"sliding_window": sliding_window_of(cfg)}
 
-    def tiny_config(self, common: dict, head_dim: int | None = None, sliding_window: int | None = None,
-                    **options):
+    def tiny_config(self, common: dict, head_dim: int | None = None, sliding_window: int | None = None, **options):
         config = super().tiny_config(common, **options)
         config.head_dim = head_dim or common["hidden_size"] // common["num_attention_heads"]
         config.sliding_window = sliding_window  # HF's default is 4096; tiny models have none unless asked

@@ -6,8 +6,15 @@ top-k-then-softmax (moe_pre_softmax=False; checked against transformers' logits 
 (`router_jitter_noise` > 0, a training-time perturbation) is refused rather than approximated.
 """
 
-from remax_megatron.models.families.base import CAUSAL_LM, Family, MoeNames, attention_rules, check_routing, \
-    moe_mlp_rules, sliding_window_of
+from remax_megatron.models.families.base import (
+    CAUSAL_LM,
+    Family,
+    MoeNames,
+    attention_rules,
+    check_routing,
+    moe_mlp_rules,
+    sliding_window_of,
+)
 
 
 class Mixtral(Family):
@@ -15,18 +22,29 @@ class Mixtral(Family):
     architectures = {"MixtralForCausalLM": CAUSAL_LM}
     hf_config_class = "MixtralConfig"
     # the checkpoint's `block_sparse_moe` is `mlp` in transformers 5's model, with the experts fused
-    moe = MoeNames(router="block_sparse_moe.gate.weight", expert="block_sparse_moe.experts.{}.", gate="w1.weight",
-                   up="w3.weight", down="w2.weight", model_router="mlp.gate", model_gate_up="mlp.experts.gate_up_proj",
-                   model_down="mlp.experts.down_proj")
+    moe = MoeNames(
+        router="block_sparse_moe.gate.weight",
+        expert="block_sparse_moe.experts.{}.",
+        gate="w1.weight",
+        up="w3.weight",
+        down="w2.weight",
+        model_router="mlp.gate",
+        model_gate_up="mlp.experts.gate_up_proj",
+        model_down="mlp.experts.down_proj",
+    )
 
     def features(self, cfg, path: str) -> dict:
         super().features(cfg, path)  # attention_bias refused
         if getattr(cfg, "router_jitter_noise", 0.0):
             raise ValueError(f"router_jitter_noise={cfg.router_jitter_noise} in {path} is not supported: set it to 0")
         check_routing(cfg.num_experts_per_tok, True, path)
-        return {"sliding_window": sliding_window_of(cfg), "num_experts": cfg.num_local_experts,
-                "moe_ffn_hidden_size": cfg.intermediate_size, "moe_top_k": cfg.num_experts_per_tok,
-                "moe_pre_softmax": False}
+        return {
+            "sliding_window": sliding_window_of(cfg),
+            "num_experts": cfg.num_local_experts,
+            "moe_ffn_hidden_size": cfg.intermediate_size,
+            "moe_top_k": cfg.num_experts_per_tok,
+            "moe_pre_softmax": False,
+        }
 
     def layer_rules(self, arch, layer):
         return attention_rules(arch, qkv_bias=False, qk_norm=False) + moe_mlp_rules(arch, self.moe)

@@ -7,8 +7,15 @@ kept as they are otherwise (moe_pre_softmax=True). Checked against transformers'
 layers between the MoE ones (`decoder_sparse_step` > 1, `mlp_only_layers`) are refused.
 """
 
-from remax_megatron.models.families.base import CAUSAL_LM, Family, MoeNames, attention_rules, check_routing, \
-    moe_mlp_rules, sliding_window_of
+from remax_megatron.models.families.base import (
+    CAUSAL_LM,
+    Family,
+    MoeNames,
+    attention_rules,
+    check_routing,
+    moe_mlp_rules,
+    sliding_window_of,
+)
 
 
 class Qwen3Moe(Family):
@@ -16,25 +23,46 @@ class Qwen3Moe(Family):
     architectures = {"Qwen3MoeForCausalLM": CAUSAL_LM}
     hf_config_class = "Qwen3MoeConfig"
     # transformers' model keeps the checkpoint's router name and fuses the experts
-    moe = MoeNames(router="mlp.gate.weight", expert="mlp.experts.{}.", gate="gate_proj.weight",
-                   up="up_proj.weight", down="down_proj.weight", model_router="mlp.gate",
-                   model_gate_up="mlp.experts.gate_up_proj", model_down="mlp.experts.down_proj")
+    moe = MoeNames(
+        router="mlp.gate.weight",
+        expert="mlp.experts.{}.",
+        gate="gate_proj.weight",
+        up="up_proj.weight",
+        down="down_proj.weight",
+        model_router="mlp.gate",
+        model_gate_up="mlp.experts.gate_up_proj",
+        model_down="mlp.experts.down_proj",
+    )
 
     def features(self, cfg, path: str) -> dict:
         super().features(cfg, path)  # attention_bias refused
         if getattr(cfg, "decoder_sparse_step", 1) != 1 or getattr(cfg, "mlp_only_layers", None):
-            raise ValueError(f"decoder_sparse_step={cfg.decoder_sparse_step}, mlp_only_layers={cfg.mlp_only_layers} "
-                             f"in {path}: dense layers between the MoE ones are not supported (every layer must be MoE)")
+            raise ValueError(
+                f"decoder_sparse_step={cfg.decoder_sparse_step}, mlp_only_layers={cfg.mlp_only_layers} "
+                f"in {path}: dense layers between the MoE ones are not supported (every layer must be MoE)"
+            )
         check_routing(cfg.num_experts_per_tok, cfg.norm_topk_prob, path)
-        return {"qk_layernorm": True, "sliding_window": sliding_window_of(cfg), "num_experts": cfg.num_experts,
-                "moe_ffn_hidden_size": cfg.moe_intermediate_size, "moe_top_k": cfg.num_experts_per_tok,
-                "moe_pre_softmax": not cfg.norm_topk_prob}
+        return {
+            "qk_layernorm": True,
+            "sliding_window": sliding_window_of(cfg),
+            "num_experts": cfg.num_experts,
+            "moe_ffn_hidden_size": cfg.moe_intermediate_size,
+            "moe_top_k": cfg.num_experts_per_tok,
+            "moe_pre_softmax": not cfg.norm_topk_prob,
+        }
 
     def layer_rules(self, arch, layer):
         return attention_rules(arch, qkv_bias=False, qk_norm=True) + moe_mlp_rules(arch, self.moe)
 
-    def tiny_config(self, common: dict, head_dim: int | None = None, experts: int = 4, top_k: int = 2,
-                    norm_topk_prob: bool = True, **options):
+    def tiny_config(
+        self,
+        common: dict,
+        head_dim: int | None = None,
+        experts: int = 4,
+        top_k: int = 2,
+        norm_topk_prob: bool = True,
+        **options,
+    ):
         """`intermediate_size` of `common` becomes each expert's width."""
         config = super().tiny_config(dict(common, moe_intermediate_size=common["intermediate_size"]), **options)
         config.head_dim = head_dim or common["hidden_size"] // common["num_attention_heads"]
