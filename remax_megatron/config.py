@@ -329,6 +329,19 @@ class RolloutConfig:
         "version behind; use algo.rollout_correction); 0 = they wait for the update",
     )
 
+    env: str = knob(
+        "",
+        "multi-turn rollouts: package.module:Factory, an environment per trajectory built from the dataset "
+        "row's columns (rollout/agent.py; docs/guide.md, Environments); empty: single-turn",
+    )
+    max_turns: int = knob(1, "rollout.env: assistant turns per trajectory at most")
+    max_total_tokens: int = knob(
+        0, "rollout.env: prompt + every turn + observations at most, in tokens (required with rollout.env)"
+    )
+    env_timeout_s: float = knob(
+        60.0, "rollout.env: a step() or reward() call longer than this ends its trajectory (env_error); 0: no limit"
+    )
+
     def __post_init__(self):
         _check_choices("rollout", self)
         if not self.engine:
@@ -360,6 +373,23 @@ class RolloutConfig:
                 "rollout.behaviour_logprobs=true needs rollout.placement=separate with "
                 "rollout.max_staleness=1 (otherwise the batch's policy is the actor's: "
                 "logprob/engine_vs_actor_max_diff says it already)"
+            )
+        _positive("rollout.max_turns", self.max_turns)
+        _positive("rollout.env_timeout_s", self.env_timeout_s, zero_ok=True)
+        if self.env and self.routing_replay:
+            raise ValueError(
+                "rollout.env with rollout.routing_replay=true: the routes of observation tokens are not "
+                "recorded across turns yet; set rollout.routing_replay=false"
+            )
+        if self.env and not self.max_total_tokens:
+            raise ValueError(
+                "rollout.env is set but rollout.max_total_tokens=0: give the longest trajectory in tokens "
+                "(prompt + every turn + observations), e.g. rollout.max_total_tokens=1024"
+            )
+        if not self.env and (self.max_turns != 1 or self.max_total_tokens):
+            raise ValueError(
+                f"rollout.max_turns={self.max_turns} / rollout.max_total_tokens={self.max_total_tokens} without "
+                "rollout.env: multi-turn rollouts need an environment (rollout.env=package.module:Factory)"
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"rollout.stop_token_ids={self.stop_token_ids} holds a negative id: token ids are >= 0")
@@ -577,7 +607,7 @@ class Config:
                 f"algo.kl_coef={self.algo.kl_coef} needs a reference model: "
                 "set reference.enabled=true (or algo.kl_coef=0)"
             )
-        if not self.reward.functions and not self.reward.model:
+        if not self.reward.functions and not self.reward.model and not self.rollout.env:
             raise ValueError("no reward: set reward.functions (e.g. [exact_match]) and/or reward.model")
         if (
             self.algo.rollout_correction != "none"
@@ -596,6 +626,13 @@ class Config:
                 "algo.dynamic_sampling=true with rollout.placement=separate and rollout.max_staleness=1 "
                 "is not supported (the next step's prompts are drawn before this step knows how many "
                 "it needs): set rollout.max_staleness=0 or algo.dynamic_sampling=false"
+            )
+        first_turn = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        if self.rollout.env and self.rollout.max_total_tokens < first_turn:
+            raise ValueError(
+                f"rollout.max_total_tokens={self.rollout.max_total_tokens} < data.max_prompt_tokens("
+                f"{self.data.max_prompt_tokens}) + rollout.max_new_tokens({self.rollout.max_new_tokens}) = "
+                f"{first_turn}: the longest prompt's first turn must fit; raise it or lower those"
             )
         if self.reward.overlong_buffer > self.rollout.max_new_tokens:
             raise ValueError(
@@ -619,6 +656,8 @@ class Config:
         """The longest prompt + completion this run can produce, in tokens, and how an error spells it out
         (the one place the sum is written: config, start-up, the planner and the engine's length use it)."""
         d, r = self.data, self.rollout
+        if r.env:  # a trajectory: prompt, turns and observations under one bound
+            return r.max_total_tokens, f"rollout.max_total_tokens({r.max_total_tokens})"
         return (
             d.max_prompt_tokens + r.max_new_tokens,
             f"data.max_prompt_tokens({d.max_prompt_tokens}) + rollout.max_new_tokens({r.max_new_tokens})",

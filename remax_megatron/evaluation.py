@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from remax_megatron.data.prompts import Prompt
+from remax_megatron.rollout.agent import env_scores
 from remax_megatron.rollout.dump import RolloutDump
+from remax_megatron.step_metrics import agent_metrics
 
 
 class Evaluator:
@@ -33,7 +35,9 @@ class Evaluator:
         responses = [
             [(r.greedy.token_ids, tokenizer.decode(r.greedy.token_ids, skip_special_tokens=True))] for r in rollouts
         ]
-        scores, metrics = self.parts.scorer.score(prompts, responses)
+        scores, metrics = env_scores(rollouts), {}  # rollout.env with reward(): the environment's
+        if scores is None:
+            scores, metrics = self.parts.scorer.score(prompts, responses)
         rewards = [row[0] for row in scores]
         self._print_samples(step, prompts, [resp[1] for (resp,) in responses], rewards)
         self.dump.write(step, prompts, rollouts, [], rewards, kind="eval")  # logging.rollouts_every
@@ -41,6 +45,8 @@ class Evaluator:
         record.update(
             {f"eval/{k}": v for k, v in self.reduce.reward_metrics(metrics).items() if k != "reward/unique_scored"}
         )
+        if self.cfg.rollout.env:  # eval/agent/*, time/eval/env_s
+            record.update(agent_metrics(rollouts, self.dispatch.env_seconds, self.reduce, prefix="eval/"))
         return record
 
     def _print_samples(self, step: int, prompts: list[Prompt], responses: list[str], rewards: list[float]) -> None:

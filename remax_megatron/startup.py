@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from remax_megatron.rollout.agent import check_env_reward, load_env
 from remax_megatron.algo.zero_advantage import skips_zero_advantage
 from remax_megatron.builtin.models import resolve_model
 from remax_megatron.data.prompts import Prompt, load_prompts
@@ -97,6 +98,8 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     if cfg.trainer.pack_sequences:
         check_packing(DTYPES[cfg.actor.dtype])
     check_rollout(cfg.rollout, arch, cfg.rollout_world(world_size))
+    if cfg.rollout.env:  # imports, and is a factory with step(): refused here, not at the first step
+        check_env_reward(cfg, load_env(cfg.rollout.env))
     beyond = [t for t in cfg.rollout.stop_token_ids if t >= arch.vocab_size]
     if beyond:
         raise ValueError(

@@ -22,6 +22,7 @@ from remax_megatron.metrics import count_weighted, global_mean, reduce_totals
 from remax_megatron.models.forward import broadcast_from_last_stage
 from remax_megatron.parallel import all_reduce_cpu
 from remax_megatron.rollout import SamplingParams, logprob_mismatch
+from remax_megatron.rollout.agent import FINISHES, trajectory_stats
 
 # Statistics of the loss that are summed over micro-batches and DP ranks (each already normalised globally).
 LOSS_STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac")
@@ -220,13 +221,18 @@ class StepMetrics:
             "rollout/staleness": staleness,
         }
 
-    def rollout_work(self, rollouts, decoded_tokens: int) -> dict:
-        """Tokens the engines decoded this step (`decoded_tokens`: this rank's engine) over the tokens of the
-        global batch's completions: 1.0 when no rank decodes a prompt that another rank (or engine) also decodes."""
+    def rollout_work(self, rollouts, dispatch) -> dict:
+        """Tokens the engines decoded this step (`dispatch.decoded_tokens`: this rank's engine) over the tokens of
+        the global batch's completions: 1.0 when no rank decodes a prompt that another rank (or engine) also
+        decodes. With rollout.env, the trajectories' agent/* statistics and time/env_s."""
         tokens = self.reduce.global_sum(float(sum(len(c.token_ids) for r in rollouts for c in r.sampled + [r.greedy])))
         # Every rank of a TP engine counts its engine's tokens: count each engine once.
-        decoded = all_reduce_cpu(torch.tensor(decoded_tokens / self.parts.engine.group_size, dtype=torch.float64))
-        return {"rollout/tokens": tokens, "rollout/decoded_per_token": float(decoded) / max(tokens, 1.0)}
+        engine_tokens = dispatch.decoded_tokens / self.parts.engine.group_size
+        decoded = all_reduce_cpu(torch.tensor(engine_tokens, dtype=torch.float64))
+        out = {"rollout/tokens": tokens, "rollout/decoded_per_token": float(decoded) / max(tokens, 1.0)}
+        if self.cfg.rollout.env:
+            out.update(agent_metrics(rollouts, dispatch.env_seconds, self.reduce))
+        return out
 
 
 class BehaviourCheck:
@@ -287,3 +293,19 @@ def swap_data(params: list, tensors: list) -> None:
     """Exchange each parameter's data with tensors[i] (no copy); a second call restores both."""
     for i, p in enumerate(params):
         p.data, tensors[i] = tensors[i], p.data
+
+
+def agent_metrics(rollouts, env_seconds: float, reduce: DpReduce, prefix: str = "") -> dict:
+    """agent/turns_mean, agent/observation_tokens_mean, agent/env_errors, agent/finish_<reason>_frac over every
+    DP rank's trajectories (sampled and greedy), and time/env_s (the slowest rank's); `prefix` "eval/" for eval."""
+    total = reduce.totals(trajectory_stats(rollouts))
+    count = max(total["count"], 1.0)
+    out = {
+        f"{prefix}agent/turns_mean": total["turns"] / count,
+        f"{prefix}agent/observation_tokens_mean": total["observation_tokens"] / count,
+        f"{prefix}agent/env_errors": total["env_error"],
+        **{f"{prefix}agent/finish_{f}_frac": total[f] / count for f in FINISHES},
+    }
+    seconds = all_reduce_cpu(torch.tensor(env_seconds, dtype=torch.float64), op=dist.ReduceOp.MAX)
+    out[f"time/{prefix}env_s"] = float(seconds)
+    return out

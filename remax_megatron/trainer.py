@@ -45,6 +45,7 @@ from remax_megatron.parallel import ProcessGroups
 from remax_megatron.reward.overlong import shape_overlong
 from remax_megatron.reward.scoring import RewardScorer
 from remax_megatron.rollout import RolloutEngine, WeightSync
+from remax_megatron.rollout.agent import env_scores, make_dispatch
 from remax_megatron.rollout.dispatch import RolloutDispatch
 from remax_megatron.rollout.dump import RolloutDump
 from remax_megatron.rollout.dynamic_sampling import DynamicSampling, Scored
@@ -94,7 +95,7 @@ class Trainer:
     @functools.cached_property
     def dispatch(self) -> RolloutDispatch:
         """Built on first use, as what else needs the engine (a test of the update alone builds none)."""
-        return RolloutDispatch(self.parts.engine, self.groups, self.cfg.rollout, seed=self.cfg.trainer.seed)
+        return make_dispatch(self.cfg, self.parts.engine, self.groups, self.parts.tokenizer)
 
     @functools.cached_property
     def schedule(self) -> SyncThenGenerate:
@@ -220,7 +221,7 @@ class Trainer:
             )
             record.update(behaviour_gap)
             self.dump.write(self.step + 1, prompts, rollouts, r_sampled, r_greedy)  # logging.rollouts_every
-            record.update(self.metrics.rollout_work(rollouts, self.dispatch.decoded_tokens))
+            record.update(self.metrics.rollout_work(rollouts, self.dispatch))
             tokens = self.reduce.global_sum(float(batch["lengths"].sum()))
             num_sequences = int(self.reduce.global_sum(len(r_sampled)))
         # The adaptive KL controller's horizon counts the global batch's sequences (every DP rank's).
@@ -260,7 +261,9 @@ class Trainer:
             ]
             for r in rollouts
         ]
-        scores, metrics = self.parts.scorer.score(prompts, responses, wait=lambda: self._stage("wait", times))
+        scores, metrics = env_scores(rollouts), {}  # rollout.env with reward(): the environment's
+        if scores is None:
+            scores, metrics = self.parts.scorer.score(prompts, responses, wait=lambda: self._stage("wait", times))
         scores = shape_overlong(scores, responses, self.cfg, metrics)  # reward.overlong_buffer: samples and greedy
         n = self.cfg.rollout.n
         return [s for row in scores for s in row[:n]], [row[n] for row in scores], metrics
@@ -270,7 +273,9 @@ class Trainer:
         prompt's greedy reward [B] (the baseline)."""
         n, tokenizer = self.cfg.rollout.n, self.parts.tokenizer
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        rows = [q.token_ids for q in prompts for _ in range(n)], [c for r in rollouts for c in r.sampled]
+        # each row's context: its prompt, or the environment's first message (rollout.env)
+        rows = [r.prompt_ids or q.token_ids for q, r in zip(prompts, rollouts) for _ in range(n)]
+        rows = rows, [c for r in rollouts for c in r.sampled]
         batch = pad_sequences(
             *rows,
             pad_id=pad_id,

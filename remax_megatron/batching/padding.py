@@ -35,7 +35,8 @@ def pad_sequences(
     """Rows of prompt + response, right-padded, with labels and masks for the loss.
 
     prompt_ids:  B prompts (one per row; repeat a prompt for each of its completions)
-    completions: B `Completion`s (token_ids, logprobs)
+    completions: B `Completion`s (token_ids, logprobs; loss_mask: a multi-turn trajectory's tokens that were
+                 not generated, its observations, get label -100 and so no log-prob, loss or count)
     pad_to_multiple: round S up to a multiple of this (e.g. TP for sequence parallel)
     routes:      rollout.routing_replay: every completion carries the engine's routed experts (refused
                  in one line when one does not), and the batch holds them; False: the batch holds none
@@ -72,6 +73,10 @@ def pad_sequences(
             # The token at position p + i is predicted at position p + i - 1.
             labels[b, p - 1 : p - 1 + r] = response
             engine_logprobs[b, p - 1 : p - 1 + r] = torch.tensor(list(comp.logprobs), dtype=torch.float32)
+            if getattr(comp, "loss_mask", None) is not None:  # observations: conditioned on, never trained
+                not_generated = torch.tensor(list(comp.loss_mask), dtype=torch.bool).logical_not()
+                labels[b, p - 1 : p - 1 + r][not_generated] = IGNORE_INDEX
+                engine_logprobs[b, p - 1 : p - 1 + r][not_generated] = 0.0
     response_mask = labels != IGNORE_INDEX
     if mask_truncated:
         response_mask[[c.finish_reason == "length" for c in completions]] = False
@@ -105,6 +110,9 @@ def _check_rows(prompt_ids: list[list[int]], completions: list, pad_to_multiple:
             raise ValueError(f"row {b} has an empty prompt: a response needs a token to condition on")
         if len(c.logprobs) != len(c.token_ids):
             raise ValueError(f"row {b}: {len(c.token_ids)} tokens but {len(c.logprobs)} log-probs")
+        mask = getattr(c, "loss_mask", None)
+        if mask is not None and len(mask) != len(c.token_ids):
+            raise ValueError(f"row {b}: {len(c.token_ids)} tokens but a loss mask of {len(mask)}")
         if routes and getattr(c, "routed_experts", None) is None:
             raise ValueError(
                 f"row {b} has no routed experts but rollout.routing_replay=true: the engine must return "

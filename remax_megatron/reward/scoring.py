@@ -60,8 +60,6 @@ class RewardScorer:
         workers: the functions' worker pool (reward.workers > 0; None: called in this process); mp_group: the
         ranks that score the same responses (the actor's model-parallel group), which must agree on the
         responses that timed out."""
-        if functions is None and reward_model is None:
-            raise ValueError("no reward: configure reward.functions and/or reward.model")
         self.functions, self.reward_model, self.rm_inputs = functions, reward_model, rm_inputs
         self.model_weight, self.micro_batch_size = model_weight, micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
@@ -85,6 +83,8 @@ class RewardScorer:
         the collective where this rank waits for every other rank to finish its rollout and functions (the
         trainer times it as time/wait_s, apart from this rank's own scoring).
         """
+        if self.functions is None and self.reward_model is None:  # only an environment's reward() was configured
+            raise ValueError("no reward: configure reward.functions and/or reward.model")
         unique: dict[tuple, int] = {}
         items = []  # (prompt i, token ids, text)
         where = []

@@ -6,7 +6,10 @@
 One line per response: step, prompt_index (the prompt's row in its dataset), sample (0..n-1, or "greedy"),
 prompt (its chat messages, or its text without a chat template), response (decoded), completion_tokens, finish_reason ("stop" or
 "length"), reward, baseline (its prompt's greedy reward: the ReMax baseline) and advantage (reward - baseline,
-the sequence-level advantage before any per-token KL; 0 for the greedy response itself). Every DP rank's
+the sequence-level advantage before any per-token KL; 0 for the greedy response itself). With rollout.env a
+trajectory also has its messages (assistant turns and observations, in order), turns, generated_tokens,
+observation_tokens, finish (done, max_turns, max_total or env_error), turn_finishes (each turn's stop / length)
+and env_error (what ended it, or ""); response is then the whole transcript after the prompt. Every DP rank's
 responses in global prompt order; rank 0 writes, atomically (a file is whole or absent; a resumed run
 rewrites a step's file whole).
 """
@@ -60,6 +63,7 @@ class RolloutDump:
                         "reward": reward,
                         "baseline": r_greedy[i],
                         "advantage": reward - r_greedy[i],
+                        **_trajectory(c),
                     }
                 )
         if self.groups.dp_size > 1:
@@ -74,3 +78,18 @@ class RolloutDump:
         with open(tmp, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
         os.replace(tmp, path)
+
+
+def _trajectory(c) -> dict:
+    """A multi-turn trajectory's own fields (rollout/agent.py's Trajectory); {} for a single-turn completion."""
+    if not hasattr(c, "turn_finishes"):
+        return {}
+    return {
+        "messages": c.messages,
+        "turns": c.turns,
+        "generated_tokens": len(c.token_ids) - c.observation_tokens,
+        "observation_tokens": c.observation_tokens,
+        "finish": c.finish,
+        "turn_finishes": c.turn_finishes,
+        "env_error": c.error,
+    }

@@ -31,6 +31,10 @@ engine log-probs (rollout/monitor.py); compare greedy rows at temperature 1.
 Token ids of a completion include the token that ended it (EOS, or the token
 that completed a stop string); `finish_reason` is "stop" for those, "length"
 when max_new_tokens ran out.
+
+Multi-turn rollouts (rollout/agent.py) continue trajectories with `generate_rows`: one completion per
+context (the trajectory's exact token ids so far), greedy where asked, else sampled from the row's own
+stream; every row of a turn in ONE engine request, as `generate` does for the first turn.
 """
 
 from __future__ import annotations
@@ -124,6 +128,9 @@ class Completion:
     # MoE with rollout.routing_replay: the experts the engine routed each input token of prompt + response to,
     # int [tokens, layers, top_k] (vLLM's CompletionOutput.routed_experts); None otherwise
     routed_experts: object = None
+    # 1 where the token was generated, 0 where it was not (a multi-turn trajectory's observations and chat
+    # template glue, rollout/agent.py): only generated tokens are trained. None: every token was generated.
+    loss_mask: list[int] | None = None
 
 
 @dataclass
@@ -132,6 +139,9 @@ class PromptRollout:
 
     sampled: list[Completion]  # len n
     greedy: Completion
+    # the context the completions continue when it is not the prompt's own token ids (an environment's
+    # reset() message, rollout/agent.py); None: the prompt's
+    prompt_ids: list[int] | None = None
 
 
 class RolloutEngine:
@@ -181,6 +191,40 @@ class RolloutEngine:
         self, prompts: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int]
     ) -> list[PromptRollout]:
         raise NotImplementedError
+
+    def generate_rows(
+        self,
+        contexts: list[list[int]],
+        greedy: list[bool],
+        sampling: SamplingParams,
+        seeds: list[int],
+        max_new_tokens: list[int] | None = None,
+    ) -> list[Completion]:
+        """One completion per context, all in one engine request: argmax where greedy[i], else sampled from
+        stream seeds[i] (sampling's temperature, top-k, top-p, stops). max_new_tokens: a per-row limit (at
+        most sampling.max_new_tokens; default that). Every rank of an engine that decodes in lockstep (a
+        rollout.tp vLLM engine, the remote engine's training ranks) calls it, with no rows too."""
+        limits = [sampling.max_new_tokens] * len(contexts) if max_new_tokens is None else list(max_new_tokens)
+        check_generate_args(contexts, 0, sampling)
+        if not len(greedy) == len(seeds) == len(limits) == len(contexts):
+            raise ValueError(
+                f"generate_rows: {len(contexts)} contexts, {len(greedy)} greedy flags, {len(seeds)} seeds and "
+                f"{len(limits)} limits: give one of each per context"
+            )
+        if any(not 1 <= m <= sampling.max_new_tokens for m in limits):
+            raise ValueError(f"generate_rows: max_new_tokens={limits} must be in [1, {sampling.max_new_tokens}]")
+        self._check_weights()
+        if self.asleep:
+            self.wake_up()
+        rows = [list(map(int, c)) for c in contexts]
+        out = self._generate_rows(rows, [bool(g) for g in greedy], sampling, [int(s) for s in seeds], limits)
+        self.num_requests += 1
+        return out
+
+    def _generate_rows(
+        self, contexts: list[list[int]], greedy: list[bool], sampling: SamplingParams, seeds: list[int], limits
+    ) -> list[Completion]:
+        raise NotImplementedError(f"the {self.name} engine cannot continue trajectories (rollout.env)")
 
     def submit(
         self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int] | None = None

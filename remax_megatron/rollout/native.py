@@ -298,38 +298,59 @@ class NativeEngine(RolloutEngine):
     ) -> list[PromptRollout]:
         if not prompts:
             return []
-        if sampling.guided:
-            raise ValueError("guided decoding needs the vLLM engine: the native engine decodes without constraints")
-        limit = getattr(self.model.config, "max_position_embeddings", None)
-        longest = max(len(p) for p in prompts) + sampling.max_new_tokens
-        if limit is not None and longest > limit:
-            raise ValueError(
-                f"prompt ({longest - sampling.max_new_tokens} tokens) + max_new_tokens "
-                f"({sampling.max_new_tokens}) exceeds the model's max_position_embeddings={limit}: "
-                "lower data.max_prompt_tokens or rollout.max_new_tokens"
-            )
-        rows = self._decode_batch(prompts, n, sampling, seeds)
-        self.decoded_tokens += sum(len(c.token_ids) for c in rows)
+        self._check_lengths(prompts, [sampling.max_new_tokens] * len(prompts), sampling)
         per = n + 1
+        dev = self.device
+        generators = []  # per output row: sample j of prompt p draws from seeds[p] + j, the greedy row from none
+        for seed in seeds:
+            generators += [torch.Generator(device=dev).manual_seed(seed + j) for j in range(n)] + [None]
+        greedy = ([False] * n + [True]) * len(prompts)
+        rows = self._decode(prompts, per, greedy, generators, sampling, [sampling.max_new_tokens] * len(greedy))
         return [
             PromptRollout(sampled=rows[p * per : p * per + n], greedy=rows[p * per + n]) for p in range(len(prompts))
         ]
 
-    @torch.no_grad()
-    def _decode_batch(
-        self, prompts: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int]
+    def _generate_rows(
+        self, contexts: list[list[int]], greedy: list[bool], sampling: SamplingParams, seeds: list[int], limits
     ) -> list[Completion]:
-        """The one engine request: P prompts -> P * (n + 1) completions (n sampled then 1 greedy each)."""
-        per, dev = n + 1, self.device
-        generators = []  # per output row
-        for seed in seeds:
-            generators += [torch.Generator(device=dev).manual_seed(seed + j) for j in range(n)] + [None]
+        if not contexts:
+            return []
+        self._check_lengths(contexts, limits, sampling)
+        dev = self.device
+        generators = [None if g else torch.Generator(device=dev).manual_seed(s) for g, s in zip(greedy, seeds)]
+        return self._decode(contexts, 1, greedy, generators, sampling, limits)
+
+    def _check_lengths(self, prompts: list[list[int]], limits: list[int], sampling: SamplingParams) -> None:
+        if sampling.guided:
+            raise ValueError("guided decoding needs the vLLM engine: the native engine decodes without constraints")
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        longest = max(len(p) + m for p, m in zip(prompts, limits))
+        if limit is not None and longest > limit:
+            raise ValueError(
+                f"a context of {longest - max(limits)} tokens + max_new_tokens ({max(limits)}) exceeds the model's "
+                f"max_position_embeddings={limit}: lower data.max_prompt_tokens, rollout.max_new_tokens or "
+                "rollout.max_total_tokens"
+            )
+
+    @torch.no_grad()
+    def _decode(
+        self,
+        prompts: list[list[int]],
+        per: int,
+        greedy: list[bool],
+        generators: list,
+        sampling: SamplingParams,
+        limits: list[int],
+    ) -> list[Completion]:
+        """The one engine request: P prompts -> P * per completions (row r continues prompt r // per), row r
+        greedy or drawing from generators[r], at most limits[r] tokens."""
+        dev = self.device
         cache, logits, mask, next_pos, rows = self._prefill(prompts, per)
-        greedy = torch.tensor([False] * n + [True], device=dev).repeat(len(prompts))
+        greedy = torch.tensor(greedy, device=dev)
         temperature = torch.where(greedy, 1.0, float(sampling.temperature)).to(torch.float32)
         active = torch.arange(len(prompts) * per, device=dev)  # batch row -> output row
         eos = torch.tensor(sorted(self.eos_token_ids | set(sampling.stop_token_ids)), dtype=torch.long, device=dev)
-        for step in range(sampling.max_new_tokens):
+        for step in range(max(limits)):
             tok, lp = sample_next(
                 logits,
                 temperature,
@@ -340,9 +361,10 @@ class NativeEngine(RolloutEngine):
             )
             done = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(greedy)
             done_list = self._append_step(rows, active, tok, lp, done, sampling.stop)
-            if step == sampling.max_new_tokens - 1:
+            if step == max(limits) - 1:
                 break
-            keep = ~torch.tensor(done_list, device=dev)
+            # a row at its own limit ends there ("length")
+            keep = ~torch.tensor([d or step + 1 >= limits[r] for d, r in zip(done_list, active.tolist())], device=dev)
             if not keep.any():
                 break
             if not keep.all():
@@ -353,7 +375,9 @@ class NativeEngine(RolloutEngine):
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             logits = self._feed(tok, mask, next_pos, cache, active, rows)
             next_pos = next_pos + 1
-        return rows.completions()
+        completions = rows.completions()
+        self.decoded_tokens += sum(len(c.token_ids) for c in completions)
+        return completions
 
     def _prefill(self, prompts: list[list[int]], per: int):
         """All prompts through the model once, then everything repeated per output row (n + 1 per prompt):

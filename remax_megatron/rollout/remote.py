@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from remax_megatron.rollout.engine import (
+    Completion,
     PromptRollout,
     RolloutEngine,
     SamplingParams,
@@ -148,6 +149,19 @@ class RemoteEngine(RolloutEngine):
     def _generate(self, prompts, n, sampling, seeds):
         return self.collect(self.submit(prompts, n, sampling, seeds))
 
+    def _generate_rows(self, contexts, greedy, sampling, seeds, limits) -> list[Completion]:
+        """Collective over the training ranks: every rank's rows as one request, each rank's completions back."""
+        every = [None] * dist.get_world_size() if self.is_root else None
+        dist.gather_object((contexts, greedy, seeds, limits), every, dst=0)
+        ticket = Ticket(self._next_id, [len(part[0]) for part in every] if self.is_root else [])
+        self._next_id += 1
+        if self.is_root:
+            self._settle()
+            rows = [[x for part in every for x in part[k]] for k in range(4)]  # contexts, greedy, seeds, limits
+            self.bridge.send(("rows", ticket.id, *rows, sampling), 0)
+            self._in_flight = ticket
+        return self.collect(ticket)
+
     def generate(self, prompt_token_ids, n, sampling, seeds=None):
         if seeds is None:
             raise ValueError("the remote engine needs one seed per prompt (RolloutDispatch.submit gives them)")
@@ -240,14 +254,19 @@ def serve(engine: RolloutEngine, bridge_group) -> int:
         if kind == "sync":
             engine.update_weights(received_buckets(bridge, bridge.device))
             continue
-        assert kind == "generate", kind
-        _, request_id, prompts, n, sampling, seeds = message
-        base, extra = divmod(len(prompts), world)
+        assert kind in ("generate", "rows"), kind
+        request_id, count = message[1], len(message[2])
+        base, extra = divmod(count, world)
         lo = rank * base + min(rank, extra)
         hi = lo + base + (rank < extra)
         before = engine.decoded_tokens
-        # every rank calls generate, an empty share too: the ranks of a TP engine decode in lockstep
-        rollouts = engine.generate(prompts[lo:hi], n=n, sampling=sampling, seeds=seeds[lo:hi])
+        # every rank calls the engine, an empty share too: the ranks of a TP engine decode in lockstep
+        if kind == "generate":
+            _, _, prompts, n, sampling, seeds = message
+            rollouts = engine.generate(prompts[lo:hi], n=n, sampling=sampling, seeds=seeds[lo:hi])
+        else:  # a turn of multi-turn rollouts (rollout/agent.py): one completion per context
+            _, _, contexts, greedy, seeds, limits, sampling = message
+            rollouts = engine.generate_rows(contexts[lo:hi], greedy[lo:hi], sampling, seeds[lo:hi], limits[lo:hi])
         engine.sleep()
         # every rank of a TP engine counts its engine's tokens: count each engine once
         decoded = (engine.decoded_tokens - before) / engine.group_size

@@ -81,25 +81,7 @@ def build_requests(
     params_cls: vllm.SamplingParams.
     """
     prompts, params = [], []
-    guided = sampling.guided
-    if guided:
-        from vllm.sampling_params import StructuredOutputsParams
     for ids, seed in zip(prompt_token_ids, seeds):
-
-        def common():
-            # Text is only needed to match stop strings: without them vLLM detokenizes nothing (neither
-            # the completion nor each token's log-prob entry); the trainer reads token ids.
-            return dict(
-                max_tokens=sampling.max_new_tokens,
-                stop=list(sampling.stop) or None,
-                stop_token_ids=list(sampling.stop_token_ids) or None,
-                logprobs=0,
-                include_stop_str_in_output=True,
-                skip_special_tokens=True,
-                detokenize=bool(sampling.stop),
-                structured_outputs=StructuredOutputsParams(**guided) if guided else None,
-            )
-
         if n > 0:
             prompts.append({"prompt_token_ids": list(ids)})
             params.append(
@@ -109,12 +91,55 @@ def build_requests(
                     top_p=sampling.top_p,
                     top_k=sampling.top_k,
                     seed=int(seed),
-                    **common(),
+                    **_common(sampling, sampling.max_new_tokens),
                 )
             )
         prompts.append({"prompt_token_ids": list(ids)})
-        params.append(params_cls(n=1, temperature=0.0, **common()))
+        params.append(params_cls(n=1, temperature=0.0, **_common(sampling, sampling.max_new_tokens)))
     return prompts, params
+
+
+def build_row_requests(
+    contexts: list[list[int]], greedy: list[bool], sampling: SamplingParams, seeds: list[int], limits, params_cls
+) -> tuple[list[dict], list]:
+    """One vLLM request for `RolloutEngine.generate_rows`: an entry per context, one completion each, sampled
+    with seed seeds[i] or greedy (temperature 0), at most limits[i] tokens."""
+    prompts, params = [], []
+    for ids, is_greedy, seed, limit in zip(contexts, greedy, seeds, limits):
+        prompts.append({"prompt_token_ids": list(ids)})
+        if is_greedy:
+            params.append(params_cls(n=1, temperature=0.0, **_common(sampling, limit)))
+        else:
+            params.append(
+                params_cls(
+                    n=1,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                    seed=int(seed),
+                    **_common(sampling, limit),
+                )
+            )
+    return prompts, params
+
+
+def _common(sampling: SamplingParams, max_tokens: int) -> dict:
+    """What every entry of a request shares: limits, stops, log-probs, guided decoding."""
+    guided = sampling.guided
+    if guided:
+        from vllm.sampling_params import StructuredOutputsParams
+    # Text is only needed to match stop strings: without them vLLM detokenizes nothing (neither
+    # the completion nor each token's log-prob entry); the trainer reads token ids.
+    return dict(
+        max_tokens=max_tokens,
+        stop=list(sampling.stop) or None,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
+        logprobs=0,
+        include_stop_str_in_output=True,
+        skip_special_tokens=True,
+        detokenize=bool(sampling.stop),
+        structured_outputs=StructuredOutputsParams(**guided) if guided else None,
+    )
 
 
 def _completion(output, routes: bool = False) -> Completion:
@@ -424,6 +449,27 @@ class VllmEngine(RolloutEngine):
         rollouts = parse_outputs(self.llm.generate(request_prompts, request_params, use_tqdm=False), n, self.routes)
         self.decoded_tokens += sum(len(c.token_ids) for r in rollouts for c in r.sampled + [r.greedy])
         return rollouts[mine_start : mine_start + len(prompts)]
+
+    def _generate_rows(
+        self, contexts: list[list[int]], greedy: list[bool], sampling: SamplingParams, seeds: list[int], limits
+    ) -> list[Completion]:
+        mine = (contexts, greedy, seeds, limits)
+        gathered: list = [mine]
+        if self._group is not None:  # the ranks of the engine decode every rank's rows together
+            gathered = [None] * self.tp
+            dist.all_gather_object(gathered, mine, group=self._group)
+        # every rank's contexts, greedy flags, seeds and limits, in rank order
+        every = [[x for rank_rows in gathered for x in rank_rows[k]] for k in range(4)]
+        start = sum(len(g[0]) for g in gathered[: self.rank % self.tp])
+        if not every[0]:
+            return []
+        request = build_row_requests(*every, sampling=sampling, params_cls=self._params_cls)
+        outputs = self.llm.generate(*request, use_tqdm=False)
+        if len(outputs) != len(every[0]) or any(len(o.outputs) != 1 for o in outputs):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(every[0])} rows, expected one each")
+        completions = [_completion(o.outputs[0], self.routes) for o in outputs]
+        self.decoded_tokens += sum(len(c.token_ids) for c in completions)
+        return completions[start : start + len(contexts)]
 
     # ---- weights -------------------------------------------------------------------------
     def update_weights(self, buckets) -> None:

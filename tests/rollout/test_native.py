@@ -26,14 +26,14 @@ def _next_logits(engine, ids):
 
 def test_one_request_carries_sampled_and_greedy(engine, monkeypatch):
     calls = []
-    original = engine._decode_batch
+    original = engine._decode
 
-    def spy(prompts, n, sampling, seeds):
-        rows = original(prompts, n, sampling, seeds)
-        calls.append((len(prompts), n, len(rows)))
+    def spy(prompts, per, greedy, generators, sampling, limits):
+        rows = original(prompts, per, greedy, generators, sampling, limits)
+        calls.append((len(prompts), per - 1, len(rows)))
         return rows
 
-    monkeypatch.setattr(engine, "_decode_batch", spy)
+    monkeypatch.setattr(engine, "_decode", spy)
     before = engine.num_requests
     prompts = _prompts(engine)
     out = engine.generate(prompts, n=3, sampling=SamplingParams(max_new_tokens=5, temperature=0.8))
