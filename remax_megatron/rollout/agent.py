@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import importlib
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -180,7 +179,7 @@ class AgentDispatch(RolloutDispatch):
         self.factory, self.chat, self.error_reward = factory, ChatDelta(tokenizer, templated), error_reward
         self.tokenizer = tokenizer
         self.env_seconds = 0.0  # time in the environment's calls for the last collect (time/env_s)
-        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="remax-env")
+        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="remax-env")
 
     def submit(self, prompts: list, n: int, step: int, first_index: int = 0):
         """Run this replica's trajectories to their end (a local loop: turns wait on the engine), each
@@ -300,19 +299,22 @@ class AgentDispatch(RolloutDispatch):
 
     # ---- calls into the environment --------------------------------------------------------
     def _call_each(self, calls: list) -> list[tuple[bool, object]]:
-        """Every call in the thread pool, each under rollout.env_timeout_s: (True, result) or (False, error).
-        A call past the limit is left running (a thread cannot be killed); its trajectory ends."""
+        """Every call at once in the thread pool, all under one rollout.env_timeout_s from now: (True, result)
+        or (False, error). A call past the limit is left running (a thread cannot be killed: issue 42's sandbox
+        runs model-written code in processes); its trajectory ends."""
         start = time.perf_counter()
         futures = [self._pool.submit(call) for call in calls]
         limit = self.rollout_cfg.env_timeout_s or None
+        wait(futures, timeout=limit)
         out = []
         for f in futures:
-            try:
-                out.append((True, f.result(timeout=limit)))
-            except FutureTimeout:
+            if not f.done():
+                f.cancel()  # not started yet (the pool was full): never runs
                 out.append((False, f"timed out after {limit} s"))
-            except Exception as e:  # noqa: BLE001 - any failure of the environment ends its trajectory only
-                out.append((False, f"{type(e).__name__}: {e}"))
+            elif f.exception() is not None:  # any failure of the environment ends its trajectory only
+                out.append((False, f"{type(f.exception()).__name__}: {f.exception()}"))
+            else:
+                out.append((True, f.result()))
         self.env_seconds += time.perf_counter() - start
         return out
 

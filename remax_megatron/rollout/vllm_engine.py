@@ -459,14 +459,14 @@ class VllmEngine(RolloutEngine):
             gathered = [None] * self.tp
             dist.all_gather_object(gathered, mine, group=self._group)
         # every rank's contexts, greedy flags, seeds and limits, in rank order
-        every = [[x for rank_rows in gathered for x in rank_rows[k]] for k in range(4)]
+        all_contexts, all_greedy, all_seeds, all_limits = ([x for g in gathered for x in g[k]] for k in range(4))
         start = sum(len(g[0]) for g in gathered[: self.rank % self.tp])
-        if not every[0]:
+        if not all_contexts:
             return []
-        request = build_row_requests(*every, sampling=sampling, params_cls=self._params_cls)
+        request = build_row_requests(all_contexts, all_greedy, sampling, all_seeds, all_limits, self._params_cls)
         outputs = self.llm.generate(*request, use_tqdm=False)
-        if len(outputs) != len(every[0]) or any(len(o.outputs) != 1 for o in outputs):
-            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(every[0])} rows, expected one each")
+        if len(outputs) != len(all_contexts) or any(len(o.outputs) != 1 for o in outputs):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(all_contexts)} rows, expected one each")
         completions = [_completion(o.outputs[0], self.routes) for o in outputs]
         self.decoded_tokens += sum(len(c.token_ids) for c in completions)
         return completions[start : start + len(contexts)]
