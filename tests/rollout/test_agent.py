@@ -233,3 +233,27 @@ def test_bad_agent_settings_are_one_line_errors(over, message):
         cfg = load_config(None, ["reward.functions=[exact_match]", "data.max_prompt_tokens=16", *over])
         load_env(cfg.rollout.env)
     assert "\n" not in str(e.value)
+
+
+def test_the_guides_worked_example_runs(engine, tokenizer, monkeypatch):
+    """docs/guide.md's environment, taken from the guide as it is, through a 2-prompt rollout."""
+    import os
+    import re
+    import sys
+    import types
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    guide = open(os.path.join(root, "docs", "guide.md")).read()
+    section = guide[guide.index("## Multi-turn rollouts") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    module = types.ModuleType("guide_envs")
+    exec(compile(code, "docs/guide.md", "exec"), module.__dict__)
+    monkeypatch.setitem(sys.modules, "guide_envs", module)
+    cfg = _rollout_cfg("CounterEnv")
+    cfg.env = "guide_envs:Guess"
+    dispatch = AgentDispatch(engine, GROUPS, cfg, 0, tokenizer, load_env(cfg.env))
+    rollouts = dispatch.generate(_prompts(tokenizer, answers=(3, 5)), 2, step=1)
+    for r in rollouts:
+        for t in r.sampled + [r.greedy]:
+            assert t.finish in ("done", "max_turns") and t.env_reward == (1.0 / t.turns)
+            assert [m["role"] for m in t.messages][:2] == ["assistant", "user"] or t.finish == "done"
