@@ -98,8 +98,9 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     if cfg.trainer.pack_sequences:
         check_packing(DTYPES[cfg.actor.dtype])
     check_rollout(cfg.rollout, arch, cfg.rollout_world(world_size))
-    if cfg.rollout.env:  # imports, and is a factory with step(): refused here, not at the first step
-        check_env_reward(cfg, load_env(cfg.rollout.env))
+    env_factory = load_env(cfg.rollout.env) if cfg.rollout.env else None  # imports, and has step(): now
+    if env_factory is not None:
+        check_env_reward(cfg, env_factory)
     beyond = [t for t in cfg.rollout.stop_token_ids if t >= arch.vocab_size]
     if beyond:
         raise ValueError(
@@ -143,7 +144,7 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
         )
     train, evals, counts = load_prompts(cfg.data, tokenizer, cfg.reward.functions)
     if functions is not None:
-        probe_reward_functions(functions, train, cfg.data.train, tokenizer)
+        probe_reward_functions(functions, train, cfg.data.train, tokenizer, env_factory)
     rm_inputs = None
     if rm_dir:
         rm_inputs = RewardModelInputs(tokenizer, load_rm_tokenizer(rm_dir), chat_template=cfg.data.chat_template)
@@ -195,17 +196,22 @@ def check_weight_files(cfg, actor_dir: str, ref_dir: str | None, rm_dir: str | N
 
 
 def probe_reward_functions(
-    functions: RewardFunctions, prompts: list[Prompt], source: str, tokenizer, rows: int = 2
+    functions: RewardFunctions, prompts: list[Prompt], source: str, tokenizer, env_factory=None, rows: int = 2
 ) -> None:
-    """Every reward function called once on the first `rows` prompts, each with a placeholder completion:
-    a wrong signature, count or type is one line now, not at the first evaluation a minute in."""
+    """Every reward function called once on the first `rows` prompts, each with a placeholder completion (and,
+    with rollout.env, a fresh environment of the row as `env`): a wrong signature, count or type is one line
+    now, not at the first evaluation a minute in."""
     first = prompts[:rows]
     ids = tokenizer(PLACEHOLDER, add_special_tokens=False)["input_ids"]
+    envs = {"env": [env_factory(**q.columns) for q in first]} if env_factory is not None else {}
     functions.probe(
         RewardBatch(
             prompts=[q.text for q in first],
             responses=[PLACEHOLDER] * len(first),
-            columns={k: [q.columns.get(k) for q in first] for k in sorted({k for q in first for k in q.columns})},
+            columns={
+                **{k: [q.columns.get(k) for q in first] for k in sorted({k for q in first for k in q.columns})},
+                **envs,
+            },
             prompt_index=[q.index for q in first],
             raw_prompts=[q.raw for q in first],
             completion_ids=[list(ids) for _ in first],

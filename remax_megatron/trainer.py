@@ -45,7 +45,7 @@ from remax_megatron.parallel import ProcessGroups
 from remax_megatron.reward.overlong import shape_overlong
 from remax_megatron.reward.scoring import RewardScorer
 from remax_megatron.rollout import RolloutEngine, WeightSync
-from remax_megatron.rollout.agent import env_scores, make_dispatch
+from remax_megatron.rollout.agent import env_columns, env_scores, make_dispatch
 from remax_megatron.rollout.dispatch import RolloutDispatch
 from remax_megatron.rollout.dump import RolloutDump
 from remax_megatron.rollout.dynamic_sampling import DynamicSampling, Scored
@@ -263,7 +263,9 @@ class Trainer:
         ]
         scores, metrics = env_scores(rollouts), {}  # rollout.env with reward(): the environment's
         if scores is None:
-            scores, metrics = self.parts.scorer.score(prompts, responses, wait=lambda: self._stage("wait", times))
+            scores, metrics = self.parts.scorer.score(
+                prompts, responses, wait=lambda: self._stage("wait", times), response_columns=env_columns(rollouts)
+            )
         scores = shape_overlong(scores, responses, self.cfg, metrics)  # reward.overlong_buffer: samples and greedy
         n = self.cfg.rollout.n
         return [s for row in scores for s in row[:n]], [row[n] for row in scores], metrics

@@ -75,26 +75,30 @@ class RewardScorer:
         prompts: Sequence[ScoredPrompt],
         responses: list[list[tuple[list[int], str]]],
         wait: Callable[[], ContextManager] = contextlib.nullcontext,
+        response_columns: list[list[dict]] | None = None,
     ) -> tuple[list[list[float]], dict]:
         """responses[i] = [(token_ids, text), ...] for prompts[i] (samples then greedy) -> rewards, same shape.
 
         Returns the rewards and metrics (`reward/<fn>_mean`, `reward/model_mean`, with workers
         `reward/timeouts`: responses scored reward.timeout_value, ...). `wait()` is entered once, around
         the collective where this rank waits for every other rank to finish its rollout and functions (the
-        trainer times it as time/wait_s, apart from this rank's own scoring).
+        trainer times it as time/wait_s, apart from this rank's own scoring). response_columns: keywords of
+        each response's own (same shape as responses), e.g. a trajectory's environment as `env`.
         """
         if self.functions is None and self.reward_model is None:  # only an environment's reward() was configured
             raise ValueError("no reward: configure reward.functions and/or reward.model")
         unique: dict[tuple, int] = {}
         items = []  # (prompt i, token ids, text)
+        own: list[dict] = []  # per item: its first response's own columns
         where = []
         for i, per_prompt in enumerate(responses):
             row = []
-            for ids, text in per_prompt:
+            for j, (ids, text) in enumerate(per_prompt):
                 key = (i, tuple(ids))
                 if key not in unique:
                     unique[key] = len(items)
                     items.append((i, ids, text))
+                    own.append(response_columns[i][j] if response_columns is not None else {})
                 row.append(unique[key])
             where.append(row)
         total = [0.0] * len(items)
@@ -105,7 +109,10 @@ class RewardScorer:
             batch = RewardBatch(
                 prompts=[prompts[i].text for i, _, _ in items],
                 responses=[t for _, _, t in items],
-                columns={k: [prompts[i].columns.get(k) for i, _, _ in items] for k in keys},
+                columns={
+                    **{k: [prompts[i].columns.get(k) for i, _, _ in items] for k in keys},
+                    **{k: [o.get(k) for o in own] for k in sorted({k for o in own for k in o})},
+                },
                 prompt_index=[prompts[i].index for i, _, _ in items],
                 raw_prompts=[prompts[i].raw for i, _, _ in items],
                 completion_ids=[list(ids) for _, ids, _ in items],

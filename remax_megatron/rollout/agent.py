@@ -32,6 +32,7 @@ no rows once its own trajectories have ended.
 from __future__ import annotations
 
 import importlib
+import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -82,7 +83,16 @@ class Trajectory(Completion):
     messages: list[dict] = field(default_factory=list)  # assistant turns and observations, in order
     observation_tokens: int = 0  # tokens not generated (observations and template glue)
     env_reward: float | None = None  # the environment's reward(), when it has one
+    env: object = field(default=None, repr=False, compare=False)  # the environment (reward functions get it)
     error: str = ""  # what ended it with env_error
+
+    def __getstate__(self) -> dict:
+        """Gathered over the model-parallel group: the environment travels only when reward functions need it
+        (no reward() of its own); it must then pickle."""
+        state = dict(self.__dict__)
+        if self.env_reward is not None:
+            state["env"] = None
+        return state
 
 
 class ChatDelta:
@@ -162,7 +172,7 @@ class _Running:
 
     def trajectory(self) -> Trajectory:
         t = self.t
-        t.token_ids, t.logprobs, t.loss_mask = self.ids, self.logprobs, self.mask
+        t.token_ids, t.logprobs, t.loss_mask, t.env = self.ids, self.logprobs, self.mask, self.env
         t.observation_tokens = len(self.mask) - sum(self.mask)
         # a trajectory cut by a bound reads as cut (trainer.mask_truncated): its last turn ran out, or its total
         t.finish_reason = "length" if t.finish == "max_total" or t.turn_finishes[-1:] == ["length"] else "stop"
@@ -196,7 +206,14 @@ class AgentDispatch(RolloutDispatch):
         self._decoded_seen = self.engine.decoded_tokens
         if self.groups.mp_size > 1:
             shares: list = [None] * self.groups.mp_size
-            dist.all_gather_object(shares, rollouts, group=self.groups.mp)
+            try:
+                dist.all_gather_object(shares, rollouts, group=self.groups.mp)
+            except (TypeError, AttributeError, pickle.PicklingError) as e:
+                raise ValueError(
+                    f"rollout.env={self.rollout_cfg.env!r}: its environments cannot be pickled ({e}); without a "
+                    "reward() of their own they go to the reward functions on every model-parallel rank: make "
+                    "them picklable or give them reward()"
+                ) from None
             rollouts = [r for share in shares for r in share]
         return rollouts
 
@@ -363,6 +380,14 @@ def make_dispatch(cfg, engine, groups, tokenizer) -> RolloutDispatch:
         cfg.reward.timeout_value,
         templated=cfg.data.chat_template,
     )
+
+
+def env_columns(rollouts: list) -> list[list[dict]] | None:
+    """Per prompt, per trajectory (samples then greedy) {"env": its environment}, for reward functions that
+    score trajectories (an environment without reward()); None for single-turn rollouts."""
+    if not rollouts or not isinstance(rollouts[0].greedy, Trajectory):
+        return None
+    return [[{"env": t.env} for t in r.sampled + [r.greedy]] for r in rollouts]
 
 
 def env_scores(rollouts: list) -> list[list[float]] | None:

@@ -71,3 +71,8 @@ class ResetEnv(CounterEnv):
 
 class NotAnEnv:
     """Has no step()."""
+
+
+def turns_reward(prompts, responses, env=None, **_):
+    """A reward function that reads each trajectory's environment (rollout.env without reward()): its turns."""
+    return [float(e.count) for e in env]

@@ -257,3 +257,16 @@ def test_the_guides_worked_example_runs(engine, tokenizer, monkeypatch):
         for t in r.sampled + [r.greedy]:
             assert t.finish in ("done", "max_turns") and t.env_reward == (1.0 / t.turns)
             assert [m["role"] for m in t.messages][:2] == ["assistant", "user"] or t.finish == "done"
+
+
+def test_reward_functions_receive_each_trajectorys_environment(engine, tokenizer):
+    from remax_megatron.reward import RewardFunctions, RewardScorer
+    from remax_megatron.rollout.agent import env_columns, env_scores
+
+    prompts = _prompts(tokenizer, answers=(3, 5))
+    rollouts = _dispatch(engine, tokenizer, "NoRewardEnv").generate(prompts, 2, step=0)
+    assert env_scores(rollouts) is None  # no reward() of its own: the reward functions score
+    responses = [[(t.token_ids, "") for t in r.sampled + [r.greedy]] for r in rollouts]
+    scorer = RewardScorer(RewardFunctions([f"{ENVS}:turns_reward"], [1.0], {}))
+    scores, _ = scorer.score(prompts, responses, response_columns=env_columns(rollouts))
+    assert scores == [[2.0] * 3, [2.0] * 3]

@@ -90,3 +90,21 @@ def test_environment_failures_cost_only_their_trajectories_at_dp2(env, tmp_path)
     assert len(steps) == 3
     assert sum(r["agent/env_errors"] for r in steps) > 0
     assert all(r["agent/finish_env_error_frac"] < 1 for r in steps)
+
+
+@pytest.mark.slow
+def test_reward_functions_read_the_environment_across_tensor_parallel_ranks(env, tmp_path):  # noqa: F811
+    """An environment without reward(): the reward function gets each trajectory's environment, gathered
+    from the rank that ran it to both ranks of the tp2 group (NoRewardEnv runs 2 turns: reward 2)."""
+    records = _train(
+        env,
+        "configs/tiny_cpu.yaml",
+        str(tmp_path / "run"),
+        *AGENT,
+        *NATIVE,
+        f"rollout.env={ENVS}:NoRewardEnv",
+        f"reward.functions=[{ENVS}:turns_reward]",
+        "trainer.eval_every=0",
+    )
+    steps = _steps(records)
+    assert [r["reward/sampled_mean"] for r in steps] == [2.0] * 3 and all(r["agent/turns_mean"] == 2 for r in steps)
