@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from remax_megatron.data.prompts import Prompt
-from remax_megatron.rollout.agent import env_columns, env_scores
+from remax_megatron.rollout.agent import compact, env_columns, env_scores
 from remax_megatron.rollout.dump import RolloutDump
 from remax_megatron.step_metrics import agent_metrics
 
@@ -39,7 +39,8 @@ class Evaluator:
         if scores is None:
             scores, metrics = self.parts.scorer.score(prompts, responses, response_columns=env_columns(rollouts))
         rewards = [row[0] for row in scores]
-        self._print_samples(step, prompts, [resp[1] for (resp,) in responses], rewards)
+        shown = [compact(r.greedy) or text for r, ((_, text),) in zip(rollouts, responses)]
+        self._print_samples(step, prompts, shown, rewards)
         self.dump.write(step, prompts, rollouts, [], rewards, kind="eval")  # logging.rollouts_every
         record = {"step": step, "eval/reward_mean": self.reduce.dp_mean(rewards)}
         record.update(

@@ -382,6 +382,14 @@ def make_dispatch(cfg, engine, groups, tokenizer) -> RolloutDispatch:
     )
 
 
+def compact(completion) -> str:
+    """A trajectory in one line for the console's eval samples: its turns and observations joined by " | "
+    ("" for a single-turn completion)."""
+    if not isinstance(completion, Trajectory):
+        return ""
+    return " | ".join(str(m.get("content", "")).strip() for m in completion.messages) + f"  [{completion.finish}]"
+
+
 def env_columns(rollouts: list) -> list[list[dict]] | None:
     """Per prompt, per trajectory (samples then greedy) {"env": its environment}, for reward functions that
     score trajectories (an environment without reward()); None for single-turn rollouts."""

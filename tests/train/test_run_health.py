@@ -31,7 +31,7 @@ class NanOnSecondStep:
     def __init__(self, actor):
         self.actor, self.calls, self.weights_after_step_1 = actor, 0, None
 
-    def score(self, prompts, responses, wait=None):
+    def score(self, prompts, responses, wait=None, response_columns=None):
         self.calls += 1
         rows = [[float(j) for j in range(len(row))] for row in responses]
         if self.calls == 2:

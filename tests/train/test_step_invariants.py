@@ -51,7 +51,7 @@ class SpyScorer:
     def __init__(self, offsets=tuple(float(j) for j in range(N))):
         self.calls, self.offsets = [], offsets
 
-    def score(self, prompts, responses, wait=None):
+    def score(self, prompts, responses, wait=None, response_columns=None):
         indices = [q.index for q in prompts]
         self.calls.append((indices, responses))
         return [
