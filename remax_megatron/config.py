@@ -341,6 +341,19 @@ class RolloutConfig:
     env_timeout_s: float = knob(
         60.0, "rollout.env: a step() or reward() call longer than this ends its trajectory (env_error); 0: no limit"
     )
+    tools: list[str] = knob(
+        [],
+        "multi-turn rollouts with tools (remax_megatron/agent/tools.py): package.module:function or builtin:python, "
+        "builtin:calculator; a turn's calls run and their results are the next tool messages; a turn without "
+        "a call ends the trajectory",
+    )
+    tool_parser: str = knob("hermes", "rollout.tools: how calls are read from the assistant's text (hermes)")
+    tool_timeout_s: float = knob(10.0, "rollout.tools: a call longer than this gives the model an error text")
+
+    @property
+    def multi_turn(self) -> bool:
+        """Trajectories through an environment: rollout.env or rollout.tools."""
+        return bool(self.env or self.tools)
 
     def __post_init__(self):
         _check_choices("rollout", self)
@@ -376,20 +389,27 @@ class RolloutConfig:
             )
         _positive("rollout.max_turns", self.max_turns)
         _positive("rollout.env_timeout_s", self.env_timeout_s, zero_ok=True)
-        if self.env and self.routing_replay:
+        if self.env and self.tools:
+            raise ValueError(
+                "rollout.env and rollout.tools are both set: rollout.tools is an environment of its own; give "
+                "your environment its tools, or unset rollout.env"
+            )
+        _positive("rollout.tool_timeout_s", self.tool_timeout_s, zero_ok=True)
+        if self.multi_turn and self.routing_replay:
             raise ValueError(
                 "rollout.env with rollout.routing_replay=true: the routes of observation tokens are not "
                 "recorded across turns yet; set rollout.routing_replay=false"
             )
-        if self.env and not self.max_total_tokens:
+        if self.multi_turn and not self.max_total_tokens:
             raise ValueError(
-                "rollout.env is set but rollout.max_total_tokens=0: give the longest trajectory in tokens "
+                f"rollout.{'env' if self.env else 'tools'} is set but rollout.max_total_tokens=0: give the longest trajectory in tokens "
                 "(prompt + every turn + observations), e.g. rollout.max_total_tokens=1024"
             )
-        if not self.env and (self.max_turns != 1 or self.max_total_tokens):
+        if not self.multi_turn and (self.max_turns != 1 or self.max_total_tokens):
             raise ValueError(
                 f"rollout.max_turns={self.max_turns} / rollout.max_total_tokens={self.max_total_tokens} without "
-                "rollout.env: multi-turn rollouts need an environment (rollout.env=package.module:Factory)"
+                "rollout.env: multi-turn rollouts need an environment (rollout.env=package.module:Factory) or "
+                "tools (rollout.tools)"
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"rollout.stop_token_ids={self.stop_token_ids} holds a negative id: token ids are >= 0")
@@ -628,7 +648,7 @@ class Config:
                 "it needs): set rollout.max_staleness=0 or algo.dynamic_sampling=false"
             )
         first_turn = self.data.max_prompt_tokens + self.rollout.max_new_tokens
-        if self.rollout.env and self.rollout.max_total_tokens < first_turn:
+        if self.rollout.multi_turn and self.rollout.max_total_tokens < first_turn:
             raise ValueError(
                 f"rollout.max_total_tokens={self.rollout.max_total_tokens} < data.max_prompt_tokens("
                 f"{self.data.max_prompt_tokens}) + rollout.max_new_tokens({self.rollout.max_new_tokens}) = "
@@ -656,7 +676,7 @@ class Config:
         """The longest prompt + completion this run can produce, in tokens, and how an error spells it out
         (the one place the sum is written: config, start-up, the planner and the engine's length use it)."""
         d, r = self.data, self.rollout
-        if r.env:  # a trajectory: prompt, turns and observations under one bound
+        if r.multi_turn:  # a trajectory: prompt, turns and observations under one bound
             return r.max_total_tokens, f"rollout.max_total_tokens({r.max_total_tokens})"
         return (
             d.max_prompt_tokens + r.max_new_tokens,

@@ -46,7 +46,7 @@ class Evaluator:
         record.update(
             {f"eval/{k}": v for k, v in self.reduce.reward_metrics(metrics).items() if k != "reward/unique_scored"}
         )
-        if self.cfg.rollout.env:  # eval/agent/*, time/eval/env_s
+        if self.cfg.rollout.multi_turn:  # eval/agent/*, time/eval/env_s
             record.update(agent_metrics(rollouts, self.dispatch.env_seconds, self.reduce, prefix="eval/"))
         return record
 

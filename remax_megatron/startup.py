@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from remax_megatron.rollout.agent import check_env_reward, load_env
+from remax_megatron.rollout.agent import check_env_reward, env_factory_of
 from remax_megatron.algo.zero_advantage import skips_zero_advantage
 from remax_megatron.builtin.models import resolve_model
 from remax_megatron.data.prompts import Prompt, load_prompts
@@ -98,7 +98,7 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     if cfg.trainer.pack_sequences:
         check_packing(DTYPES[cfg.actor.dtype])
     check_rollout(cfg.rollout, arch, cfg.rollout_world(world_size))
-    env_factory = load_env(cfg.rollout.env) if cfg.rollout.env else None  # imports, and has step(): now
+    env_factory = env_factory_of(cfg) if cfg.rollout.multi_turn else None  # imports, has step(), tools: now
     if env_factory is not None:
         check_env_reward(cfg, env_factory)
     beyond = [t for t in cfg.rollout.stop_token_ids if t >= arch.vocab_size]
@@ -142,7 +142,8 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
             "no embedding; use the model's own tokenizer, or resize the model's embeddings to the "
             "tokenizer (transformers: model.resize_token_embeddings(len(tokenizer))) and save it"
         )
-    train, evals, counts = load_prompts(cfg.data, tokenizer, cfg.reward.functions)
+    schemas = [t.schema for t in env_factory.keywords["tools"]] if cfg.rollout.tools else None
+    train, evals, counts = load_prompts(cfg.data, tokenizer, cfg.reward.functions, tools=schemas)
     if functions is not None:
         probe_reward_functions(functions, train, cfg.data.train, tokenizer, env_factory)
     rm_inputs = None

@@ -230,7 +230,7 @@ class StepMetrics:
         engine_tokens = dispatch.decoded_tokens / self.parts.engine.group_size
         decoded = all_reduce_cpu(torch.tensor(engine_tokens, dtype=torch.float64))
         out = {"rollout/tokens": tokens, "rollout/decoded_per_token": float(decoded) / max(tokens, 1.0)}
-        if self.cfg.rollout.env:
+        if self.cfg.rollout.multi_turn:
             out.update(agent_metrics(rollouts, dispatch.env_seconds, self.reduce))
         return out
 
@@ -304,6 +304,8 @@ def agent_metrics(rollouts, env_seconds: float, reduce: DpReduce, prefix: str = 
         f"{prefix}agent/turns_mean": total["turns"] / count,
         f"{prefix}agent/observation_tokens_mean": total["observation_tokens"] / count,
         f"{prefix}agent/env_errors": total["env_error"],
+        f"{prefix}agent/tool_calls_mean": total["tool_calls"] / count,
+        f"{prefix}agent/tool_errors": total["tool_errors"],
         **{f"{prefix}agent/finish_{f}_frac": total[f] / count for f in FINISHES},
     }
     seconds = all_reduce_cpu(torch.tensor(env_seconds, dtype=torch.float64), op=dist.ReduceOp.MAX)

@@ -139,13 +139,13 @@ def required_columns(reward_functions: Sequence[str]) -> dict[str, list[str]]:
 
 
 def load_prompts(
-    cfg, tokenizer, reward_functions: Sequence[str] | None = None
+    cfg, tokenizer, reward_functions: Sequence[str] | None = None, tools: list[dict] | None = None
 ) -> tuple[list[Prompt], list[Prompt], dict]:
     """Tokenized train and eval prompts plus counts (dropped / truncated as too long).
 
     `reward_functions` (reward.functions) decides which columns every row must have: those the
     functions' signatures require (`answer` is data.answer_key). Without it every row must have
-    data.answer_key when that is set.
+    data.answer_key when that is set. `tools` (rollout.tools' JSON schemas) go to the chat template.
     """
     train_rows, eval_rows, name = _split_sources(cfg)
     if not train_rows:
@@ -163,7 +163,7 @@ def load_prompts(
             f"(columns: {', '.join(sorted(first))}): set data.answer_key or data.answer_key=''"
         )
     counts = {}
-    kinds = _PromptKinds(cfg, tokenizer)
+    kinds = _PromptKinds(cfg, tokenizer, tools)
     train = _tokenize(train_rows, cfg, tokenizer, counts, "train", needs, kinds)
     evals = _tokenize(eval_rows, cfg, tokenizer, counts, "eval", needs, kinds)
     if not train:
@@ -214,9 +214,24 @@ def _template_missing(cfg, tokenizer) -> str | None:
 class _PromptKinds:
     """One kind of prompt per dataset (train and eval files together): the first row's decides."""
 
-    def __init__(self, cfg, tokenizer):
-        self.cfg, self.first = cfg, None
+    def __init__(self, cfg, tokenizer, tools: list[dict] | None = None):
+        self.cfg, self.first, self.tools = cfg, None, tools
         self.no_template = _template_missing(cfg, tokenizer)
+        if tools and self.no_template:
+            raise ValueError(
+                f"rollout.tools is set but {self.no_template}: the tools are described to the model by the chat "
+                "template (set data.chat_template=true with a tokenizer whose template renders tools=)"
+            )
+        if tools:  # a template that ignores tools= would train a model that was never told about them
+            probe = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "?"}], tools=tools, tokenize=False, add_generation_prompt=True
+            )
+            unseen = [t["function"]["name"] for t in tools if t["function"]["name"] not in probe]
+            if unseen:
+                raise ValueError(
+                    f"rollout.tools: the tokenizer's chat template does not render tools= (no {unseen[0]!r} in "
+                    "its output): use a model whose template describes tools (e.g. Qwen2.5/Qwen3 instruct)"
+                )
         if cfg.system_prompt and self.no_template:
             raise ValueError(
                 f"data.system_prompt is set but {self.no_template}: a system turn needs a chat template "
@@ -276,7 +291,7 @@ def _tokenize(rows, cfg, tokenizer, counts, split, needs, kinds: _PromptKinds) -
         # The template's text tokenized without special tokens: apply_chat_template(messages,
         # add_generation_prompt=True) does exactly this (the template writes BOS itself).
         text = (
-            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            tokenizer.apply_chat_template(messages, tools=kinds.tools, tokenize=False, add_generation_prompt=True)
             if messages is not None
             else raw
         )

@@ -31,6 +31,7 @@ no rows once its own trajectories have ended.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pickle
 import time
@@ -67,7 +68,7 @@ def check_env_reward(cfg, factory) -> None:
     """Without reward.functions or reward.model the environment's reward() is the reward: it must have one."""
     if not cfg.reward.functions and not cfg.reward.model and not callable(getattr(factory, "reward", None)):
         raise ValueError(
-            f"rollout.env={cfg.rollout.env!r} has no reward() method and no reward.functions or reward.model is "
+            f"rollout.env={cfg.rollout.env or 'rollout.tools'!r} has no reward() method and no reward.functions or reward.model is "
             "set: give the environment a reward() or configure a reward"
         )
 
@@ -85,6 +86,8 @@ class Trajectory(Completion):
     env_reward: float | None = None  # the environment's reward(), when it has one
     env: object = field(default=None, repr=False, compare=False)  # the environment (reward functions get it)
     error: str = ""  # what ended it with env_error
+    tool_calls: int = 0  # rollout.tools: calls the model made, and those that gave it an error text
+    tool_errors: int = 0
 
     def __getstate__(self) -> dict:
         """Gathered over the model-parallel group: the environment travels only when reward functions need it
@@ -173,6 +176,7 @@ class _Running:
     def trajectory(self) -> Trajectory:
         t = self.t
         t.token_ids, t.logprobs, t.loss_mask, t.env = self.ids, self.logprobs, self.mask, self.env
+        t.tool_calls, t.tool_errors = getattr(self.env, "tool_calls", 0), getattr(self.env, "tool_errors", 0)
         t.observation_tokens = len(self.mask) - sum(self.mask)
         # a trajectory cut by a bound reads as cut (trainer.mask_truncated): its last turn ran out, or its total
         t.finish_reason = "length" if t.finish == "max_total" or t.turn_finishes[-1:] == ["length"] else "stop"
@@ -354,22 +358,38 @@ def _anyone(flag: bool) -> bool:
 def trajectory_stats(rollouts: list) -> dict[str, float]:
     """Sums over this rank's trajectories (sampled and greedy): count, turns, observation tokens, env errors
     and each finish (step_metrics turns them into agent/* means over every DP rank)."""
-    out = {"count": 0.0, "turns": 0.0, "observation_tokens": 0.0, **{f: 0.0 for f in FINISHES}}
+    out = {"count": 0.0, "turns": 0.0, "observation_tokens": 0.0, "tool_calls": 0.0, "tool_errors": 0.0}
+    out.update({f: 0.0 for f in FINISHES})
     for r in rollouts:
         for t in r.sampled + [r.greedy]:
             if isinstance(t, Trajectory):
                 out["count"] += 1
                 out["turns"] += t.turns
                 out["observation_tokens"] += t.observation_tokens
+                out["tool_calls"] += t.tool_calls
+                out["tool_errors"] += t.tool_errors
                 out[t.finish] += 1
     return out
 
 
+def env_factory_of(cfg):
+    """The environment of every trajectory: rollout.env's factory, or rollout.tools' ToolEnv over the tools."""
+    if not cfg.rollout.tools:
+        return load_env(cfg.rollout.env)
+    from remax_megatron.agent.tool_env import PARSERS, ToolEnv
+    from remax_megatron.agent.tools import resolve_tools
+
+    if cfg.rollout.tool_parser not in PARSERS:
+        raise ValueError(f"rollout.tool_parser={cfg.rollout.tool_parser!r} is not one of {sorted(PARSERS)}")
+    tools = resolve_tools(cfg.rollout.tools)
+    return functools.partial(ToolEnv, tools=tools, parser=cfg.rollout.tool_parser, timeout_s=cfg.rollout.tool_timeout_s)
+
+
 def make_dispatch(cfg, engine, groups, tokenizer) -> RolloutDispatch:
-    """The step's dispatch: trajectories through rollout.env, or single-turn rollouts."""
-    if not cfg.rollout.env:
+    """The step's dispatch: trajectories through rollout.env or rollout.tools, or single-turn rollouts."""
+    if not cfg.rollout.multi_turn:
         return RolloutDispatch(engine, groups, cfg.rollout, seed=cfg.trainer.seed)
-    factory = load_env(cfg.rollout.env)
+    factory = env_factory_of(cfg)
     return AgentDispatch(
         engine,
         groups,

@@ -1,0 +1,113 @@
+"""Tools as an environment (rollout.tools): each assistant turn's tool calls are run and their results are the
+next `tool` messages; a turn without a call ends the trajectory (rollout/agent.py runs the turns).
+
+    env = ToolEnv(tools, parser="hermes", timeout_s=10.0)     # one per trajectory
+    messages, done = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>')
+    # [{"role": "tool", "name": "calculator", "content": "5"}], False
+
+Parsers (rollout.tool_parser): `hermes`, the format Qwen2.5 / Qwen3 and Hermes models emit: a JSON object
+{"name": ..., "arguments": {...}} inside <tool_call>...</tool_call>. A call that cannot be parsed, names no
+known tool or gives arguments that do not fit the tool's schema, and a tool that raises, times out or
+returns something other than text, gives the model an error text as that call's result (counted in
+`tool_errors`), never an exception. The calls of one turn run side by side, each under timeout_s.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+
+from remax_megatron.agent.tools import Tool
+
+HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
+_POOL = ThreadPoolExecutor(max_workers=32, thread_name_prefix="remax-tool")
+
+
+def parse_hermes(text: str) -> list[dict | str]:
+    """Each <tool_call> block of `text`: {"name", "arguments"}, or the error text of a block that is not one."""
+    calls = []
+    for block in HERMES.findall(text):
+        try:
+            call = json.loads(block)
+        except json.JSONDecodeError as e:
+            calls.append(f"error: the tool call is not valid JSON ({e.msg} at position {e.pos})")
+            continue
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            calls.append('error: a tool call must be {"name": ..., "arguments": {...}}')
+            continue
+        calls.append({"name": call["name"], "arguments": call.get("arguments") or {}})
+    return calls
+
+
+PARSERS = {"hermes": parse_hermes}
+
+
+class ToolEnv:
+    """The environment of rollout.tools (no reward(): the reward functions score the trajectory)."""
+
+    def __init__(self, tools: list[Tool], parser: str = "hermes", timeout_s: float = 10.0, **_columns):
+        self.tools = {t.name: t for t in tools}
+        self.parse, self.timeout_s = PARSERS[parser], timeout_s
+        self.tool_calls = self.tool_errors = 0
+        self.tool_seconds = 0.0
+
+    def step(self, text: str) -> tuple[list[dict] | None, bool]:
+        calls = self.parse(text)
+        if not calls:  # the model answered without a tool: the episode is over
+            return None, True
+        start = time.perf_counter()
+        futures = [_POOL.submit(self._call, c) if isinstance(c, dict) else None for c in calls]
+        wait([f for f in futures if f is not None], timeout=self.timeout_s or None)
+        messages = []
+        for call, future in zip(calls, futures):
+            name = call["name"] if isinstance(call, dict) else "unknown"
+            if future is None:
+                result = call  # the parser's error text
+            elif not future.done():
+                result = f"error: {name} timed out after {self.timeout_s} s"
+            else:
+                result = future.result()
+            self.tool_calls += 1
+            self.tool_errors += result.startswith("error:")
+            messages.append({"role": "tool", "name": name, "content": result})
+        self.tool_seconds += time.perf_counter() - start
+        return messages, False
+
+    def _call(self, call: dict) -> str:
+        """One call's result text ("error: ..." when it could not give one)."""
+        tool = self.tools.get(call["name"])
+        if tool is None:
+            return f"error: unknown tool {call['name']!r}; tools: {sorted(self.tools)}"
+        problem = check_arguments(tool.schema, call["arguments"])
+        if problem:
+            return f"error: {tool.name}: {problem}"
+        try:
+            result = tool.fn(**call["arguments"])
+        except Exception as e:  # noqa: BLE001 - a tool's failure is the model's to read, not the run's
+            return f"error: {tool.name} raised {type(e).__name__}: {e}"
+        if not isinstance(result, str):
+            return f"error: {tool.name} returned {type(result).__name__}, not text"
+        return result
+
+
+def check_arguments(schema: dict, arguments) -> str:
+    """What is wrong with `arguments` for a tool's JSON schema ("" when nothing)."""
+    params = schema["function"].get("parameters", {})
+    if not isinstance(arguments, dict):
+        return f"arguments must be an object, got {type(arguments).__name__}"
+    properties = params.get("properties", {})
+    missing = [k for k in params.get("required", []) if k not in arguments]
+    if missing:
+        return f"missing argument(s) {missing}"
+    unknown = [k for k in arguments if k not in properties]
+    if unknown:
+        return f"unknown argument(s) {unknown}; arguments: {sorted(properties)}"
+    for key, value in arguments.items():
+        kind = properties[key].get("type")
+        python = JSON_TYPES.get(kind) if isinstance(kind, str) else None
+        if python is not None and (not isinstance(value, python) or (kind != "boolean" and isinstance(value, bool))):
+            return f"argument {key!r} must be a {kind}, got {json.dumps(value)[:50]}"
+    return ""
