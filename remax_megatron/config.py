@@ -41,7 +41,6 @@ Placement = Literal["colocated", "separate"]  # parallel/split.py, rollout/remot
 SkipMode = Literal["auto", "on", "off"]  # algo/zero_advantage.py
 # megatron's names of the linears LoRA may adapt: attention q/k/v (fused) and output, MLP fc1 (gate; up) and fc2
 LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-DTYPE_NAMES = typing.get_args(Dtype)
 
 
 def knob(default, doc: str):

@@ -135,16 +135,8 @@ class ProcessGroups:
         return self.tp_size * self.pp_size
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
-
-    def pp_global_rank(self, stage: int) -> int:
-        """Global rank of pipeline stage `stage` in this rank's pipeline."""
-        return dist.get_global_rank(self.pp, stage)
 
     @classmethod
     def current(cls) -> ProcessGroups:
