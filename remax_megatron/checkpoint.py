@@ -476,7 +476,8 @@ def set_rng_state(state: dict) -> None:
         # a checkpoint from the other kind of machine keeps this run's freshly seeded tracker.
         warnings.warn(
             "checkpoint RNG states come from a machine with"
-            f"{'' if state.get('cuda_present') else 'out'} CUDA: dropout streams restart"
+            f"{'' if state.get('cuda_present') else 'out'} CUDA: dropout streams restart",
+            stacklevel=1,  # points at this line, as it did without the argument
         )
         return
     get_cuda_rng_tracker().set_states(state["tracker"])

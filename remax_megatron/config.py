@@ -41,7 +41,6 @@ Placement = Literal["colocated", "separate"]  # parallel/split.py, rollout/remot
 SkipMode = Literal["auto", "on", "off"]  # algo/zero_advantage.py
 # megatron's names of the linears LoRA may adapt: attention q/k/v (fused) and output, MLP fc1 (gate; up) and fc2
 LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-DTYPE_NAMES = typing.get_args(Dtype)
 
 
 def knob(default, doc: str):
@@ -402,7 +401,8 @@ class RolloutConfig:
             )
         if self.multi_turn and not self.max_total_tokens:
             raise ValueError(
-                f"rollout.{'env' if self.env else 'tools'} is set but rollout.max_total_tokens=0: give the longest trajectory in tokens "
+                f"rollout.{'env' if self.env else 'tools'} is set but rollout.max_total_tokens=0: give the longest "
+                "trajectory in tokens "
                 "(prompt + every turn + observations), e.g. rollout.max_total_tokens=1024"
             )
         if not self.multi_turn and (self.max_turns != 1 or self.max_total_tokens):

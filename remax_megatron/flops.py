@@ -17,7 +17,7 @@ MoE counts what a token actually passes through (active parameters): the router
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

@@ -66,7 +66,7 @@ def _workers() -> list[int]:
     return [child.pid for child in psutil.Process().children(recursive=False)]
 
 
-def _forward(signum, frame) -> None:
+def _forward(signum, _frame) -> None:
     """SIGTERM / SIGUSR1 / SIGINT: hand it to every worker; the agent keeps waiting for them to exit."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 

@@ -152,8 +152,9 @@ def keep_freed_host_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.gnu_get_libc_version  # glibc only: mallopt's parameter numbers are glibc's
-    except (OSError, AttributeError):
+    except OSError:
+        return False
+    if not hasattr(libc, "gnu_get_libc_version"):  # glibc only: mallopt's parameter numbers are glibc's
         return False
     m_trim_threshold, m_mmap_max = -1, -4
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, GIB))

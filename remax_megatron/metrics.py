@@ -8,7 +8,7 @@ import math
 import os
 import sys
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -42,7 +42,7 @@ def wrap_ddp(model, use_distributed_optimizer: bool):
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
 
-def finalize_grads(model_chunks, num_tokens=None, **kwargs):
+def finalize_grads(model_chunks, num_tokens=None, **kwargs):  # noqa: ARG001 - the schedule passes num_tokens
     """megatron's finalize_model_grads without its 1/num_tokens scaling (our loss already has it)."""
     return finalize_model_grads(model_chunks, None, **{k: v for k, v in kwargs.items() if k == "pg_collection"})
 

@@ -91,7 +91,7 @@ TILE_ELEMS = 1 << 24  # remax_megatron/kernels/logprobs_torch.py DEFAULT_CHUNK_E
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-@functools.lru_cache(maxsize=None)  # the suggestion search asks again for the same layouts
+@functools.cache  # the suggestion search asks again for the same layouts
 def param_count(arch, vocab: int) -> int:
     """P of the module docstring for a causal LM or a reward model with this vocab size, counted from
     the model family's tensor rules (the weight mapping every load and export uses)."""
@@ -100,7 +100,7 @@ def param_count(arch, vocab: int) -> int:
     return WeightMapping(arch, tp=1, pp=1, padded_vocab=vocab).numel()
 
 
-@functools.lru_cache(maxsize=None)  # the suggestion search asks again for the same layouts
+@functools.cache  # the suggestion search asks again for the same layouts
 def expert_param_count(arch) -> int:
     """The experts' parameters of a MoE model (every expert's fc1 and fc2), 0 for a dense one."""
     from remax_megatron.weights.mapping import WeightMapping
@@ -109,14 +109,14 @@ def expert_param_count(arch) -> int:
     return sum(math.prod(shape) for s in mapping.specs if s.expert is not None for shape in s.shapes)
 
 
-@functools.lru_cache(maxsize=None)  # the suggestion search asks again for the same layouts
+@functools.cache  # the suggestion search asks again for the same layouts
 def active_param_count(arch, vocab: int) -> int:
     """Parameters one token passes through: P minus the experts it is not routed to (top_k of them)."""
     experts = expert_param_count(arch)
     return param_count(arch, vocab) - experts + (experts * arch.moe_top_k // arch.num_experts if experts else 0)
 
 
-@functools.lru_cache(maxsize=None)  # the suggestion search asks again for the same layouts
+@functools.cache  # the suggestion search asks again for the same layouts
 def stage_params(arch, vocab: int, tp: int, pp: int, ep: int = 1, etp: int = 0) -> tuple[tuple[int, int], ...]:
     """Per pipeline stage, the parameters one of its ranks holds, as (dense, experts): its TP shard of the
     matrices, the norms and router it replicates, the embedding on the first stage and the output layer

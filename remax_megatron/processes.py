@@ -88,7 +88,7 @@ class PreemptionFlag:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
 
-    def _handle(self, signum, frame):
+    def _handle(self, signum, _frame):
         if signum == signal.SIGINT:
             self.interrupts += 1
             if self.interrupts > 1:

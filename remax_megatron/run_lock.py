@@ -34,7 +34,7 @@ LOCK_NAME = ".remax-run.lock"
 
 # Descriptors of the locks this process holds: a forked child closes them (remax_megatron.processes).
 HELD_FDS: set[int] = set()
-_LIVE: list["RunLock"] = []  # for release_all
+_LIVE: list[RunLock] = []  # for release_all
 
 
 class DirectoryInUse(ValueError):
@@ -47,7 +47,7 @@ class RunLock:
         self._created: list[str] = []  # directories this run created, deepest last
 
     @classmethod
-    def acquire(cls, directories: dict[str, str]) -> "RunLock":
+    def acquire(cls, directories: dict[str, str]) -> RunLock:
         """Lock every directory of {config key: path} (one lock for paths that are the same directory),
         creating missing ones. DirectoryInUse names the key, the path and the holder; nothing this
         call created stays behind then."""

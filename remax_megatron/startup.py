@@ -15,6 +15,7 @@ import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -36,6 +37,11 @@ from remax_megatron.reward.functions import PLACEHOLDER, RewardBatch, RewardFunc
 from remax_megatron.reward.rm_inputs import RewardModelInputs, load_rm_tokenizer
 from remax_megatron.rollout.factory import check_rollout
 from remax_megatron.weights.hf_io import HFCheckpointReader
+
+if TYPE_CHECKING:  # annotations only: torch and the run lock are imported where they are used
+    import torch
+
+    from remax_megatron.run_lock import RunLock
 
 
 def check_writable(path: str, what: str) -> None:

@@ -1,8 +1,8 @@
 """Entry point: ReMax training.
 
-    python -m remax_megatron.launch --nproc_per_node=2 -m remax_megatron.train --config configs/tiny_cpu.yaml [key=value ...]
-    torchrun --nproc_per_node=2 -m remax_megatron.train --config configs/tiny_cpu.yaml [key=value ...]
-    python -m remax_megatron.train --config configs/tiny_cpu.yaml actor.tp=1 trainer.steps=5
+    python -m remax_megatron.launch --nproc_per_node=2 -m remax_megatron.train --config configs/tiny_cpu.yaml
+    torchrun --nproc_per_node=2 -m remax_megatron.train --config configs/tiny_cpu.yaml
+    python -m remax_megatron.train --config configs/tiny_cpu.yaml actor.tp=1 trainer.steps=5   # key=value overrides
 
 Everything a user can get wrong (config keys and values, layout vs world size,
 model files, data, reward functions, output and checkpoint directories) is

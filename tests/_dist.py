@@ -258,9 +258,12 @@ def run_main(module: str, argv: list[str], nproc: int, env: dict | None = None, 
             p.kill()
             p.join()
     codes = [p.exitcode for p in procs]
-    read = lambda name: "".join(
-        open(os.path.join(out_dir, f"rank{r}.{name}")).read()
-        for r in range(nproc)
-        if os.path.exists(os.path.join(out_dir, f"rank{r}.{name}"))
-    )
+
+    def read(name):
+        return "".join(
+            open(os.path.join(out_dir, f"rank{r}.{name}")).read()
+            for r in range(nproc)
+            if os.path.exists(os.path.join(out_dir, f"rank{r}.{name}"))
+        )
+
     return Completed(max(codes, key=lambda c: c != 0), read("out"), read("err"))

@@ -10,7 +10,9 @@ MAIN = (
     "bash tools/install.sh && python -m remax_megatron.launch --nproc_per_node=2 -m remax_megatron.train "
     "--config configs/tiny_cpu.yaml"
 )
-TESTS = "bash tools/install.sh test && python -m pytest -q -n 2 --dist loadfile"
+TESTS = (
+    "bash tools/install.sh test && ruff check . && ruff format --check . && python -m pytest -q -n 2 --dist loadfile"
+)
 
 
 def _read(path):

@@ -45,7 +45,7 @@ def _body(rank, world):
         dist.init_process_group("gloo", rank=rank, world_size=world)
     run, events, actor, log = _control()
     for step in range(1, 8):
-        assert run.after_step(step, lambda: {"at": step})
+        assert run.after_step(step, lambda step=step: {"at": step})
     assert events == [
         ("export", 2),
         ("save", 3, {"at": 3}),

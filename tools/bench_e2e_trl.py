@@ -142,16 +142,16 @@ def main(argv=None) -> None:
     generating: list[float] = [0.0]  # seconds in GRPOTrainer._generate (weight sync + decoding) per step
 
     class StepClock(TrainerCallback):
-        def on_train_begin(self, *a, **k):
+        def on_train_begin(self, *_a, **_k):
             step_ends.append(time.perf_counter())
             cpu_ends.append(time.process_time())
 
-        def on_step_end(self, *a, **k):
+        def on_step_end(self, *_a, **_k):
             step_ends.append(time.perf_counter())
             cpu_ends.append(time.process_time())
             generating.append(0.0)
 
-        def on_log(self, _args, _state, _control, logs=None, **k):
+        def on_log(self, _args, _state, _control, logs=None, **_k):
             if logs:
                 history.append(dict(logs))
 

@@ -282,7 +282,7 @@ def run(args) -> dict:
     config = json.load(open(os.path.join(args.model_dir, "config.json")))
     return {
         "rows": rows,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "model": {
             k: config.get(k)
             for k in (

@@ -207,7 +207,7 @@ def main(argv=None) -> None:
     try:
         report = _report(args, model_dir)
     except ValueError as e:  # a refusal (e.g. vLLM's CPU build and routes): its one line
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e}") from None
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:

@@ -6,7 +6,8 @@ Runs `torchrun --nproc_per_node=2 -m remax_megatron.train --config configs/tiny_
 through `python -m remax_megatron.launch`, each with a data file whose second row lacks the column the
 reward function needs, and measures from the start of the command to its first line on stderr (and
 to its exit). One JSON object per launcher: the first stderr line, its time (median and each run),
-the time of the project's `error: ...` line, the exit code, the stderr line count. The built-in model is not built (the checks refuse before).
+the time of the project's `error: ...` line, the exit code, the stderr line count. The built-in model is not
+built (the checks refuse before).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ checkpoint (its actor; a LoRA actor's adapters are merged: W + (alpha/r) B A in 
 `peft.PeftModel.from_pretrained(base_hf_model, OUT)` loads onto the base model.
 The world size must hold the layout: tp * pp, times what expert parallelism
 needs beyond tp (--ep 2 at --tp 1: 2 processes; --tp 2 --ep 2: 2 with whole experts, --etp 1, or 4
-with --etp 2), or a multiple of that (the extra data-parallel replicas export the same tensors). An existing --out (a file or a
-non-empty directory) is refused; --overwrite replaces only an HF directory this tool wrote (its
+with --etp 2), or a multiple of that (the extra data-parallel replicas export the same tensors). An existing
+--out (a file or a non-empty directory) is refused; --overwrite replaces only an HF directory this tool wrote (its
 remax_written_by.json lists the files) and says what it removes. Errors are one line on stderr, exit 2.
 """
 

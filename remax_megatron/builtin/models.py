@@ -3,8 +3,8 @@
 ``ensure_builtin_model(name)`` returns a Hugging Face directory, building it on
 first use (about a minute per model on one core) and reusing it afterwards:
 
-* ``tiny-arith``: a LlamaForCausalLM, 4 layers (so PP=2 splits it), hidden 128 (head_dim 32, a size vLLM's CPU attention runs), character tokenizer.
-  Random init, then supervised on the *train* prompts with a deliberately
+* ``tiny-arith``: a LlamaForCausalLM, 4 layers (so PP=2 splits it), hidden 128 (head_dim 32, a size vLLM's
+  CPU attention runs), character tokenizer. Random init, then supervised on the *train* prompts with a deliberately
   miscalibrated target: the correct sum with probability ``p_correct``
   (0.25) and the systematic mistake ``a+b+1`` otherwise, each followed by
   ``</s>``. The expected cross-entropy is minimised exactly (both responses in

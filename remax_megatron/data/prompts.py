@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from remax_megatron.builtin.tasks import builtin_task
 from remax_megatron.reward.functions import required_columns as columns_needed_by
@@ -207,7 +207,8 @@ def _template_missing(cfg, tokenizer) -> str | None:
     if not cfg.chat_template:
         return "data.chat_template=false"
     if not getattr(tokenizer, "chat_template", None):
-        return f"the tokenizer of actor.model ({getattr(tokenizer, 'name_or_path', '') or 'its directory'}) has no chat template"
+        where = getattr(tokenizer, "name_or_path", "") or "its directory"
+        return f"the tokenizer of actor.model ({where}) has no chat template"
     return None
 
 

@@ -81,9 +81,8 @@ def compute_advantages_reference(
     *,
     kl_coef: float = 0.0,
     clip: float | None = None,
-    impl: str | None = None,
 ) -> torch.Tensor:
-    """Plain-torch contract of :func:`compute_advantages` (``impl`` ignored)."""
+    """Plain-torch contract of :func:`compute_advantages` (its arguments but ``impl``, which picks this)."""
     _check(rewards, baseline, mask, logprobs, ref_logprobs, kl_coef, clip)
     dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
     m = mask.to(dtype)  # [B, T]

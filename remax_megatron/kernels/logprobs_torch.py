@@ -59,7 +59,7 @@ class TorchBackend:
     def __init__(self, chunk_elems: int = DEFAULT_CHUNK_ELEMS):
         self.chunk_elems = chunk_elems
 
-    def with_chunk(self, chunk_elems: int) -> "TorchBackend":
+    def with_chunk(self, chunk_elems: int) -> TorchBackend:
         return TorchBackend(chunk_elems)
 
     def forward_stats(self, x, w, local_labels, scale, with_entropy):

@@ -190,7 +190,7 @@ class TritonBackend:
     def __init__(self, chunk_elems: int = _CHUNK_ELEMS):
         self.chunk_elems = chunk_elems
 
-    def with_chunk(self, chunk_elems: int) -> "TritonBackend":
+    def with_chunk(self, chunk_elems: int) -> TritonBackend:
         return TritonBackend(chunk_elems)
 
     @staticmethod

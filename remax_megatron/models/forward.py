@@ -3,7 +3,7 @@ reference log-probs, reward-model scores and parity checks."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -49,7 +49,7 @@ class RMSNorm(nn.RMSNorm):
     on one device, like the TE spec).
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype, device=param_device(config))
         self.weight.sequence_parallel = config.sequence_parallel
 
@@ -62,7 +62,7 @@ class HeadRMSNorm(RMSNorm):
     megatron's finalize_model_grads sums the weight's gradient over TP (config.qk_layernorm).
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
         super().__init__(config, hidden_size, eps=eps)
         self.weight.sequence_parallel = False
 
@@ -144,7 +144,7 @@ class HiddenStatesOutputLayer(tensor_parallel.ColumnParallelLinear):
     megatron's usual names; the log-prob kernel consumes that weight.
     """
 
-    def forward(self, input_, weight=None, runtime_gather_output=None):
+    def forward(self, input_, weight=None, runtime_gather_output=None):  # noqa: ARG002 - megatron passes both
         if self.sequence_parallel:
             # The fused kernel all-reduces the hidden-state gradient over TP itself,
             # so the backward here only splits (tensor_parallel_output_grad=False).
@@ -162,7 +162,7 @@ class ScalarHead(nn.Module):
         self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
         self.sequence_parallel, self.tp_group = sequence_parallel, tp_group
 
-    def forward(self, input_, weight=None, runtime_gather_output=None):
+    def forward(self, input_, weight=None, runtime_gather_output=None):  # noqa: ARG002 - megatron passes both
         if self.sequence_parallel:
             input_ = tensor_parallel.gather_from_sequence_parallel_region(input_, group=self.tp_group)
         return input_ @ self.weight.t(), None

@@ -199,7 +199,7 @@ def apply_lora(model, options: LoraOptions) -> list[str]:
     return adapted
 
 
-def _input_requires_grad(module, args, output):
+def _input_requires_grad(_module, _args, output):  # a forward hook
     if torch.is_grad_enabled() and not output.requires_grad:
         output.requires_grad_(True)
 

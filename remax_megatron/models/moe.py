@@ -287,7 +287,7 @@ def own_routes(model, batch: dict) -> torch.Tensor:
     b, s = batch["input_ids"].shape
     for router in routers(model):
         router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
-    forward_only(model, [{"input_ids": batch["input_ids"]}], lambda m, hidden, mb: None)
+    forward_only(model, [{"input_ids": batch["input_ids"]}], lambda _model, _hidden, _batch: None)
     device = next(model.parameters()).device  # the groups' device (NCCL)
     routes = torch.zeros((b, s, model.config.num_layers, model.config.moe_router_topk), dtype=torch.long, device=device)
     tp = sequence_multiple(model.tp_group.size(), model.config.sequence_parallel)  # sequence shards

@@ -83,7 +83,7 @@ class _CpuRNGStatesTracker:
             torch.set_rng_state(orig)
 
 
-def _cpu_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+def _cpu_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):  # noqa: ARG001 - megatron's signature
     required = 1
     for s in tensor_shape:
         required *= s
@@ -135,13 +135,13 @@ def install() -> None:
     from megatron.core.fusions import fused_softmax
 
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
-    mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    mp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    mp_random._get_cuda_rng_state = lambda *_args, **_kwargs: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *_args, **_kwargs: torch.set_rng_state(state)
     # RoPE, attention and p2p code place tensors on `torch.cuda.current_device()`.
     torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.synchronize = lambda *_a, **_k: None
     # megatron-core 0.19's start_grad_sync waits on the current stream for CUDA-graph events
-    torch.cuda.current_stream = lambda *a, **k: _CPU_STREAM
+    torch.cuda.current_stream = lambda *_a, **_k: _CPU_STREAM
 
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 

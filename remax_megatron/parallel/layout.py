@@ -82,7 +82,7 @@ class ParallelLayout:
         moe = f", ep({self.ep}) * etp({self.expert_tp})" if self.ep > 1 or self.expert_tp != self.tp else ""
         return f"tp({self.tp}) * pp({self.pp}) * dp({self.dp}) = world({self.world_size}){moe}"
 
-    def initialize(self, seed: int = 0, timeout_minutes: int = 30) -> "ProcessGroups":
+    def initialize(self, seed: int = 0, timeout_minutes: int = 30) -> ProcessGroups:
         """Initialise megatron's parallel_state and RNG trackers for this layout; return the groups."""
         from megatron.core import parallel_state
 
@@ -135,19 +135,11 @@ class ProcessGroups:
         return self.tp_size * self.pp_size
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
-    def pp_global_rank(self, stage: int) -> int:
-        """Global rank of pipeline stage `stage` in this rank's pipeline."""
-        return dist.get_global_rank(self.pp, stage)
-
     @classmethod
-    def current(cls) -> "ProcessGroups":
+    def current(cls) -> ProcessGroups:
         from megatron.core import parallel_state as ps
 
         return cls(

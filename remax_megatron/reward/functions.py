@@ -28,8 +28,8 @@ import importlib
 import inspect
 import math
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 # The contract, as errors, --help and the README state it.
 CONTRACT = (
@@ -80,7 +80,7 @@ def _normalize(text: str) -> str:
 
 
 @register("exact_match")
-def exact_match(prompts, responses, answer, **_):
+def exact_match(prompts, responses, answer, **_):  # noqa: ARG001 - the contract's (prompts, responses)
     """1.0 when the response equals the answer (whitespace-normalised), else 0.0."""
     return [float(_normalize(r) == _normalize(a)) for r, a in zip(responses, answer)]
 
@@ -100,7 +100,7 @@ def last_number(text: str) -> float | None:
 
 
 @register("numeric_match")
-def numeric_match(prompts, responses, answer, tolerance: float = 1e-6, **_):
+def numeric_match(prompts, responses, answer, tolerance: float = 1e-6, **_):  # noqa: ARG001 - the contract's (prompts, responses)
     """1.0 when the last number of the response equals the numeric answer within a relative tolerance."""
     out = []
     for r, a in zip(responses, answer):
@@ -111,14 +111,14 @@ def numeric_match(prompts, responses, answer, tolerance: float = 1e-6, **_):
 
 
 @register("format")
-def format_match(prompts, responses, pattern: str = r"^\s*-?\d+\s*$", **_):
+def format_match(prompts, responses, pattern: str = r"^\s*-?\d+\s*$", **_):  # noqa: ARG001 - the contract's (prompts, responses)
     """1.0 when the response matches the regex `reward.format_pattern` (re.search), else 0.0."""
     regex = re.compile(pattern)
     return [float(bool(regex.search(r))) for r in responses]
 
 
 @register("length_penalty")
-def length_penalty(prompts, responses, limit: int = 256, **_):
+def length_penalty(prompts, responses, limit: int = 256, **_):  # noqa: ARG001 - the contract's (prompts, responses)
     """-(chars over `reward.length_limit`) / limit, 0 within the limit."""
     return [-max(0, len(r) - limit) / limit for r in responses]
 
@@ -158,7 +158,7 @@ class RewardBatch:
     def __len__(self) -> int:
         return len(self.responses)
 
-    def item(self, i: int) -> "RewardBatch":
+    def item(self, i: int) -> RewardBatch:
         """The batch of response i alone (to name the response a function fails on)."""
 
         def one(v):

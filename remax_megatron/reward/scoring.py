@@ -9,7 +9,8 @@ run in worker processes, each call under reward.timeout_s (reward/workers.py).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -74,7 +75,7 @@ class RewardScorer:
         self,
         prompts: Sequence[ScoredPrompt],
         responses: list[list[tuple[list[int], str]]],
-        wait: Callable[[], ContextManager] = contextlib.nullcontext,
+        wait: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         response_columns: list[list[dict]] | None = None,
     ) -> tuple[list[list[float]], dict]:
         """responses[i] = [(token_ids, text), ...] for prompts[i] (samples then greedy) -> rewards, same shape.

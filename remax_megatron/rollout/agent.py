@@ -68,8 +68,8 @@ def check_env_reward(cfg, factory) -> None:
     """Without reward.functions or reward.model the environment's reward() is the reward: it must have one."""
     if not cfg.reward.functions and not cfg.reward.model and not callable(getattr(factory, "reward", None)):
         raise ValueError(
-            f"rollout.env={cfg.rollout.env or 'rollout.tools'!r} has no reward() method and no reward.functions or reward.model is "
-            "set: give the environment a reward() or configure a reward"
+            f"{f'rollout.env={cfg.rollout.env!r}' if cfg.rollout.env else 'rollout.tools'} has no reward() method and "
+            "no reward.functions or reward.model is set: give the environment a reward() or configure a reward"
         )
 
 

@@ -4,14 +4,14 @@
     <trainer.output_dir>/rollouts/eval_step_000010.jsonl   eval: the greedy response per held-out prompt
 
 One line per response: step, prompt_index (the prompt's row in its dataset), sample (0..n-1, or "greedy"),
-prompt (its chat messages, or its text without a chat template), response (decoded), completion_tokens, finish_reason ("stop" or
-"length"), reward, baseline (its prompt's greedy reward: the ReMax baseline) and advantage (reward - baseline,
-the sequence-level advantage before any per-token KL; 0 for the greedy response itself). With rollout.env a
-trajectory also has its messages (assistant turns and observations, in order), turns, generated_tokens,
-observation_tokens, finish (done, max_turns, max_total or env_error), turn_finishes (each turn's stop / length)
-and env_error (what ended it, or ""); response is then the whole transcript after the prompt. Every DP rank's
-responses in global prompt order; rank 0 writes, atomically (a file is whole or absent; a resumed run
-rewrites a step's file whole).
+prompt (its chat messages, or its text without a chat template), response (decoded), completion_tokens,
+finish_reason ("stop" or "length"), reward, baseline (its prompt's greedy reward: the ReMax baseline) and
+advantage (reward - baseline, the sequence-level advantage before any per-token KL; 0 for the greedy response
+itself). With rollout.env a trajectory also has its messages (assistant turns and observations, in order),
+turns, generated_tokens, observation_tokens, finish (done, max_turns, max_total or env_error), turn_finishes
+(each turn's stop / length) and env_error (what ended it, or ""); response is then the whole transcript after
+the prompt. Every DP rank's responses in global prompt order; rank 0 writes, atomically (a file is whole or
+absent; a resumed run rewrites a step's file whole).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ run draws exactly what the straight run drew.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch.distributed as dist
 
@@ -46,7 +46,7 @@ class Scored:
         ]
 
     @staticmethod
-    def of(items: list[tuple]) -> "Scored":
+    def of(items: list[tuple]) -> Scored:
         return Scored(
             [q for q, _, _, _ in items],
             [r for _, r, _, _ in items],

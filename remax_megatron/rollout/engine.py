@@ -40,8 +40,8 @@ stream; every row of a turn in ONE engine request, as `generate` does for the fi
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -102,7 +102,7 @@ class SamplingParams:
             raise ValueError(f"sampling stop_token_ids={self.stop_token_ids!r} must be token ids >= 0")
 
     @classmethod
-    def from_config(cls, rollout_cfg, seed: int | None = None) -> "SamplingParams":
+    def from_config(cls, rollout_cfg, seed: int | None = None) -> SamplingParams:
         """The sampling of `RolloutConfig` (temperature, top_p, top_k, max_new_tokens, stop, stop_token_ids,
         guided decoding)."""
         return cls(

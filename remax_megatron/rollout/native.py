@@ -115,7 +115,7 @@ class RouteRecorder:
         self.layers = len(routers)
 
     def _hook(self, layer: int):
-        def record(module, args, output):
+        def record(_module, _args, output):  # a forward hook
             self._last[layer] = output[2]  # [b * s, top_k]
 
         return record
@@ -181,7 +181,7 @@ class NativeEngine(RolloutEngine):
         hf_dir: str,
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
-        max_model_len: int | None = None,
+        max_model_len: int | None = None,  # noqa: ARG002 - the factory's keyword; the model's limit applies
         device: str | torch.device | None = None,
         routes: bool | None = None,
     ):
@@ -208,7 +208,7 @@ class NativeEngine(RolloutEngine):
         self._recorder = RouteRecorder(self.model, self.family) if self.routes else None
 
     @staticmethod
-    def check_config(cfg, arch, world_size: int) -> None:
+    def check_config(cfg, arch, world_size: int) -> None:  # noqa: ARG004 - the engine interface
         if cfg.tp != 1:
             raise ValueError(
                 f"rollout.tp={cfg.tp} needs rollout.engine=vllm: the native engine keeps one "

@@ -13,8 +13,8 @@ Every training rank calls `submit` with its own prompts (as with a local engine)
 training ranks are gathered to training rank 0, which sends ONE request over the bridge. The K rollout
 ranks split the request's prompts in contiguous shares (each rank of a rollout.tp engine its own, as
 under colocation), decode them, and rollout rank 0 sends every completion back to training rank 0 (point
-to point), which hands each training rank its own. Weight syncs stream the actor's export (the same buckets as a local sync)
-from training rank 0 to every rollout rank by broadcast, one flat tensor per bucket; each rollout rank
+to point), which hands each training rank its own. Weight syncs stream the actor's export (the same buckets as a
+local sync) from training rank 0 to every rollout rank by broadcast, one flat tensor per bucket; each rollout rank
 loads them into its engine in ONE update_weights call, as the colocated sync does.
 
 The bridge carries one conversation in order (parallel/split.py): a request in flight is received
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -193,7 +193,7 @@ class RemoteEngine(RolloutEngine):
             if self._send_buffer is None or self._send_buffer.numel() < total:
                 self._send_buffer = torch.empty(total, dtype=self.dtype, device=self.device)
             flat = self._send_buffer[:total]
-            for (name, shape, at), (_, tensor) in zip(header, bucket):
+            for (_, shape, at), (_, tensor) in zip(header, bucket):
                 flat[at : at + tensor.numel()].view(shape).copy_(tensor)
             self.bridge.send(("bucket", header, total, str(self.dtype)), 0)
             self.bridge.tensor(flat, 0)

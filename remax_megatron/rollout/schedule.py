@@ -18,7 +18,7 @@ objects (a test of the update alone builds no engine); `stage(name, times)` time
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 NO_SYNC = {"bytes": 0, "buckets": 0}
 
@@ -59,7 +59,7 @@ class SyncThenGenerate:
         times.setdefault("time/sync_s", 0.0)  # the last step of a run ahead has nothing to sync
         return prompts, rollouts, sync, version
 
-    def _generate_ahead(self, step: int, times: dict, sync: dict) -> dict:
+    def _generate_ahead(self, step: int, times: dict, sync: dict) -> dict:  # noqa: ARG002 - OneStepAhead overrides it
         return sync
 
     def sync(self, step: int) -> dict:

@@ -20,7 +20,7 @@ one bucket, or one tensor when a single tensor is larger).
 from __future__ import annotations
 
 import time
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 

@@ -31,8 +31,8 @@ the rollout weight sync, HF export and checkpoint conversion (save_hf_dir).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
 
 import torch
 import torch.distributed as dist

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from safetensors import safe_open

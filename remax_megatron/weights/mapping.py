@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -144,13 +144,6 @@ class WeightMapping:
 
     def stage_specs(self, stage: int) -> list[ParamSpec]:
         return [s for s in self.specs if s.stage == stage]
-
-    def stage_numel(self, stage: int) -> int:
-        """Parameters one rank of pipeline stage `stage` holds (vocab padding and replicas included; its
-        expert-parallel share of the experts)."""
-        return sum(
-            math.prod(self.shard_shape(s)) // (self.ep if s.expert is not None else 1) for s in self.stage_specs(stage)
-        )
 
     # ---- experts --------------------------------------------------------------------------
     def first_expert(self, ep_rank: int) -> int:

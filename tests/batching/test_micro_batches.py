@@ -1,8 +1,9 @@
 """batching/micro_batches.py: token-budget micro-batches, packed rows, the DP balance, the global normalisation.
 
 Pure python (no process group, but for the one all-to-all that moves rows between 3 gloo ranks): the plans,
-the row exchange keeping each sample with its prompt's greedy reward, the packed layout and its attention mask, and that summing per-micro-batch losses with GLOBAL
-counts gives the whole batch's loss whatever the grouping (with per-micro-batch counts it does not).
+the row exchange keeping each sample with its prompt's greedy reward, the packed layout and its attention mask,
+and that summing per-micro-batch losses with GLOBAL counts gives the whole batch's loss whatever the grouping
+(with per-micro-batch counts it does not).
 The updates themselves are compared in tests/train/test_update.py.
 """
 

@@ -57,7 +57,7 @@ def test_llama3_8b_tp2_matches_closed_form(config, capsys):
     code, est = _plan_json(capsys, "--config", config, "--nodes", "1", "--gpus-per-node", "8", "--gpu-mem-gib", "80")
     p = _llama3_8b_params()
     assert p == 8_030_261_248  # the published Llama-3-8B parameter count
-    tp, pp, dp = 2, 1, 4  # 8 GPUs / (tp 2 * pp 1)
+    tp, dp = 2, 4  # 8 GPUs / (tp 2 * pp 1)
     norms = 32 * 2 * 4096 + 4096  # RMSNorm weights: replicated over TP
     share = (p - norms) // tp + norms  # one rank's parameters (128256 is a multiple of 128 * 2)
     rows = {r["key"]: r for r in est["rows"]}

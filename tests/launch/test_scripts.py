@@ -56,7 +56,7 @@ def config(tmp_path):
 CLUSTER_TOOLS = ("scontrol", "srun", "sbatch", "squeue", "scancel", "nvidia-smi")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _path_without_cluster_tools() -> str:
     """$PATH with every directory that holds a cluster tool replaced by a directory of links to its other
     programs."""

@@ -125,7 +125,7 @@ def _init_body(rank, world, model_dir, out_path):
     # merge: random B, fp32 per-shard merge vs fp64
     worst = 0.0
     g = torch.Generator().manual_seed(3 + rank)
-    for name, m in lora_modules(lora).items():
+    for m in lora_modules(lora).values():
         with torch.no_grad():
             m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g))
         merged = m.merged_weight()
@@ -155,7 +155,7 @@ def _update_body(rank, world, model_dir, tp, pp, out_path, sp=False, recompute="
     assert all(not p.requires_grad for n, p in actor.named_parameters() if not is_adapter(n))
     stats = []
     batch = _batch()
-    for k in range(2):
+    for _ in range(2):
         local = _local_rows(trainer, batch)
         stats.append(trainer.updater.train_on(local, None, None).stats)
         batch["rewards"] = batch["rewards"].flip(0)  # another advantage for the second update

@@ -41,7 +41,7 @@ def _actor_greedy(actor, prompts, eos_ids, pad_id, multiple=1):
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s)
 
-        def head(m, hidden, batch):
+        def head(m, hidden, batch, lengths=lengths):  # this step's lengths (called at once, by forward_only)
             logits = m.full_logits(hidden)  # [B, S, V]
             return logits[torch.arange(len(seqs)), lengths - 1].argmax(-1)
 

@@ -85,12 +85,12 @@ def _body(rank, world, model_dir, tp, pp, variant, out_path):  # noqa: F811
         torch.save({"loss": update.stats["loss"], "gradient": gradient}, out_path)
 
 
-def reference(model_dir, mask_of=lambda row: row.loss_mask) -> tuple[float, dict]:
+def reference(model_path, mask_of=lambda row: row.loss_mask) -> tuple[float, dict]:
     """fp64, unsharded: the token-mean ReMax loss over the tokens `mask_of` marks, and its gradient."""
     from transformers import AutoModelForCausalLM
 
     prompts, rows, rewards = trajectories()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
     total, tokens = 0.0, sum(sum(mask_of(t)) for t in rows)
     for prompt, t, reward in zip(prompts, rows, rewards.double()):
         ids = torch.tensor([prompt + t.token_ids])

@@ -40,7 +40,7 @@ def _modes(tp, pp, dp):
     return LOSS_MODES if tp * pp * dp == 1 else LOSS_MODES[:1]
 
 
-def _body(rank, world, model_dir, tp, pp, out_path):
+def _body(rank, world, model_path, tp, pp, out_path):
     """Per variant, correction and engine (exact, or row SHIFTED_ROW moved by 0.5): one update's stats and
     is/* metrics, and the rollout policy's log-probs of the batch (to predict the moved loss)."""
     from remax_megatron.models.forward import broadcast_from_last_stage
@@ -60,7 +60,7 @@ def _body(rank, world, model_dir, tp, pp, out_path):
                     continue  # a ratio below 1 is not capped: token-tis truncates from above only
                 trainer, actor, _, _ = _trainer(
                     world,
-                    model_dir,
+                    model_path,
                     tp,
                     pp,
                     [

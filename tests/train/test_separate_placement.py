@@ -226,7 +226,7 @@ def test_a_killed_rank_ends_the_job_and_the_next_run_resumes(tmp_path, victim):
         timeout=600,
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert f"resumed from" in r.stdout and f"at step {saved}" in r.stdout, r.stdout[-3000:]
+    assert "resumed from" in r.stdout and f"at step {saved}" in r.stdout, r.stdout[-3000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         steps = [json.loads(line)["step"] for line in f]
     assert steps[-2:] == [saved + 1, saved + 2], steps

@@ -193,7 +193,7 @@ def test_advantage_is_reward_minus_greedy_reward_with_its_sign_and_zero_on_ties(
     steps = run["steps"]
     for step in steps:
         adv = step["advantages"]  # [prompts * N, S]
-        for b, (i, j, length) in enumerate(_rows(step)):
+        for b, (_, j, length) in enumerate(_rows(step)):
             tokens = adv[b][adv[b] != 0]
             if OFFSETS[j] == 0:  # a tie with the greedy reward: no signal at all
                 assert int((adv[b] != 0).sum()) == 0, (b, adv[b])
@@ -228,6 +228,42 @@ def test_the_engine_follows_the_actor_after_an_update(run):
 # ---- the reference model + KL (both modes) and several mini-batches, through the real step ------
 
 
+def _spied_step(parts, update_module, trainer_module) -> dict:
+    """One training step of a Trainer built from `parts`, recording every advantage-kernel call, every loss
+    call's inputs and the number of log-prob passes (the module's functions are restored after the step)."""
+    kernel, loss_fn = update_module.compute_advantages, update_module.remax_loss
+    seen = {"advantages": [], "loss": [], "logprob_passes": 0}
+
+    def spy_advantages(*args, **kwargs):
+        out = kernel(*args, **kwargs)
+        seen["advantages"].append(([a.clone() if torch.is_tensor(a) else a for a in args], dict(kwargs), out.clone()))
+        return out
+
+    def spy_loss(logprobs, advantages, mask, **kwargs):
+        seen["loss"].append(
+            {
+                k: (v.detach().clone() if torch.is_tensor(v) else v)
+                for k, v in kwargs.items()
+                if k in ("old_logprobs", "ref_logprobs", "kl_coef")
+            }
+            | {"logprobs": logprobs.detach().clone()}
+        )
+        return loss_fn(logprobs, advantages, mask, **kwargs)
+
+    update_module.compute_advantages, update_module.remax_loss = spy_advantages, spy_loss
+    trainer = trainer_module.Trainer(parts, logger=None)
+    logprobs = trainer.updater.logprobs
+
+    def counted(model, batch, plan):
+        seen["logprob_passes"] += 1
+        return logprobs(model, batch, plan)
+
+    trainer.updater.logprobs = counted
+    seen["record"] = trainer.train_step()
+    update_module.compute_advantages, update_module.remax_loss = kernel, loss_fn
+    return seen
+
+
 def _paths_body(rank, world, model_dir, ref_dir, out_dir, result_path):
     import remax_megatron.trainer as trainer_module
     import remax_megatron.update as update_module
@@ -255,43 +291,12 @@ def _paths_body(rank, world, model_dir, ref_dir, out_dir, result_path):
         "kl_loss": kl + ["algo.kl_mode=loss"],
         "mini_batches": ["trainer.mini_batches=2"],
     }
-    kernel, loss_fn, results = update_module.compute_advantages, update_module.remax_loss, {}
+    results = {}
     for name, extra in runs.items():
         cfg = load_config(None, common + extra + [f"trainer.output_dir={out_dir}/{name}"])
         parts = build(cfg, check_inputs(cfg, world))
         parts.scorer = SpyScorer()
-        seen = {"advantages": [], "loss": [], "logprob_passes": 0}
-
-        def spy_advantages(*args, **kwargs):
-            out = kernel(*args, **kwargs)
-            seen["advantages"].append(
-                ([a.clone() if torch.is_tensor(a) else a for a in args], dict(kwargs), out.clone())
-            )
-            return out
-
-        def spy_loss(logprobs, advantages, mask, **kwargs):
-            seen["loss"].append(
-                {
-                    k: (v.detach().clone() if torch.is_tensor(v) else v)
-                    for k, v in kwargs.items()
-                    if k in ("old_logprobs", "ref_logprobs", "kl_coef")
-                }
-                | {"logprobs": logprobs.detach().clone()}
-            )
-            return loss_fn(logprobs, advantages, mask, **kwargs)
-
-        update_module.compute_advantages, update_module.remax_loss = spy_advantages, spy_loss
-        trainer = trainer_module.Trainer(parts, logger=None)
-        logprobs = trainer.updater.logprobs
-
-        def counted(model, batch, plan):
-            seen["logprob_passes"] += 1
-            return logprobs(model, batch, plan)
-
-        trainer.updater.logprobs = counted
-        seen["record"] = trainer.train_step()
-        results[name] = seen
-        update_module.compute_advantages, update_module.remax_loss = kernel, loss_fn
+        results[name] = _spied_step(parts, update_module, trainer_module)
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()

@@ -395,7 +395,7 @@ def _recompute_body(rank, world, model_dir, out_path):
         )
         calls = {"layer": 0, "core_attention": 0}
 
-        def count(key):
+        def count(calls, key):
             def hook(module, args, output):
                 calls[key] += 1
 
@@ -403,8 +403,8 @@ def _recompute_body(rank, world, model_dir, out_path):
 
         for module in actor.modules():
             if isinstance(module, TransformerLayer):
-                module.register_forward_hook(count("layer"))
-                module.self_attention.core_attention.register_forward_hook(count("core_attention"))
+                module.register_forward_hook(count(calls, "layer"))
+                module.self_attention.core_attention.register_forward_hook(count(calls, "core_attention"))
         trainer.updater.train_on(_batch(), None, None)
         counts[str(recompute)] = dict(calls)
     torch.save(counts, out_path)
@@ -699,7 +699,7 @@ def test_token_budget_and_packed_updates_equal_the_padded_update(launched):
     and dp2 (rows balanced over DP by tokens), in every loss mode: loss, grad norm and weights within 1e-6
     (fp32). The forward computes fewer tokens than the padded one."""
     base = launched("budget-111")
-    for tp, pp, dp, sp in BUDGET_LAYOUTS:
+    for tp, pp, dp, _sp in BUDGET_LAYOUTS:
         runs = launched(f"budget-{tp}{pp}{dp}")
         for mode in LOSS_AGG:
             ref = base[mode, "fixed"]

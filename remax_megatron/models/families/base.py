@@ -110,7 +110,7 @@ class Family:
         return {}
 
     # ---- weights ------------------------------------------------------------------------
-    def layer_rules(self, arch: ModelArch, layer: int) -> list[TensorRule]:
+    def layer_rules(self, arch: ModelArch, layer: int) -> list[TensorRule]:  # noqa: ARG002 - a family may vary by layer
         """The parameters of decoder layer `layer`, in HF order."""
         return attention_rules(arch, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_layernorm) + dense_mlp_rules(arch)
 

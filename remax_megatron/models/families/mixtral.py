@@ -46,7 +46,7 @@ class Mixtral(Family):
             "moe_pre_softmax": False,
         }
 
-    def layer_rules(self, arch, layer):
+    def layer_rules(self, arch, layer):  # noqa: ARG002 - Family.layer_rules' signature
         return attention_rules(arch, qkv_bias=False, qk_norm=False) + moe_mlp_rules(arch, self.moe)
 
     def tiny_config(self, common: dict, head_dim: int | None = None, experts: int = 4, top_k: int = 2, **options):

@@ -8,7 +8,7 @@ class Qwen2(Family):
     architectures = {"Qwen2ForCausalLM": CAUSAL_LM, "Qwen2ForSequenceClassification": REWARD}
     hf_config_class = "Qwen2Config"
 
-    def features(self, cfg, path: str) -> dict:
+    def features(self, cfg, path: str) -> dict:  # noqa: ARG002 - Family.features' signature
         # attention_bias is not a Qwen2 setting: its q/k/v always carry biases.
         return {"qkv_bias": True, "sliding_window": sliding_window_of(cfg)}
 

@@ -51,7 +51,7 @@ class Qwen3Moe(Family):
             "moe_pre_softmax": not cfg.norm_topk_prob,
         }
 
-    def layer_rules(self, arch, layer):
+    def layer_rules(self, arch, layer):  # noqa: ARG002 - Family.layer_rules' signature
         return attention_rules(arch, qkv_bias=False, qk_norm=True) + moe_mlp_rules(arch, self.moe)
 
     def tiny_config(
