@@ -23,8 +23,20 @@ LAYERS = [
     {"algo", "kernels", "flops", "health", "memory"},
     # models: HF config -> megatron, families, builders; their weights (mapping, load, export)
     {"models", "weights"},
-    # the components of a step and of a run
-    {"builtin", "batching", "rollout", "reward", "data", "checkpoint", "optimizer", "metrics", "resume", "run_lock"},
+    # the components of a step and of a run (agent: tools and the sandbox that multi-turn rollouts call)
+    {
+        "builtin",
+        "batching",
+        "rollout",
+        "agent",
+        "reward",
+        "data",
+        "checkpoint",
+        "optimizer",
+        "metrics",
+        "resume",
+        "run_lock",
+    },
     # top: the trainer and its parts, start-up, the entry points (train, launch, plan) and process control
     {
         "trainer",
