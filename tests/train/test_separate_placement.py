@@ -9,8 +9,9 @@
   change) while the engine agrees with the version that generated it to 1e-5 (engine_vs_behaviour)
 - a stopped and resumed run: nothing drawn ahead is lost or trained twice (the data position of every step
   equals the uninterrupted run's); with staleness 0 the resumed steps equal the uninterrupted run's
-- killing a rollout rank or a training rank mid-run ends the whole job (no hang, nothing left), and the next
-  run resumes from the last checkpoint; SIGTERM saves the last step and stops the rollout ranks too (exit 0)
+- killing a rollout rank, then a training rank of the run that resumed, ends the whole job each time (no hang,
+  nothing left), and the next run resumes from the last checkpoint; SIGTERM saves the last step and stops the
+  rollout ranks too (exit 0)
 """
 
 import json
@@ -203,20 +204,39 @@ def test_a_stop_signal_saves_and_stops_the_rollout_ranks(tmp_path):
     assert _session(proc.pid) == [] and _workers(proc.pid) == []
 
 
+def _steps(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line)["step"] for line in f]
+
+
+def _latest(out):
+    return int(open(os.path.join(out, "checkpoints", "latest")).read().strip().split("_")[-1])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", [2, 1], ids=["rollout-rank", "training-rank"])
-def test_a_killed_rank_ends_the_job_and_the_next_run_resumes(tmp_path, victim):
+def test_a_killed_rank_ends_the_job_and_the_next_run_resumes(tmp_path):
+    """A rollout rank killed, then a training rank killed in the run that resumed from it, then a run that
+    resumes from that one: three launches where a job per victim took four. Each kill ends the whole job
+    (no hang, nothing left) and the next run resumes from the last checkpoint."""
     out = str(tmp_path / "run")
     cmd = _job_command(out, "checkpoint.save_every=2")
-    with _job([*cmd, "trainer.steps=400"]) as proc:
-        _wait_for_steps(proc, out, steps=3)
-        os.kill(_rank_pid(proc.pid, victim), signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=300)  # no hang: the launcher ends the other ranks
-    assert proc.returncode != 0, stderr[-3000:]
-    assert "died from SIGKILL" in stderr.splitlines()[-1], stderr[-3000:]
-    assert _session(proc.pid) == [] and _workers(proc.pid) == []
-    saved = int(open(os.path.join(out, "checkpoints", "latest")).read().strip().split("_")[-1])
-    assert saved >= 2
+    saved = last = 0
+    for victim in (2, 1):  # the rollout rank, then a training rank
+        with _job([*cmd, "trainer.steps=400"]) as proc:
+            # 3 steps past where this job started, and past every row of the job before it (the first record of a
+            # resumed run moves that job's rows after the checkpoint to metrics.superseded.jsonl)
+            _wait_for_steps(proc, out, steps=max(saved + 3, last + 1))
+            os.kill(_rank_pid(proc.pid, victim), signal.SIGKILL)
+            stdout, stderr = proc.communicate(timeout=300)  # no hang: the launcher ends the other ranks
+        assert proc.returncode != 0, stderr[-3000:]
+        assert "died from SIGKILL" in stderr.splitlines()[-1], stderr[-3000:]
+        assert _session(proc.pid) == [] and _workers(proc.pid) == []
+        steps = _steps(out)
+        if saved:  # the next run after the killed rollout rank: it resumed from the last checkpoint
+            assert "resumed from" in stdout and f"at step {saved}" in stdout, stdout[-3000:]
+            assert steps == list(range(1, len(steps) + 1)), steps
+        previous, saved, last = saved, _latest(out), steps[-1]
+        assert saved >= previous + 2, (previous, saved, steps)  # the killed job saved a checkpoint of its own
     r = subprocess.run(
         [*cmd, f"trainer.steps={saved + 2}"],
         cwd=ROOT,
@@ -227,6 +247,4 @@ def test_a_killed_rank_ends_the_job_and_the_next_run_resumes(tmp_path, victim):
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "resumed from" in r.stdout and f"at step {saved}" in r.stdout, r.stdout[-3000:]
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        steps = [json.loads(line)["step"] for line in f]
-    assert steps[-2:] == [saved + 1, saved + 2], steps
+    assert _steps(out)[-2:] == [saved + 1, saved + 2], _steps(out)
