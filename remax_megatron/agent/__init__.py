@@ -1,0 +1,1 @@
+"""agent: tools and the sandbox for model-written code."""
