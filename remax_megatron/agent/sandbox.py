@@ -18,11 +18,15 @@ the init of the new PID namespace; the init's child drops its privileges, sets i
 - As root (checked here): new mount, network, PID, IPC and UTS namespaces (unshare(2) through ctypes). Mounts are
   made private (nothing propagates to the host), every mount is bind-remounted read-only, /tmp and /var/tmp become
   empty read-only tmpfs, the code's directory a tmpfs of WORKSPACE_MB (/tmp/remax-sandbox-*; the host directory of
-  that name stays empty), /dev/shm a private SHM_MB tmpfs, and /proc shows the namespace's processes only. The code
+  that name stays empty), /dev holds null, zero, full, random and urandom only (no GPU: its 0666 nodes would let
+  the code take GPU memory) and a private SHM_MB /dev/shm, /proc shows the namespace's processes only, and a
+  directory closed to others above the interpreter (/root for pyenv's) becomes an empty read-only tmpfs with the
+  interpreter's installation bound back in at its own path (its libpython is found by that path). The code
   runs as a uid of its own, UID_BASE + the launcher's pid (unique among live processes; 65534 nobody/nogroup where
   that uid does not exist, e.g. in a container's user namespace), no supplementary groups, no_new_privs: it cannot
   signal this process (other uid, and not in its PID namespace), RLIMIT_NPROC counts its processes only (threads
-  included), and it writes nowhere but its directory and /dev/shm (both gone when it ends). The network namespace
+  included), it writes nowhere but its directory and /dev/shm (both gone when it ends), and it gets a new session
+  keyring (not the caller's keys; best effort: keyctl may be blocked by seccomp). The network namespace
   has only a loopback that is down: no connection to this machine (127.0.0.1, abstract sockets) or any other.
 - Not root, where user namespaces are allowed (checked here as nobody): the same namespaces inside a new user
   namespace that maps only the caller's uid, so the code runs as the CALLER'S uid, without capabilities (dropped
@@ -45,8 +49,8 @@ NOT protected: kernel exploits and anything seccomp would block (every system ca
 world-readable files (/etc, the project's source, models and data on shared disks unless their permissions say
 otherwise); CPU and memory-bandwidth contention with the trainer (no cgroup: the code may take a core for wall_s;
 RLIMIT_AS bounds one process's address space, not max_processes x memory_mb, and tmpfs pages up to WORKSPACE_MB +
-SHM_MB count against the machine's memory, not the code's); the GPU devices' files are readable per their
-permissions; timing and side channels. A filesystem Unix socket the uid may open (a root-only docker.sock is not)
+SHM_MB count against the machine's memory, not the code's); without namespaces, /dev as it is (GPUs included);
+timing and side channels. A filesystem Unix socket the uid may open (a root-only docker.sock is not)
 is reachable: network namespaces do not cover them.
 """
 

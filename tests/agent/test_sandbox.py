@@ -40,14 +40,14 @@ def caller(tmp_path, monkeypatch):
     environ, listing = _environ(), sorted(os.listdir(ROOT))
     assert not [p for p in ESCAPES if os.path.exists(p)], "a previous run left an escape file"
     yield {"sentinel": str(sentinel), "pid": os.getpid(), "pgid": os.getpgid(0)}
+    found = [p for p in ESCAPES if os.path.exists(p)]
+    for path in found:  # first: the next test must not find them
+        os.remove(path)
+    assert not found, f"the sandbox wrote {found}"
     assert sentinel.read_text() == "untouched"
     assert _environ() == environ
     assert sorted(os.listdir(ROOT)) == listing
     assert os.listdir(temp) == [], "the sandbox's directory was not removed"
-    found = [p for p in ESCAPES if os.path.exists(p)]
-    for path in found:
-        os.remove(path)
-    assert not found, f"the sandbox wrote {found}"
     assert psutil.Process().children(recursive=True) == []
     assert _left_behind() == []
 
@@ -125,10 +125,16 @@ HOSTILE = {
     "endless-loop": ("while True: pass", ("killed: CPU time limit 2 s", "timed out after 3 s")),  # a busy machine
     "sleeps": ("import time; time.sleep(600)", ("timed out after 3 s",)),
     "50gb": ("b = bytearray(50 * 2**30)", ("exited with code 1 (memory limit 256 MB)",)),
+    # The kernel refuses 50 GB itself (overcommit heuristic); 1 GB only RLIMIT_AS refuses.
+    "1gb": ("b = bytearray(2**30)\nprint('allocated')", ("exited with code 1 (memory limit 256 MB)",)),
     "gigabyte-print": ("for _ in range(1024): print('x' * 2**20)", ("output truncated at 4096 bytes",)),
     "100mb-file": ("open('big', 'wb').write(b'x' * 100 * 2**20)", ("exited with code 1",)),
     "escape-parent-dir": ("open('../escape.txt', 'w').write('x')", ("exited with code 1",)),
     "escape-tmp": ("open('/tmp/remax_sandbox_escape', 'w').write('x')", ("exited with code 1",)),
+    "escape-by-umount": (  # as root in its mount namespace it could: the uid drop is what stops it
+        "import ctypes\nctypes.CDLL(None).umount2(b'/tmp', 2)\nopen('/tmp/remax_sandbox_escape', 'w').write('x')",
+        ("exited with code 1",),
+    ),
     "escape-repo": (f"open({os.path.join(ROOT, 'escape.txt')!r}, 'w').write('x')", ("exited with code 1",)),
     "escape-home": (f"open({os.path.expanduser('~/remax_sandbox_escape')!r}, 'w')", ("exited with code 1",)),
     "sentinel": ("open(SENTINEL, 'w').write('overwritten')", ("exited with code 1",)),
