@@ -43,7 +43,8 @@ whose parent died is still its descendant; at the deadline every descendant is S
 until none is left; in a PID namespace killing its init kills them all), RLIMIT_CPU (SIGXCPU, then SIGKILL a
 second later), RLIMIT_AS (memory_mb: allocations past it raise MemoryError), RLIMIT_FSIZE (WORKSPACE_MB),
 RLIMIT_NPROC, RLIMIT_NOFILE, no core dumps. Every process dies with this one (PR_SET_PDEATHSIG at each level,
-set after the uid change, which clears it) and the temporary directory is removed.
+set after the uid change, which clears it) and the temporary directory is removed (unless this process is
+SIGKILLed: its clean-up never runs, so the directory with main.py in it stays; no process does).
 
 NOT protected: kernel exploits and anything seccomp would block (every system call is allowed); reading
 world-readable files (/etc, the project's source, models and data on shared disks unless their permissions say

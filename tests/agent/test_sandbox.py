@@ -3,6 +3,7 @@ limits and leaves this process's files, environment and processes as they were; 
 exactly; run_python never raises. Small limits: the file takes ~25 s on 2 shared cores."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -252,7 +253,9 @@ def test_the_sandbox_dies_with_its_caller(caller):
         "from remax_megatron.agent.sandbox import run_python\n"
         "run_python('import os, time\\nos.fork()\\nprint(\"started\", flush=True)\\ntime.sleep(600)', wall_s=60)"
     )
-    child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    temp = os.path.join(tempfile.gettempdir(), "caller")  # the fixture's: checked empty after the test
+    os.mkdir(temp)
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=dict(os.environ, TMPDIR=temp))
     deadline = time.monotonic() + 10
     while len(sandboxed := psutil.Process(child.pid).children(recursive=True)) < 4:  # launcher, init, code, fork
         assert time.monotonic() < deadline, "the sandbox did not start"
@@ -263,6 +266,10 @@ def test_the_sandbox_dies_with_its_caller(caller):
     while alive := [p for p in sandboxed if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
         assert time.monotonic() < deadline, f"still running: {alive}"
         time.sleep(0.05)
+    # What a caller killed by SIGKILL leaves: its temporary directory, with the code in it (its finally never ran).
+    (left,) = os.listdir(temp)
+    assert os.listdir(os.path.join(temp, left)) == ["main.py"]
+    shutil.rmtree(temp)
 
 
 def _interpreter_open_to_all() -> str | None:
