@@ -166,7 +166,10 @@ def test_hostile_code_is_stopped_and_leaves_nothing(caller, name):
 
 def test_the_rlimits_are_set(caller):
     """Exactly (the behaviour is checked above, but a machine under load may reach wall_s first)."""
-    code = "import resource as r\nfor n in 'CPU AS FSIZE NPROC CORE NOFILE'.split(): print(n, r.getrlimit(getattr(r, 'RLIMIT_' + n)))"
+    code = (
+        "import resource as r\n"
+        "for n in 'CPU AS FSIZE NPROC CORE NOFILE'.split(): print(n, r.getrlimit(getattr(r, 'RLIMIT_' + n)))"
+    )
     text, _ = _timed(code, cpu_s=1.5, memory_mb=200, max_processes=7)
     mb = 2**20
     assert _body(text).splitlines() == [
@@ -237,7 +240,10 @@ def test_the_code_cannot_kill_the_caller(caller, code):
 
 def test_concurrent_runs_do_not_share_limits(caller):
     """Each run as root has a uid of its own: four runs at once each fork up to their own max_processes."""
-    code = "import os, time\nfor _ in range(5):\n    if os.fork() == 0:\n        time.sleep(1)\n        os._exit(0)\nprint('ok')"
+    code = (
+        "import os, time\nfor _ in range(5):\n    if os.fork() == 0:\n        time.sleep(1)\n        os._exit(0)\n"
+        "print('ok')"
+    )
     texts = []
     threads = [threading.Thread(target=lambda: texts.append(_timed(code, max_processes=8)[0])) for _ in range(4)]
     for t in threads:
