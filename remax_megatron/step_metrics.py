@@ -297,8 +297,10 @@ def swap_data(params: list, tensors: list) -> None:
 
 def agent_metrics(rollouts, env_seconds: float, reduce: DpReduce, prefix: str = "") -> dict:
     """agent/turns_mean, agent/observation_tokens_mean, agent/env_errors, agent/finish_<reason>_frac over every
-    DP rank's trajectories (sampled and greedy), and time/env_s (the slowest rank's); `prefix` "eval/" for eval."""
-    total = reduce.totals(trajectory_stats(rollouts))
+    DP rank's trajectories (sampled and greedy), agent/tool_calls_mean and agent/tool_errors, time/env_s (the
+    slowest rank's) and time/tools_s (the largest replica's tool time, summed over its calls); `prefix` "eval/"
+    for eval."""
+    total = reduce.totals(trajectory_stats(rollouts), maximum=("tool_seconds",))
     count = max(total["count"], 1.0)
     out = {
         f"{prefix}agent/turns_mean": total["turns"] / count,
@@ -310,4 +312,5 @@ def agent_metrics(rollouts, env_seconds: float, reduce: DpReduce, prefix: str = 
     }
     seconds = all_reduce_cpu(torch.tensor(env_seconds, dtype=torch.float64), op=dist.ReduceOp.MAX)
     out[f"time/{prefix}env_s"] = float(seconds)
+    out[f"time/{prefix}tools_s"] = total["tool_seconds"]
     return out

@@ -88,6 +88,7 @@ class Trajectory(Completion):
     error: str = ""  # what ended it with env_error
     tool_calls: int = 0  # rollout.tools: calls the model made, and those that gave it an error text
     tool_errors: int = 0
+    tool_seconds: float = 0.0  # time in its tool calls (a turn's calls run side by side: summed per call)
 
     def __getstate__(self) -> dict:
         """Gathered over the model-parallel group: the environment travels only when reward functions need it
@@ -177,6 +178,7 @@ class _Running:
         t = self.t
         t.token_ids, t.logprobs, t.loss_mask, t.env = self.ids, self.logprobs, self.mask, self.env
         t.tool_calls, t.tool_errors = getattr(self.env, "tool_calls", 0), getattr(self.env, "tool_errors", 0)
+        t.tool_seconds = getattr(self.env, "tool_seconds", 0.0)
         t.observation_tokens = len(self.mask) - sum(self.mask)
         # a trajectory cut by a bound reads as cut (trainer.mask_truncated): its last turn ran out, or its total
         t.finish_reason = "length" if t.finish == "max_total" or t.turn_finishes[-1:] == ["length"] else "stop"
@@ -356,9 +358,10 @@ def _anyone(flag: bool) -> bool:
 
 
 def trajectory_stats(rollouts: list) -> dict[str, float]:
-    """Sums over this rank's trajectories (sampled and greedy): count, turns, observation tokens, env errors
-    and each finish (step_metrics turns them into agent/* means over every DP rank)."""
+    """Sums over this rank's trajectories (sampled and greedy): count, turns, observation tokens, tool calls,
+    errors and seconds, and each finish (step_metrics turns them into agent/* means over every DP rank)."""
     out = {"count": 0.0, "turns": 0.0, "observation_tokens": 0.0, "tool_calls": 0.0, "tool_errors": 0.0}
+    out["tool_seconds"] = 0.0
     out.update({f: 0.0 for f in FINISHES})
     for r in rollouts:
         for t in r.sampled + [r.greedy]:
@@ -368,6 +371,7 @@ def trajectory_stats(rollouts: list) -> dict[str, float]:
                 out["observation_tokens"] += t.observation_tokens
                 out["tool_calls"] += t.tool_calls
                 out["tool_errors"] += t.tool_errors
+                out["tool_seconds"] += t.tool_seconds
                 out[t.finish] += 1
     return out
 

@@ -70,4 +70,5 @@ def test_a_tool_call_runs_and_the_answer_ends_the_trajectory(tiny_llama):
     assert "not valid JSON" in greedy.messages[1]["content"] and (greedy.tool_calls, greedy.tool_errors) == (1, 1)
     stats = trajectory_stats([rollout])
     assert stats["tool_calls"] == 3 and stats["tool_errors"] == 1 and stats["done"] == 3
+    assert stats["tool_seconds"] > 0  # time/tools_s: the calculator's calls, timed
     json.dumps(greedy.messages)  # the dump writes them as they are

@@ -30,7 +30,7 @@ def _assert_multi_turn(steps):
     for r in steps:
         assert r["agent/turns_mean"] > 1 and r["agent/observation_tokens_mean"] > 0, r
         finishes = sum(r[f"agent/finish_{f}_frac"] for f in ("done", "max_turns", "max_total", "env_error"))
-        assert abs(finishes - 1.0) < 1e-9 and "time/env_s" in r
+        assert abs(finishes - 1.0) < 1e-9 and "time/env_s" in r and r["time/tools_s"] == 0.0  # no tools
 
 
 @pytest.mark.slow
