@@ -144,6 +144,18 @@ class ChatDelta:
         return self.tokenizer.encode(closing + full[len(self.base) :], add_special_tokens=False)
 
 
+def _bad_observation(observation) -> str:
+    """What is wrong with step()'s message(s) ("" when nothing): None, a string, or {role, content} dicts."""
+    if observation is None or isinstance(observation, str):
+        return ""
+    if isinstance(observation, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)
+        for m in observation
+    ):
+        return ""
+    return f"step() returned {observation!r:.200} as its message(s): give a string, None or {{role, content}} dicts"
+
+
 def _as_messages(messages: str | list[dict]) -> list[dict]:
     return [{"role": "user", "content": messages}] if isinstance(messages, str) else list(messages)
 
@@ -290,7 +302,9 @@ class AgentDispatch(RolloutDispatch):
         results = self._call_each([lambda r=r, x=x: r.env.step(x) for r, x in zip(rows, texts)])
         for r, c, (ok, result) in zip(rows, completions, results):
             if ok and not (isinstance(result, tuple) and len(result) == 2):
-                ok, result = False, f"step() returned {result!r}: return (next message(s) or None, done)"
+                ok, result = False, f"step() returned {result!r:.200}: return (next message(s) or None, done)"
+            elif ok and _bad_observation(result[0]):
+                ok, result = False, _bad_observation(result[0])
             if not ok:
                 r.end("env_error", result)
                 continue
@@ -302,7 +316,11 @@ class AgentDispatch(RolloutDispatch):
             elif r.t.turns >= cfg.max_turns:
                 r.end("max_turns")
             elif observation is not None:
-                delta = self.chat.observation(observation, list(c.token_ids), c.finish_reason == "stop")
+                try:
+                    delta = self.chat.observation(observation, list(c.token_ids), c.finish_reason == "stop")
+                except Exception as e:  # noqa: BLE001 - what the environment said, the template cannot render
+                    r.end("env_error", f"the chat template cannot render step()'s message(s): {type(e).__name__}: {e}")
+                    continue
                 if r.length + len(delta) + 1 > cfg.max_total_tokens:  # no room for it and one generated token
                     r.end("max_total")
                 else:

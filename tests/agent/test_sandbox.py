@@ -20,7 +20,9 @@ from remax_megatron.agent.sandbox import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIMITS = {"wall_s": 3.0, "cpu_s": 2.0, "memory_mb": 256, "max_processes": 16, "output_bytes": 4096}
-MARGIN_S = 1.5  # past wall_s: killing what is left, reaping, removing the directory
+# A hang guard, not a timing claim (timings belong in tools/bench_*.py): a call that returns this long after
+# wall_s did not enforce it. Measured here: every hostile snippet returned within wall_s + 0.5 s.
+MARGIN_S = 15.0
 SECRET = "remax-sandbox-secret-7f3a91"
 ESCAPES = ["/tmp/remax_sandbox_escape", "/tmp/escape.txt", os.path.join(ROOT, "escape.txt")]
 AS_ROOT = os.geteuid() == 0
@@ -154,6 +156,13 @@ HOSTILE = {
 }
 
 
+def test_endless_output_is_stopped_at_the_cap_not_at_the_wall_limit(caller):
+    """The program is stopped once its output passes output_bytes: an endless print reports the cap, where a
+    pool that only truncated what it read would let it run into wall_s ("timed out")."""
+    text, _ = _timed("while True: print('x' * 2**16)", wall_s=30.0)
+    assert _body(text).startswith("output truncated at 4096 bytes"), _body(text)[:200]
+
+
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_code_is_stopped_and_leaves_nothing(caller, name):
     code, statuses = HOSTILE[name]
@@ -162,7 +171,7 @@ def test_hostile_code_is_stopped_and_leaves_nothing(caller, name):
     assert body.startswith(statuses), body[:600]
     print(f"{name}: {seconds:.2f} s: {body[:120]!r}")
     if name == "gigabyte-print":
-        assert len(body) < 4096 + 100 and seconds < 2.0, (len(body), seconds)
+        assert len(body) < 4096 + 100, len(body)
     if name in ("50gb", "quiet-fork-bomb", "endless-loop"):
         assert "Traceback" in body or len(body) < 300
 

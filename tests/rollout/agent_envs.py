@@ -76,3 +76,15 @@ class NotAnEnv:
 def turns_reward(prompts, responses, env=None, **_):
     """A reward function that reads each trajectory's environment (rollout.env without reward()): its turns."""
     return [float(e.count) for e in env]
+
+
+class BadReplyEnv(CounterEnv):
+    """Replies with something that is not a message on odd answers, a role the template cannot render on 8."""
+
+    def step(self, text):
+        _, done = super().step(text)
+        if self.answer is not None and int(self.answer) % 2:
+            return [1, 2, {"content": None}], done
+        if str(self.answer) == "8":
+            return [{"role": "tool", "content": "x" * 10}], done
+        return " ok ", done

@@ -156,7 +156,6 @@ def test_an_environment_that_raises_or_hangs_ends_only_its_trajectory(engine, to
     assert "tool crashed" in rollouts[0].greedy.error and "timed out" in rollouts[1].greedy.error
     assert [t.turns for r in rollouts for t in r.sampled + [r.greedy]] == [2, 2, 2, 2, 3, 3]
     assert rollouts[0].greedy.env_reward == 0.0  # reward() still scores what it saw
-    assert dispatch.env_seconds >= 1.0
 
 
 def test_the_bounds_end_trajectories_as_named(engine, tokenizer):
@@ -271,3 +270,30 @@ def test_reward_functions_receive_each_trajectorys_environment(engine, tokenizer
     scorer = RewardScorer(RewardFunctions([f"{ENVS}:turns_reward"], [1.0], {}))
     scores, _ = scorer.score(prompts, responses, response_columns=env_columns(rollouts))
     assert scores == [[2.0] * 3, [2.0] * 3]
+
+
+def test_an_environment_reply_that_is_not_a_message_ends_only_its_trajectory(engine, tokenizer):
+    """What an environment says is hostile input too: a non-message reply, or one the chat template raises on,
+    is an env_error of that trajectory; the others run on."""
+    tokenizer = _Strict(tokenizer)
+    dispatch = _dispatch(engine, tokenizer, "BadReplyEnv")
+    rollouts = dispatch.generate(_prompts(tokenizer.base, answers=(3, 8, 2)), 1, step=0)
+    (bad, unrenderable, fine) = ([t for t in r.sampled + [r.greedy]] for r in rollouts)
+    assert all(t.finish == "env_error" and "as its message(s)" in t.error for t in bad)
+    assert all(t.finish == "env_error" and "cannot render" in t.error for t in unrenderable)
+    assert all(t.finish == "done" and t.turns == 3 for t in fine)
+
+
+class _Strict:
+    """The tiny tokenizer with a template that raises on a role it does not know (as strict templates do)."""
+
+    def __init__(self, base):
+        self.base, self.chat_template = base, "strict"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        if any(m["role"] not in ("user", "assistant", "system") for m in messages):
+            raise ValueError("roles must alternate user/assistant")
+        return self.base.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=add_generation_prompt)
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
