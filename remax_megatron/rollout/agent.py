@@ -113,9 +113,8 @@ class ChatDelta:
         self.tokenizer = tokenizer
         self.templated = templated and getattr(tokenizer, "chat_template", None) is not None
         if self.templated:
-            head = self._render(self.PROBE[:1], True)
             self.base = self._render(self.PROBE, False)
-            start = self.base.find("PROBE_A", len(head) - len("PROBE_A") if len(head) > 7 else 0)
+            start = self.base.rfind("PROBE_A")
             if start < 0:
                 raise ValueError("the chat template does not render an assistant turn's content as it is")
             self.closing = self.base[start + len("PROBE_A") :]  # e.g. "<|im_end|>\n"
@@ -217,23 +216,18 @@ class AgentDispatch(RolloutDispatch):
         first = first_index + groups.dp_rank * len(prompts) + lo  # this share's first prompt in the step
         return self._run(prompts[lo:hi], n, step, first)
 
-    def collect(self, ticket) -> list:
-        rollouts = ticket
-        self.engine.sleep()
-        self.decoded_tokens = self.engine.decoded_tokens - self._decoded_seen
-        self._decoded_seen = self.engine.decoded_tokens
-        if self.groups.mp_size > 1:
-            shares: list = [None] * self.groups.mp_size
-            try:
-                dist.all_gather_object(shares, rollouts, group=self.groups.mp)
-            except (TypeError, AttributeError, pickle.PicklingError) as e:
-                raise ValueError(
-                    f"rollout.env={self.rollout_cfg.env!r}: its environments cannot be pickled ({e}); without a "
-                    "reward() of their own they go to the reward functions on every model-parallel rank: make "
-                    "them picklable or give them reward()"
-                ) from None
-            rollouts = [r for share in shares for r in share]
-        return rollouts
+    def _local(self, ticket) -> list:
+        return ticket  # submit ran the trajectories
+
+    def _gather(self, rollouts: list) -> list:
+        try:
+            return super()._gather(rollouts)
+        except (TypeError, AttributeError, pickle.PicklingError) as e:
+            raise ValueError(
+                f"rollout.env={self.rollout_cfg.env!r}: its environments cannot be pickled ({e}); without a "
+                "reward() of their own they go to the reward functions on every model-parallel rank: make "
+                "them picklable or give them reward()"
+            ) from None
 
     # ---- the turn loop -------------------------------------------------------------------
     def _run(self, prompts: list, n: int, step: int, first: int) -> list[PromptRollout]:
@@ -241,14 +235,13 @@ class AgentDispatch(RolloutDispatch):
         sampling = SamplingParams.from_config(cfg)
         rows: list[_Running] = []
         starts = []
-        for i, q in enumerate(prompts):
-            seed = stream_seed(self.seed, step, first + i)
+        seeds = [stream_seed(self.seed, step, first + i) for i in range(len(prompts))]  # as RolloutDispatch's
+        for q, seed in zip(prompts, seeds):
             envs = self._call_all([lambda q=q: self.factory(**q.columns) for _ in range(n + 1)], "the factory")
             starts.append(self._start(q, envs))
             for j, env in enumerate(envs):
                 rows.append(_Running(env, starts[-1], greedy=j == n, seed=seed + j))
         # turn 1: the single-turn request (one prefill per prompt, n sampled + 1 greedy); every rank calls it
-        seeds = [stream_seed(self.seed, step, first + i) for i in range(len(prompts))]
         turn = self.engine.generate(starts, n=n, sampling=sampling, seeds=seeds)
         self._after_turn(rows, [c for r in turn for c in r.sampled + [r.greedy]])
         for t in range(2, cfg.max_turns + 1):

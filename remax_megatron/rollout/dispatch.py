@@ -51,18 +51,22 @@ class RolloutDispatch:
 
     def collect(self, ticket) -> list:
         """The rollouts of `submit`'s ticket, the model-parallel group's shares gathered in order."""
-        groups = self.groups
-        rollouts = self.engine.collect(ticket)
+        rollouts = self._local(ticket)
         self.engine.sleep()
         # what the engine decoded since the last collect: a local engine decodes at submit, a remote one
         # reports at collect
         self.decoded_tokens = self.engine.decoded_tokens - self._decoded_seen
         self._decoded_seen = self.engine.decoded_tokens
-        if groups.mp_size > 1:
-            shares: list = [None] * groups.mp_size
-            dist.all_gather_object(shares, rollouts, group=groups.mp)
-            rollouts = [r for share in shares for r in share]
-        return rollouts
+        return self._gather(rollouts) if self.groups.mp_size > 1 else rollouts
+
+    def _local(self, ticket) -> list:
+        """This rank's share of the rollouts of `ticket`."""
+        return self.engine.collect(ticket)
+
+    def _gather(self, rollouts: list) -> list:
+        shares: list = [None] * self.groups.mp_size
+        dist.all_gather_object(shares, rollouts, group=self.groups.mp)
+        return [r for share in shares for r in share]
 
 
 def contiguous_share(count: int, parts: int, index: int) -> tuple[int, int]:

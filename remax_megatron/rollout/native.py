@@ -350,7 +350,8 @@ class NativeEngine(RolloutEngine):
         temperature = torch.where(greedy, 1.0, float(sampling.temperature)).to(torch.float32)
         active = torch.arange(len(prompts) * per, device=dev)  # batch row -> output row
         eos = torch.tensor(sorted(self.eos_token_ids | set(sampling.stop_token_ids)), dtype=torch.long, device=dev)
-        for step in range(max(limits)):
+        longest = max(limits)
+        for step in range(longest):
             tok, lp = sample_next(
                 logits,
                 temperature,
@@ -361,7 +362,7 @@ class NativeEngine(RolloutEngine):
             )
             done = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(greedy)
             done_list = self._append_step(rows, active, tok, lp, done, sampling.stop)
-            if step == max(limits) - 1:
+            if step == longest - 1:
                 break
             # a row at its own limit ends there ("length")
             keep = ~torch.tensor([d or step + 1 >= limits[r] for d, r in zip(done_list, active.tolist())], device=dev)
