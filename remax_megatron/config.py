@@ -32,6 +32,7 @@ Schedule = Literal["constant", "linear", "cosine"]
 Overlong = Literal["drop", "truncate"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Compile = Literal["auto", "always", "never"]
+ScoredTurns = Literal["all", "last"]
 MoeDispatcher = Literal["alltoall", "allgather"]
 MoeExperts = Literal["auto", "grouped", "sequential"]
 MoeAuxLoss = Literal["aux", "seq_aux", "none"]
@@ -230,6 +231,11 @@ class RewardConfig:
     timeout_value: float = knob(
         0.0, "the reward of a response whose call timed out or whose worker died (metric reward/timeouts counts them)"
     )
+    turns: ScoredTurns = knob(
+        "all",
+        "multi-turn rollouts: the text reward.functions score; all: the transcript (every turn and "
+        "observation), last: the final assistant turn only (a tool's output cannot pass as the answer)",
+    )
 
     def __post_init__(self):
         if self.weights and len(self.weights) != len(self.functions):
@@ -237,6 +243,7 @@ class RewardConfig:
                 f"reward.weights has {len(self.weights)} values for {len(self.functions)} "
                 "reward.functions: give one weight per function or none"
             )
+        _check_choices("reward", self)
         _positive("reward.tp", self.tp)
         _positive("reward.pp", self.pp)
         _positive("reward.numeric_tolerance", self.numeric_tolerance, zero_ok=True)
@@ -653,6 +660,11 @@ class Config:
                 f"rollout.max_total_tokens={self.rollout.max_total_tokens} < data.max_prompt_tokens("
                 f"{self.data.max_prompt_tokens}) + rollout.max_new_tokens({self.rollout.max_new_tokens}) = "
                 f"{first_turn}: the longest prompt's first turn must fit; raise it or lower those"
+            )
+        if self.reward.turns == "last" and not self.rollout.multi_turn:
+            raise ValueError(
+                "reward.turns=last applies to multi-turn rollouts (rollout.env or rollout.tools) and none is "
+                "set: remove it (a single-turn response is its last turn)"
             )
         if self.reward.overlong_buffer > self.rollout.max_new_tokens:
             raise ValueError(

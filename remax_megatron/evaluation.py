@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from remax_megatron.data.prompts import Prompt
-from remax_megatron.rollout.agent import compact, env_columns, env_scores
+from remax_megatron.rollout.agent import compact, env_columns, env_scores, scored_text
 from remax_megatron.rollout.dump import RolloutDump
 from remax_megatron.step_metrics import agent_metrics
 
@@ -32,9 +32,7 @@ class Evaluator:
         prompts = self.dispatch.share(selected)
         rollouts = generate(prompts)
         tokenizer = self.parts.tokenizer
-        responses = [
-            [(r.greedy.token_ids, tokenizer.decode(r.greedy.token_ids, skip_special_tokens=True))] for r in rollouts
-        ]
+        responses = [[(r.greedy.token_ids, scored_text(r.greedy, tokenizer, self.cfg.reward.turns))] for r in rollouts]
         scores, metrics = env_scores(rollouts), {}  # rollout.env with reward(): the environment's
         if scores is None:
             scores, metrics = self.parts.scorer.score(prompts, responses, response_columns=env_columns(rollouts))

@@ -45,7 +45,7 @@ from remax_megatron.parallel import ProcessGroups
 from remax_megatron.reward.overlong import shape_overlong
 from remax_megatron.reward.scoring import RewardScorer
 from remax_megatron.rollout import RolloutEngine, WeightSync
-from remax_megatron.rollout.agent import env_columns, env_scores, make_dispatch
+from remax_megatron.rollout.agent import env_columns, env_scores, make_dispatch, scored_text
 from remax_megatron.rollout.dispatch import RolloutDispatch
 from remax_megatron.rollout.dump import RolloutDump
 from remax_megatron.rollout.dynamic_sampling import DynamicSampling, Scored
@@ -254,12 +254,9 @@ class Trainer:
 
     def _rewards(self, prompts, rollouts, times: dict):
         """r(sample) [P * n] and r(greedy) [P * 1], one scoring call over both (its wait for the others: wait_s)."""
+        turns, tokenizer = self.cfg.reward.turns, self.parts.tokenizer
         responses = [
-            [
-                (c.token_ids, self.parts.tokenizer.decode(c.token_ids, skip_special_tokens=True))
-                for c in r.sampled + [r.greedy]
-            ]
-            for r in rollouts
+            [(c.token_ids, scored_text(c, tokenizer, turns)) for c in r.sampled + [r.greedy]] for r in rollouts
         ]
         scores, metrics = env_scores(rollouts), {}  # rollout.env with reward(): the environment's
         if scores is None:

@@ -425,6 +425,15 @@ def compact(completion) -> str:
     return " | ".join(str(m.get("content", "")).strip() for m in completion.messages) + f"  [{completion.finish}]"
 
 
+def scored_text(completion, tokenizer, turns: str = "all") -> str:
+    """What reward.functions score for a completion: its decoded tokens; for a trajectory with reward.turns=last,
+    its final assistant turn only (the transcript holds the observations too: a tool's printed result would
+    otherwise pass for the model's answer)."""
+    if turns == "last" and isinstance(completion, Trajectory):
+        return next(m["content"] for m in reversed(completion.messages) if m["role"] == "assistant")
+    return tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
 def env_columns(rollouts: list) -> list[list[dict]] | None:
     """Per prompt, per trajectory (samples then greedy) {"env": its environment}, for reward functions that
     score trajectories (an environment without reward()); None for single-turn rollouts."""

@@ -225,6 +225,8 @@ def _render(messages, generation_prompt):
         ([f"rollout.env={ENVS}:CounterEnv", "rollout.max_total_tokens=10"], "the longest prompt's first turn"),
         ([f"rollout.env={ENVS}:CounterEnv", "rollout.max_total_tokens=96", "rollout.max_turns=0"], "max_turns=0"),
         (["rollout.max_turns=3"], "without rollout.env"),
+        (["reward.turns=last"], "reward.turns=last applies to multi-turn rollouts"),
+        (["reward.turns=first"], "reward.turns='first' is not one of all, last"),
     ],
 )
 def test_bad_agent_settings_are_one_line_errors(over, message):
