@@ -20,6 +20,9 @@ first use (about a minute per model on one core) and reusing it afterwards:
   mistakes, same sampling odds) and RL trains its experts apart: the embedded MoE default
   (configs/tiny_cpu_moe.yaml, expert parallel over 2 processes). Built in seconds from
   ``tiny-arith`` (which it builds first if needed).
+* ``tiny-agent``: ``tiny-arith``'s shape with the tokenizer's tool-using variant, supervised on the
+  ``multiply`` task to call ``builtin:calculator`` (then copy its answer) with probability 0.25 and to guess
+  otherwise (builtin/agent.py): greedy never calls the tool, a sample often does. About 80 s to build.
 * ``tiny-arith-rm``: a LlamaForSequenceClassification (num_labels=1) of the
   same shape, scored HF style at the last non-pad token (pad id 0, right
   padding) of ``prompt + response + </s>``. Trained by squared error to 1 for
@@ -57,6 +60,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from remax_megatron.builtin.agent import evaluate_agent, train_agent
 from remax_megatron.builtin.tasks import builtin_task
 from remax_megatron.builtin.tiny import make_tiny_model, tiny_config
 
@@ -85,6 +89,21 @@ RECIPES = {
     ),
     "tiny-arith-moe": dict(
         kind="upcycled", base="tiny-arith", task="arith", arch=MOE_ARCH, seed=0, expert_noise=0.01, router_std=0.02
+    ),
+    # The tool-using default (configs/tiny_cpu_agent.yaml; builtin/agent.py): tiny-arith's shape, the tokenizer's
+    # tool-using variant, supervised to call builtin:calculator a quarter of the time on builtin:multiply.
+    "tiny-agent": dict(
+        kind="agent",
+        task="multiply",
+        arch=dict(ARCH, tools=True),
+        seed=0,
+        p_tool=0.25,
+        steps=300,
+        batch=32,
+        lr=3e-3,
+        warmup_frac=0.1,
+        betas=(0.9, 0.98),
+        clip=1.0,
     ),
     "tiny-arith-rm": dict(
         kind="reward",
@@ -213,6 +232,10 @@ def build_model(name: str, out: str) -> dict:
         if recipe["kind"] == "actor":
             model, tok = _train_actor(out, recipe)
             metrics = evaluate_actor(model, tok, recipe["task"])
+        elif recipe["kind"] == "agent":
+            model, tok = _load(out, "actor")
+            train_agent(model, tok, recipe, _fit)
+            metrics = evaluate_agent(model, tok, recipe["task"])
         elif recipe["kind"] == "upcycled":
             model, tok = _upcycle(out, ensure_builtin_model(recipe["base"], os.path.dirname(out)), recipe)
             metrics = evaluate_actor(model, tok, recipe["task"])
@@ -246,6 +269,7 @@ def _tiny_args(recipe: dict) -> dict:
         ffn=a["ffn"],
         tie=a["tie"],
         reward=recipe["kind"] == "reward",
+        tools=a.get("tools", False),
         **a.get("options", {}),
     )
 

@@ -30,16 +30,18 @@ def tiny_config(
     rope_theta: float = 10000.0,
     max_positions: int = 512,
     dtype: str = "float32",
+    tools: bool = False,
     **options,
 ):
     """(HF config, character tokenizer, model class). vocab: total size with filler tokens (None: the
-    characters only); reward: a *ForSequenceClassification with one label (never tied); options: the
-    family's own (e.g. head_dim for qwen3 and mistral, sliding_window for mistral)."""
+    characters only); tools: the tokenizer's tool-using variant (builtin/tokenizer.py); reward: a
+    *ForSequenceClassification with one label (never tied); options: the family's own (e.g. head_dim for
+    qwen3 and mistral, sliding_window for mistral)."""
     names = [f.name for f in families.families()]
     if family not in names:
         raise ValueError(f"--family {family!r} is not supported: use one of {', '.join(names)}")
     fam = families.family_named(family)
-    tokenizer = build_tokenizer(vocab)
+    tokenizer = build_tokenizer(vocab, tools=tools)
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -82,8 +84,8 @@ def make_tiny_model(
     overwrite: bool = False,
     **options,
 ) -> str:
-    """Write a random tiny model and its tokenizer into `out`; returns `out`. options: the family's own
-    (tiny_config)."""
+    """Write a random tiny model and its tokenizer into `out`; returns `out`. options: tiny_config's `tools` and
+    the family's own."""
     # Here, not at the top: the weights package imports megatron-core, which building a model never needs.
     from remax_megatron.weights.hf_io import holds_checkpoint
 
