@@ -1,7 +1,7 @@
 """The tiny agent default (configs/tiny_cpu_agent.yaml) end to end: ReMax teaches builtin:tiny-agent to call its
 calculator. Greedy eval starts at <= 0.2 (the warm start never calls the tool greedily) and reaches >= 0.8 within
 40 steps: with the README's launcher, vLLM's CPU build and actor TP=2; on separate rollout ranks one step ahead
-(staleness 1); with LoRA; and at DP=2 with the native engine."""
+(staleness 1); and with LoRA at DP=2 with the native engine."""
 
 import json
 import os
@@ -68,8 +68,10 @@ def test_the_agent_default_learns_to_call_its_tool(env, tmp_path):
         pytest.param(
             ("rollout.placement=separate", "rollout.ranks=1", "rollout.max_staleness=1", "actor.tp=2"), id="separate"
         ),
-        pytest.param(("actor.lora_rank=4", "actor.lora_alpha=16", "optim.lr=1e-3"), id="lora"),
-        pytest.param(("actor.tp=1", "rollout.engine=native"), id="dp2-native"),
+        pytest.param(
+            ("actor.tp=1", "rollout.engine=native", "actor.lora_rank=4", "actor.lora_alpha=16", "optim.lr=1e-3"),
+            id="lora-dp2-native",
+        ),
     ],
 )
 def test_the_agent_default_learns_in_other_layouts(env, tmp_path, layout):
