@@ -69,7 +69,7 @@ def _fail(logger, lock, error: Exception, printer: bool, same_on_every_rank: boo
     os._exit(1)
 
 
-def _teardown(engine) -> None:
+def teardown(engine) -> None:
     """The end of a run (finished, or stopped by a signal after its collective save): every rank past
     its last collective, then the engine and the process groups released in order. Left to interpreter
     exit, vLLM's finalizer (which destroys its groups and torch's default one) and the process groups'
@@ -202,7 +202,7 @@ def _serve_rollouts(cfg, checked, split) -> None:
             printer=True,
             same_on_every_rank=False,
         )
-    _teardown(engine)
+    teardown(engine)
 
 
 def _train(cfg, checked, claim, bridge=None) -> None:
@@ -252,7 +252,7 @@ def _train(cfg, checked, claim, bridge=None) -> None:
     elif finished:
         if is_rank0():  # metrics.jsonl is rank 0's
             print0(run_summary(cfg.trainer.output_dir))
-    _teardown(parts.engine)  # fit returned on every rank: the stop decision and its save are collective
+    teardown(parts.engine)  # fit returned on every rank: the stop decision and its save are collective
 
 
 if __name__ == "__main__":
