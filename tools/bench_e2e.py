@@ -146,8 +146,11 @@ class OursRun:
             if split.role == "rollout":
                 from remax_megatron.rollout.remote import serve
                 from remax_megatron.startup import build_rollout_engine
+                from remax_megatron.train import teardown
 
-                serve(build_rollout_engine(cfg, checked), split.bridge)
+                engine = build_rollout_engine(cfg, checked)
+                serve(engine, split.bridge)
+                teardown(engine)  # as remax_megatron.train's rollout ranks do
                 sys.exit(0)
             bridge = split.bridge
         t0 = time.perf_counter()
@@ -599,8 +602,6 @@ def main(argv=None) -> None:
             )
     else:
         result = run_rounds(args, ours)
-    if ours.cfg.rollout.placement == "separate":
-        ours.parts.engine.shutdown()  # stops the rollout ranks' loop
     if rank == 0:
         # A shared machine's load moves every number here: say what it was.
         result["machine"] = {
@@ -614,6 +615,12 @@ def main(argv=None) -> None:
         if args.json:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
+    # The engine (on separate placement: the rollout ranks' loop), then the process groups, in order, as
+    # remax_megatron.train ends a run: left to interpreter exit, a rank once aborted after its last line
+    # (CI: "terminate called without an active exception" in bench_placement's staleness-1 run).
+    from remax_megatron.train import teardown
+
+    teardown(ours.parts.engine)
 
 
 if __name__ == "__main__":
