@@ -355,6 +355,9 @@ class RolloutConfig:
     )
     tool_parser: str = knob("hermes", "rollout.tools: how calls are read from the assistant's text (hermes)")
     tool_timeout_s: float = knob(10.0, "rollout.tools: a call longer than this gives the model an error text")
+    tool_max_output_chars: int = knob(
+        8192, "rollout.tools: a result longer than this keeps its head and tail around a note of what was cut"
+    )
 
     @property
     def multi_turn(self) -> bool:
@@ -401,6 +404,11 @@ class RolloutConfig:
                 "your environment its tools, or unset rollout.env"
             )
         _positive("rollout.tool_timeout_s", self.tool_timeout_s, zero_ok=True)
+        if self.tool_max_output_chars < 128:
+            raise ValueError(
+                f"rollout.tool_max_output_chars={self.tool_max_output_chars!r} leaves no room for a result and "
+                "the note of what was cut: give at least 128, e.g. rollout.tool_max_output_chars=8192"
+            )
         if self.multi_turn and self.routing_replay:
             raise ValueError(
                 "rollout.env with rollout.routing_replay=true: the routes of observation tokens are not "

@@ -9,7 +9,9 @@ Parsers (rollout.tool_parser): `hermes`, the format Qwen2.5 / Qwen3 and Hermes m
 {"name": ..., "arguments": {...}} inside <tool_call>...</tool_call>. A call that cannot be parsed, names no
 known tool or gives arguments that do not fit the tool's schema, and a tool that raises, times out or
 returns something other than text, gives the model an error text as that call's result (counted in
-`tool_errors`), never an exception. The calls of one turn run side by side, each under timeout_s.
+`tool_errors`), never an exception. The calls of one turn run side by side, each under timeout_s. A result
+longer than max_output_chars keeps its head and tail around a note of what was cut (a traceback's last line
+stays in).
 """
 
 from __future__ import annotations
@@ -48,9 +50,16 @@ PARSERS = {"hermes": parse_hermes}
 class ToolEnv:
     """The environment of rollout.tools (no reward(): the reward functions score the trajectory)."""
 
-    def __init__(self, tools: list[Tool], parser: str = "hermes", timeout_s: float = 10.0, **_columns):
+    def __init__(
+        self,
+        tools: list[Tool],
+        parser: str = "hermes",
+        timeout_s: float = 10.0,
+        max_output_chars: int = 8192,
+        **_columns,
+    ):
         self.tools = {t.name: t for t in tools}
-        self.parse, self.timeout_s = PARSERS[parser], timeout_s
+        self.parse, self.timeout_s, self.max_output_chars = PARSERS[parser], timeout_s, max_output_chars
         self.tool_calls = self.tool_errors = 0
         self.tool_seconds = 0.0
 
@@ -70,6 +79,7 @@ class ToolEnv:
                 result = f"error: {name} timed out after {self.timeout_s} s"
             else:
                 result = future.result()
+            result = shorten(result, self.max_output_chars)
             self.tool_calls += 1
             self.tool_errors += result.startswith("error:")
             messages.append({"role": "tool", "name": name, "content": result})
@@ -91,6 +101,16 @@ class ToolEnv:
         if not isinstance(result, str):
             return f"error: {tool.name} returned {type(result).__name__}, not text"
         return result
+
+
+def shorten(text: str, limit: int) -> str:
+    """`text` if it has at most `limit` characters, else its head and tail around a note of how much was cut."""
+    if len(text) <= limit:
+        return text
+    note = f"\n[... {{}} characters cut: tool output is capped at {limit} ...]\n"
+    keep = max(limit - len(note.format(len(text))), 0)
+    head, tail = keep - keep // 2, keep // 2
+    return text[:head] + note.format(len(text) - keep) + (text[-tail:] if tail else "")
 
 
 def check_arguments(schema: dict, arguments) -> str:

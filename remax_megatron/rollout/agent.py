@@ -397,7 +397,13 @@ def env_factory_of(cfg):
     if cfg.rollout.tool_parser not in PARSERS:
         raise ValueError(f"rollout.tool_parser={cfg.rollout.tool_parser!r} is not one of {sorted(PARSERS)}")
     tools = resolve_tools(cfg.rollout.tools)
-    return functools.partial(ToolEnv, tools=tools, parser=cfg.rollout.tool_parser, timeout_s=cfg.rollout.tool_timeout_s)
+    return functools.partial(
+        ToolEnv,
+        tools=tools,
+        parser=cfg.rollout.tool_parser,
+        timeout_s=cfg.rollout.tool_timeout_s,
+        max_output_chars=cfg.rollout.tool_max_output_chars,
+    )
 
 
 def make_dispatch(cfg, engine, groups, tokenizer) -> RolloutDispatch:

@@ -3,6 +3,7 @@ hermes parser, every kind of bad call giving the model an error text (never an e
 side by side under the time limit, a turn without a call ending the episode, and one-line refusals."""
 
 import json
+import re
 
 import pytest
 
@@ -65,6 +66,34 @@ def test_a_bad_call_gives_the_model_an_error_text(text, error):
     messages, done = env.step(text)
     assert not done and len(messages) == 1 and messages[0]["content"].startswith("error:")
     assert error in messages[0]["content"] and env.tool_errors == 1 == env.tool_calls
+
+
+def test_a_long_result_keeps_its_head_and_tail_within_the_cap():
+    from remax_megatron.config import load_config
+    from remax_megatron.rollout.agent import env_factory_of
+
+    cfg = load_config(
+        None,
+        [
+            "reward.functions=[exact_match]",
+            "data.max_prompt_tokens=16",
+            "rollout.max_total_tokens=96",
+            f"rollout.tools=[{FNS}:floods]",
+            "rollout.tool_max_output_chars=300",
+        ],
+    )
+    env = env_factory_of(cfg)()
+    (short,), _ = env.step(_call("floods", chars=300))
+    assert len(short["content"]) == 300 and "cut" not in short["content"]  # at the cap: untouched
+    (long,), _ = env.step(_call("floods", chars=10_000_000))
+    content = long["content"]
+    assert len(content) <= 300 and content.startswith("HEAD\n") and content.endswith("\nTAIL")
+    note = re.search(r"\n\[\.\.\. (\d+) characters cut: tool output is capped at 300 \.\.\.\]\n", content)
+    kept = content[: note.start()] + content[note.end() :]
+    assert len(kept) + int(note[1]) == 10**7  # the note counts exactly what is gone
+    assert env.tool_calls == 2 and env.tool_errors == 0
+    with pytest.raises(ValueError, match=r"rollout.tool_max_output_chars=10 leaves no room"):
+        load_config(None, ["rollout.tool_max_output_chars=10"])
 
 
 def test_a_turns_calls_run_side_by_side():

@@ -69,3 +69,12 @@ def meets(who: int) -> str:
     except threading.BrokenBarrierError:
         return f"{who} alone"
     return f"{who} met"
+
+
+def floods(chars: int) -> str:
+    """Returns `chars` characters: a head line, filler and a last line.
+
+    Args:
+        chars: how many characters
+    """
+    return "HEAD\n" + "x" * (chars - 10) + "\nTAIL"
