@@ -353,7 +353,11 @@ class RolloutConfig:
         "builtin:calculator; a turn's calls run and their results are the next tool messages; a turn without "
         "a call ends the trajectory",
     )
-    tool_parser: str = knob("hermes", "rollout.tools: how calls are read from the assistant's text (hermes)")
+    tool_parser: str = knob(
+        "hermes",
+        "rollout.tools: how calls are read from the assistant's text: hermes (Qwen2.5 / Qwen3) or llama3_json "
+        "(Llama 3.1-3.3)",
+    )
     tool_timeout_s: float = knob(10.0, "rollout.tools: a call longer than this gives the model an error text")
     tool_max_output_chars: int = knob(
         8192, "rollout.tools: a result longer than this keeps its head and tail around a note of what was cut"

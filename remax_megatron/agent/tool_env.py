@@ -5,8 +5,13 @@ next `tool` messages; a turn without a call ends the trajectory (rollout/agent.p
     messages, done = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>')
     # [{"role": "tool", "name": "calculator", "content": "5"}], False
 
-Parsers (rollout.tool_parser): `hermes`, the format Qwen2.5 / Qwen3 and Hermes models emit: a JSON object
-{"name": ..., "arguments": {...}} inside <tool_call>...</tool_call>. A call that cannot be parsed, names no
+Parsers (rollout.tool_parser), named as vLLM's --tool-call-parser:
+- `hermes`, what Qwen2.5 / Qwen3 and Hermes models emit: {"name": ..., "arguments": {...}} inside
+  <tool_call>...</tool_call>, anywhere in the turn;
+- `llama3_json`, what Llama 3.1-3.3 emit: the whole turn is the call(s), {"name": ..., "parameters": {...}}
+  (or "arguments"), several separated by ";", after an optional <|python_tag|>; a turn that does not start
+  with "{" is an answer.
+A call that cannot be parsed, names no
 known tool or gives arguments that do not fit the tool's schema, and a tool that raises, times out or
 returns something other than text, gives the model an error text as that call's result (counted in
 `tool_errors`), never an exception. The calls of one turn run side by side, each under timeout_s. A result
@@ -44,7 +49,30 @@ def parse_hermes(text: str) -> list[dict | str]:
     return calls
 
 
-PARSERS = {"hermes": parse_hermes}
+def parse_llama3_json(text: str) -> list[dict | str]:
+    """The calls of a turn that is nothing but JSON calls (Llama 3.x), or [] for an answer."""
+    text = text.strip().removeprefix("<|python_tag|>").lstrip()
+    if not text.startswith("{"):
+        return []
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(text):
+        try:
+            call, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError as e:
+            return [*calls, f"error: the tool call is not valid JSON ({e.msg} at position {e.pos})"]
+        arguments = call.get("parameters", call.get("arguments")) if isinstance(call, dict) else None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append('error: a tool call must be {"name": ..., "parameters": {...}}')
+        else:
+            calls.append({"name": call["name"], "arguments": arguments or {}})
+        rest = text[at:].lstrip()
+        if rest and not rest.startswith(";"):
+            return [*calls, f"error: text after a tool call: {rest[:50]!r} (separate calls with ';')"]
+        at = len(text) - len(rest.removeprefix(";").lstrip())
+    return calls
+
+
+PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
 
 
 class ToolEnv:

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from remax_megatron.agent.tool_env import ToolEnv, check_arguments, parse_hermes
+from remax_megatron.agent.tool_env import ToolEnv, check_arguments, parse_hermes, parse_llama3_json
 from remax_megatron.agent.tools import calculator, resolve_tools
 
 FNS = "tests.agent.tool_fns"
@@ -112,6 +112,43 @@ def test_parse_hermes_reads_every_block():
     assert parse_hermes("no call") == []
     calls = parse_hermes(_call("a", x=1) + " and " + _call("b"))
     assert calls == [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]
+
+
+@pytest.mark.parametrize(
+    "text,calls",
+    [
+        ("The answer is 42.", []),  # an answer: no call
+        ('The answer is {"name": "add"}', []),  # JSON inside an answer is not a call (the turn must start with it)
+        ('{"name": "add", "parameters": {"a": 1, "b": 2}}', [{"name": "add", "arguments": {"a": 1, "b": 2}}]),
+        ('<|python_tag|>{"name": "add", "arguments": {"a": 1}}', [{"name": "add", "arguments": {"a": 1}}]),
+        (
+            ' {"name": "add", "parameters": {"a": 1}}; {"name": "calculator", "parameters": {"expression": "2"}};',
+            [{"name": "add", "arguments": {"a": 1}}, {"name": "calculator", "arguments": {"expression": "2"}}],
+        ),
+        ('{"name": "add", "parameters": {"a": 1}', ["error: the tool call is not valid JSON"]),
+        ('{"tool": "add"}', ['error: a tool call must be {"name"']),
+        ('{"name": "add"} and then 42', [{"name": "add", "arguments": {}}, "error: text after a tool call"]),
+    ],
+)
+def test_parse_llama3_json_reads_a_turn_of_calls(text, calls):
+    parsed = parse_llama3_json(text)
+    assert len(parsed) == len(calls)
+    for got, want in zip(parsed, calls):
+        assert got == want if isinstance(want, dict) else got.startswith(want)
+
+
+def test_llama3_json_calls_run_through_the_config():
+    from remax_megatron.config import load_config
+    from remax_megatron.rollout.agent import env_factory_of
+
+    base = ["reward.functions=[exact_match]", "data.max_prompt_tokens=16", "rollout.max_total_tokens=96"]
+    cfg = load_config(None, [*base, f"rollout.tools=[{FNS}:add]", "rollout.tool_parser=llama3_json"])
+    env = env_factory_of(cfg)()
+    messages, done = env.step('{"name": "add", "parameters": {"a": 2, "b": 40}}; {"name": "add", "parameters": {}}')
+    assert not done and messages[0] == {"role": "tool", "name": "add", "content": "42"}
+    assert "missing argument(s) ['a', 'b']" in messages[1]["content"] and env.tool_errors == 1
+    assert env.step("42") == (None, True)
+    assert env.step(_call("add", a=1, b=2)) == (None, True)  # a hermes block is text to llama3_json
 
 
 @pytest.mark.parametrize(
