@@ -113,11 +113,11 @@ class ChatDelta:
         self.tokenizer = tokenizer
         self.templated = templated and getattr(tokenizer, "chat_template", None) is not None
         if self.templated:
-            self.base = self._render(self.PROBE, False)
-            start = self.base.rfind("PROBE_A")
+            base = self._render(self.PROBE, False)
+            start = base.rfind("PROBE_A")
             if start < 0:
                 raise ValueError("the chat template does not render an assistant turn's content as it is")
-            self.closing = self.base[start + len("PROBE_A") :]  # e.g. "<|im_end|>\n"
+            self.closing = base[start + len("PROBE_A") :]  # e.g. "<|im_end|>\n"
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
@@ -133,14 +133,18 @@ class ChatDelta:
         own end token or a stop, not at max_new_tokens)."""
         if not self.templated:
             return self.tokenizer.encode(_text(messages), add_special_tokens=False)
+        # Only what follows the turn's content counts: a template may re-render what comes before it once a
+        # message follows (Qwen3 drops the empty think block of a turn that is no longer the last), but the
+        # trajectory keeps the tokens the model generated, never a re-rendering of them.
         full = self._render(self.PROBE + _as_messages(messages), True)
-        if not full.startswith(self.base):
-            raise ValueError("the chat template re-renders earlier turns when a message is added: cannot append")
+        after = full.find("PROBE_A") + len("PROBE_A")
+        if after < len("PROBE_A") or not full.startswith(self.closing, after):
+            raise ValueError("the chat template ends an assistant turn differently once a message follows it")
         closing = self.closing
         if stopped:  # the model generated the start of the closing itself (its end-of-turn token): the rest
             tail = self.tokenizer.decode(last_turn[-32:], skip_special_tokens=False)
             closing = closing[next((k for k in range(len(closing), 0, -1) if tail.endswith(closing[:k])), 0) :]
-        return self.tokenizer.encode(closing + full[len(self.base) :], add_special_tokens=False)
+        return self.tokenizer.encode(closing + full[after + len(self.closing) :], add_special_tokens=False)
 
 
 def _bad_observation(observation) -> str:

@@ -5,6 +5,7 @@ trajectory, the bounds end trajectories as named, and observations never reach t
 
 from types import SimpleNamespace
 
+import jinja2
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -209,6 +210,43 @@ def test_an_observation_is_the_templates_delta_after_the_turn(tokenizer):
     )
     plain = ChatDelta(DoublingTokenizer(tokenizer))  # no template: the observation's text as it is
     assert plain.observation(" #1 ", [5]) == tokenizer.encode(" #1 ", add_special_tokens=False)
+
+
+# Qwen3's habit (its own template is not on this machine): the last assistant turn after the last user query gets
+# an empty think block, an earlier one does not, so adding a message re-renders the turn before it. Tool results
+# go in one user turn as <tool_response> blocks.
+THINK_ON_LAST = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- if loop.last %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_a_template_that_re_renders_the_turn_before_still_gives_the_delta_after_it():
+    template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(THINK_ON_LAST)
+    qwen3_like = SimpleNamespace(
+        chat_template=THINK_ON_LAST,
+        apply_chat_template=lambda messages, tokenize, add_generation_prompt: template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt
+        ),
+        encode=lambda text, add_special_tokens=True: [ord(c) for c in text],
+        decode=lambda ids, skip_special_tokens=False: "".join(chr(i) for i in ids),
+    )
+    chat = ChatDelta(qwen3_like)
+    turn = [ord(c) for c in '<tool_call>{"name": "calculator"}</tool_call><|im_end|>']
+    tools = [{"role": "tool", "content": "42"}, {"role": "tool", "content": "7"}]
+    assert "".join(map(chr, chat.observation(tools, turn))) == (
+        "\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\n7\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
 
 
 def _render(messages, generation_prompt):
