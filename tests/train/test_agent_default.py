@@ -8,7 +8,7 @@ import os
 import pytest
 
 from remax_megatron.builtin import models as bm
-from tests.train.test_train_e2e import README_LAUNCHER, _train_logged
+from tests.train.test_train_e2e import README_LAUNCHER, _train_logged, assert_fp32_rounding_only
 
 CONFIG = "configs/tiny_cpu_agent.yaml"
 
@@ -36,8 +36,7 @@ def test_the_agent_default_learns_to_call_its_tool(env, tmp_path):
     )
     evals, train = assert_learns_the_tool(records)
     # measured: 0.0 -> 0.9 (step 10) -> 1.0 (20, 30, 40); tool calls per trajectory 0.23 -> ~1.0
-    gaps = sorted(r["logprob/engine_vs_actor_max_diff"] for r in train)
-    assert gaps[-1] <= 1e-4 and gaps[len(gaps) // 2] <= 1e-5, gaps
+    assert_fp32_rounding_only(r["logprob/engine_vs_actor_max_diff"] for r in train)
     assert all(r["agent/tool_errors"] <= 2 for r in train), [r["agent/tool_errors"] for r in train]
     info = bm.read_build_info(bm.ensure_builtin_model("tiny-agent"))["metrics"]
     assert info["greedy_calls"] == 0 and 0.2 <= info["p_tool"] <= 0.3 and info["tool_transcript_followed"] >= 0.95
