@@ -355,8 +355,8 @@ class RolloutConfig:
     )
     tool_parser: str = knob(
         "hermes",
-        "rollout.tools: how calls are read from the assistant's text: hermes (Qwen2.5 / Qwen3) or llama3_json "
-        "(Llama 3.1-3.3)",
+        "rollout.tools: how calls are read from the assistant's text: hermes (Qwen2.5 / Qwen3), llama3_json "
+        "(Llama 3.1-3.3) or mistral (Mistral / Mixtral instruct models: [TOOL_CALLS])",
     )
     tool_timeout_s: float = knob(10.0, "rollout.tools: a call longer than this gives the model an error text")
     tool_max_output_chars: int = knob(

@@ -10,7 +10,13 @@ Parsers (rollout.tool_parser), named as vLLM's --tool-call-parser:
   <tool_call>...</tool_call>, anywhere in the turn;
 - `llama3_json`, what Llama 3.1-3.3 emit: the whole turn is the call(s), {"name": ..., "parameters": {...}}
   (or "arguments"), several separated by ";", after an optional <|python_tag|>; a turn that does not start
-  with "{" is an answer.
+  with "{" is an answer;
+- `mistral`, what Mistral's instruct models emit after a [TOOL_CALLS] token: a JSON list of {"name",
+  "arguments", "id"} (Mistral-7B-v0.3, Mistral-Nemo, Mixtral-8x22B) or name[CALL_ID]id[ARGS]{...} /
+  name[ARGS]{...} per call (Mistral-Small 3.x, Magistral, Devstral). [TOOL_CALLS] is a special token: step()
+  gets the turn's text with special tokens kept (`special_tokens`). Each result carries the call's
+  `tool_call_id` (the model's own when it gave a 9-character one, else callNNNNN): Mistral's templates refuse
+  a tool message without one.
 A call that cannot be parsed, names no
 known tool or gives arguments that do not fit the tool's schema, and a tool that raises, times out or
 returns something other than text, gives the model an error text as that call's result (counted in
@@ -72,7 +78,41 @@ def parse_llama3_json(text: str) -> list[dict | str]:
     return calls
 
 
-PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
+def parse_mistral(text: str) -> list[dict | str]:
+    """Every call after a [TOOL_CALLS] token of `text` (decoded with special tokens): {"name", "arguments"} and
+    the model's "id" when it gave one, or the error text of a call that is not one; [] for an answer."""
+    calls, decoder = [], json.JSONDecoder()
+    for block in text.split("[TOOL_CALLS]")[1:]:
+        block = block.strip()
+        if block.startswith(("[", "{")):  # [{"name": ..., "arguments": {...}, "id": ...}, ...]
+            try:
+                value = decoder.raw_decode(block)[0]
+            except json.JSONDecodeError as e:
+                calls.append(f"error: the tool call is not valid JSON ({e.msg} at position {e.pos})")
+                continue
+            for call in value if isinstance(value, list) else [value]:
+                if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+                    calls.append('error: a tool call must be {"name": ..., "arguments": {...}}')
+                    continue
+                ids = {"id": call["id"]} if isinstance(call.get("id"), str) else {}
+                calls.append({"name": call["name"], "arguments": call.get("arguments") or {}, **ids})
+            continue
+        head, marker, arguments = block.partition("[ARGS]")  # name[CALL_ID]id[ARGS]{...} or name[ARGS]{...}
+        name, _, call_id = head.partition("[CALL_ID]")
+        if not marker or not name.strip():
+            calls.append("error: a tool call must be [TOOL_CALLS]name[ARGS]{...arguments...}")
+            continue
+        try:
+            value = decoder.raw_decode(arguments.strip())[0]
+        except json.JSONDecodeError as e:
+            calls.append(f"error: the arguments of {name.strip()!r} are not valid JSON ({e.msg} at position {e.pos})")
+            continue
+        calls.append({"name": name.strip(), "arguments": value, **({"id": call_id.strip()} if call_id else {})})
+    return calls
+
+
+PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
+NEEDS_CALL_IDS = {"mistral"}  # parsers whose templates need each tool message's tool_call_id (and special tokens)
 
 
 class ToolEnv:
@@ -88,6 +128,7 @@ class ToolEnv:
     ):
         self.tools = {t.name: t for t in tools}
         self.parse, self.timeout_s, self.max_output_chars = PARSERS[parser], timeout_s, max_output_chars
+        self.special_tokens = self.call_ids = parser in NEEDS_CALL_IDS  # special_tokens: see rollout/agent.py
         self.tool_calls = self.tool_errors = 0
         self.tool_seconds = 0.0
 
@@ -111,6 +152,10 @@ class ToolEnv:
             self.tool_calls += 1
             self.tool_errors += result.startswith("error:")
             messages.append({"role": "tool", "name": name, "content": result})
+            if self.call_ids:
+                given = call.get("id", "") if isinstance(call, dict) else ""
+                ok = len(given) == 9 and given.isascii() and given.isalnum()
+                messages[-1]["tool_call_id"] = given if ok else f"call{self.tool_calls:05d}"
         self.tool_seconds += time.perf_counter() - start
         return messages, False
 

@@ -12,6 +12,8 @@ prompt start from equal environments. Its instance has
                                             turns; a str is a user turn) and whether the episode is over
     reward() -> float                       optional: the trajectory's reward; without it the configured
                                             reward functions score the trajectory's text
+    special_tokens: bool                    optional (False): step() gets the turn's text with the tokenizer's
+                                            special tokens kept (a tool-call marker that is one, end of turn)
 An exception in step() / reward(), or a call past rollout.env_timeout_s, ends that trajectory ("env_error",
 counted in agent/env_errors), never the run; its reward is then reward.timeout_value when reward() fails.
 
@@ -294,8 +296,13 @@ class AgentDispatch(RolloutDispatch):
             r.add(list(c.token_ids), list(c.logprobs))
             r.t.turns += 1
             r.t.turn_finishes.append(c.finish_reason)
-            texts.append(self.tokenizer.decode(c.token_ids, skip_special_tokens=True))
-            r.t.messages.append({"role": "assistant", "content": texts[-1]})
+            r.t.messages.append(
+                {"role": "assistant", "content": self.tokenizer.decode(c.token_ids, skip_special_tokens=True)}
+            )
+            keep = getattr(r.env, "special_tokens", False)  # e.g. Mistral's [TOOL_CALLS] (rollout.tool_parser)
+            texts.append(
+                self.tokenizer.decode(c.token_ids, skip_special_tokens=False) if keep else r.t.messages[-1]["content"]
+            )
         results = self._call_each([lambda r=r, x=x: r.env.step(x) for r, x in zip(rows, texts)])
         for r, c, (ok, result) in zip(rows, completions, results):
             if ok and not (isinstance(result, tuple) and len(result) == 2):

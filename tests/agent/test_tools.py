@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from remax_megatron.agent.tool_env import ToolEnv, check_arguments, parse_hermes, parse_llama3_json
+from remax_megatron.agent.tool_env import ToolEnv, check_arguments, parse_hermes, parse_llama3_json, parse_mistral
 from remax_megatron.agent.tools import calculator, resolve_tools
 
 FNS = "tests.agent.tool_fns"
@@ -149,6 +149,49 @@ def test_llama3_json_calls_run_through_the_config():
     assert "missing argument(s) ['a', 'b']" in messages[1]["content"] and env.tool_errors == 1
     assert env.step("42") == (None, True)
     assert env.step(_call("add", a=1, b=2)) == (None, True)  # a hermes block is text to llama3_json
+
+
+ADD = {"name": "add", "arguments": {"a": 1}}
+
+
+@pytest.mark.parametrize(
+    "text,calls",
+    [
+        ("The answer is 42.</s>", []),  # an answer: no [TOOL_CALLS] token
+        ('[{"name": "add", "arguments": {"a": 1}}]', []),  # the token stripped (skip_special_tokens): not a call
+        ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}]</s>', [ADD]),  # Mistral-7B-v0.3
+        (
+            '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}, "id": "abc123XYZ"}, {"name": "b"}]',  # Nemo, ids
+            [{**ADD, "id": "abc123XYZ"}, {"name": "b", "arguments": {}}],
+        ),
+        ('Let me add. [TOOL_CALLS] {"name": "add", "arguments": {"a": 1}}', [ADD]),  # text first, one object
+        ('[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]b[ARGS]{}</s>', [ADD, {"name": "b", "arguments": {}}]),  # v11
+        ('[TOOL_CALLS]add[CALL_ID]k9Xq2mP0a[ARGS]{"a": 1}</s>', [{**ADD, "id": "k9Xq2mP0a"}]),  # Small 3.1
+        ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}</s>', ["error: the tool call is not valid JSON"]),
+        ('[TOOL_CALLS] [{"tool": "add"}]', ['error: a tool call must be {"name"']),
+        ("[TOOL_CALLS]add</s>", ["error: a tool call must be [TOOL_CALLS]name[ARGS]"]),
+        ('[TOOL_CALLS]add[ARGS]{"a": </s>', ["error: the arguments of 'add' are not valid JSON"]),
+    ],
+)
+def test_parse_mistral_reads_every_call_after_its_token(text, calls):
+    parsed = parse_mistral(text)
+    assert len(parsed) == len(calls), parsed
+    for got, want in zip(parsed, calls):
+        assert got == want if isinstance(want, dict) else got.startswith(want)
+
+
+def test_mistral_results_carry_a_9_character_call_id():
+    env = ToolEnv(resolve_tools([f"{FNS}:add"]), "mistral", 2.0)
+    assert env.special_tokens  # [TOOL_CALLS] is a special token: step() must see it
+    messages, done = env.step(
+        '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2, "b": 40}, "id": "k9Xq2mP0a"}, '
+        '{"name": "add", "arguments": {"a": 1, "b": 1}, "id": "short"}, {"name": "nope"}]</s>'
+    )
+    assert not done and [m["content"] for m in messages][:2] == ["42", "2"]
+    # the model's id when it is one, else callNNNNN (the trajectory's call count): errors carry one too
+    assert [m["tool_call_id"] for m in messages] == ["k9Xq2mP0a", "call00002", "call00003"]
+    assert env.tool_errors == 1 and "unknown tool 'nope'" in messages[2]["content"]
+    assert "tool_call_id" not in _env("add").step(_call("add", a=1, b=2))[0][0]  # hermes: messages as before
 
 
 @pytest.mark.parametrize(
