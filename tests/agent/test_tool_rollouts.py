@@ -16,13 +16,14 @@ CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</t
 
 
 class ScriptedEngine(RolloutEngine):
-    """Turn 1: every row calls the calculator (the greedy row with malformed JSON); later turns: "42"."""
+    """Turn 1: the sampled rows say `call`, the greedy row `greedy` (by default: every row calls the calculator,
+    the greedy row with malformed JSON); later turns: `answer`."""
 
     name = "scripted"
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, call=CALL, greedy="<tool_call>{oops</tool_call>", answer="42"):
         super().__init__()
-        self.tokenizer = tokenizer
+        self.tokenizer, self.call, self.greedy, self.answer = tokenizer, call, greedy, answer
 
     def _completion(self, text):
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -30,12 +31,12 @@ class ScriptedEngine(RolloutEngine):
 
     def _generate(self, prompts, n, sampling, seeds):
         return [
-            PromptRollout([self._completion(CALL) for _ in range(n)], self._completion("<tool_call>{oops</tool_call>"))
+            PromptRollout([self._completion(self.call) for _ in range(n)], self._completion(self.greedy))
             for _ in prompts
         ]
 
     def _generate_rows(self, contexts, greedy, sampling, seeds, limits):
-        return [self._completion("42") for _ in contexts]
+        return [self._completion(self.answer) for _ in contexts]
 
     def sleep(self):
         pass
@@ -93,19 +94,6 @@ MISTRAL_LIKE = (
 MISTRAL_CALL = '[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "6*7"}}]</s>'
 
 
-class MistralEngine(ScriptedEngine):
-    """Turn 1: the samples call the calculator the Mistral way, greedy answers at once; later turns answer."""
-
-    def _generate(self, prompts, n, sampling, seeds):
-        return [
-            PromptRollout([self._completion(MISTRAL_CALL) for _ in range(n)], self._completion("7</s>"))
-            for _ in prompts
-        ]
-
-    def _generate_rows(self, contexts, greedy, sampling, seeds, limits):
-        return [self._completion(" 42</s>") for _ in contexts]
-
-
 def test_mistral_tool_calls_run_through_their_special_token_and_results_carry_call_ids(tiny_llama):
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]})
@@ -122,7 +110,9 @@ def test_mistral_tool_calls_run_through_their_special_token_and_results_carry_ca
             "data.max_prompt_tokens=16",
         ],
     )
-    dispatch = make_dispatch(cfg, MistralEngine(tokenizer), GROUPS, tokenizer)
+    # the samples call the calculator the Mistral way, greedy answers at once
+    engine = ScriptedEngine(tokenizer, call=MISTRAL_CALL, greedy="7</s>", answer=" 42</s>")
+    dispatch = make_dispatch(cfg, engine, GROUPS, tokenizer)
     prompt = SimpleNamespace(index=0, token_ids=tokenizer.encode("6*7="), columns={"answer": "42"})
     (rollout,) = dispatch.generate([prompt], 2, step=0)
     for t in rollout.sampled:
