@@ -112,7 +112,6 @@ def parse_mistral(text: str) -> list[dict | str]:
 
 
 PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
-NEEDS_CALL_IDS = {"mistral"}  # parsers whose templates need each tool message's tool_call_id (and special tokens)
 
 
 class ToolEnv:
@@ -128,7 +127,9 @@ class ToolEnv:
     ):
         self.tools = {t.name: t for t in tools}
         self.parse, self.timeout_s, self.max_output_chars = PARSERS[parser], timeout_s, max_output_chars
-        self.special_tokens = self.call_ids = parser in NEEDS_CALL_IDS  # special_tokens: see rollout/agent.py
+        # Mistral's [TOOL_CALLS] is a special token (step() must see it: rollout/agent.py), and its templates
+        # refuse a tool message without a 9-character tool_call_id
+        self.special_tokens = self.call_ids = parser == "mistral"
         self.tool_calls = self.tool_errors = 0
         self.tool_seconds = 0.0
 
