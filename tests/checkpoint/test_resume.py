@@ -108,7 +108,10 @@ def test_resume_is_exact(model_dir, straight, tmp_path):
     _train(_args(model_dir, out, "trainer.steps=6", "checkpoint.resume=auto"))
     resumed, full = _strip(_metrics(out)), _strip(_metrics(straight))
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
-    assert all(r["grad_norm"] > 0 for r in full) and len({r["loss"] for r in full}) > 1  # real updates
+    # Real updates on both sides of the resume point (a step whose samples all score like their greedy
+    # answer has zero advantage and no gradient: step 3 of this seed).
+    norms = [r["grad_norm"] for r in full]
+    assert any(g > 0 for g in norms[:3]) and all(g > 0 for g in norms[3:]), norms
     assert resumed == full  # bitwise: every metric of steps 1-6
 
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.train.test_train_e2e import assert_learns, _timeless, _train, _train_logged, env  # noqa: F401 (fixture)
+from tests.train.test_train_e2e import assert_fp32_rounding_only, assert_learns, _timeless, _train, _train_logged, env  # noqa: F401 (fixture)
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +27,9 @@ def test_tiny_moe_default_learns_at_ep2_with_vllm(moe_run):
     train = [r for r in records if "loss" in r]
     assert len(train) == 30
     # The engine samples from exactly the weights the actor trains (its experts gathered over EP and
-    # re-processed after each vLLM reload): fp32 rounding only, every step (measured max 7.2e-6).
-    gaps = [r["logprob/engine_vs_actor_max_diff"] for r in train]
-    assert max(gaps) <= 1e-5, gaps
+    # re-processed after each vLLM reload): fp32 rounding only, every step (measured max 7.2e-6 on an
+    # Intel Xeon, 1.0014e-5 on one step of 30 on CI's AMD EPYC).
+    assert_fp32_rounding_only([r["logprob/engine_vs_actor_max_diff"] for r in train])
     # Load balancing: a loss near 1 (1.0 = balanced) and each layer's busiest expert over the mean.
     assert all(0.9 < r["moe/aux_loss"] < 2.0 and r["moe/expert_load"] >= 1.0 for r in train), [
         (r["moe/aux_loss"], r["moe/expert_load"]) for r in train
@@ -68,5 +68,5 @@ def test_routing_replay_with_the_native_engine_at_ep2(env, tmp_path):  # noqa: F
     )
     train = [r for r in records if "loss" in r]
     assert len(train) == 3 and all(r["grad_norm"] > 0 for r in train)
-    assert max(r["logprob/engine_vs_actor_max_diff"] for r in train) <= 1e-5, train
+    assert_fp32_rounding_only([r["logprob/engine_vs_actor_max_diff"] for r in train])
     assert all(r["moe/route_mismatch_frac"] == 0.0 for r in train), train  # the live router agrees in fp32
