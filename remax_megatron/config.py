@@ -51,6 +51,18 @@ def knob(default, doc: str):
     return field(default=default, metadata={"doc": doc})
 
 
+def _auto_or_positive(key: str, value: str) -> None:
+    """`value` is "auto" or a number > 0 (a str field that takes either)."""
+    if str(value).strip().lower() == "auto":
+        return
+    try:
+        ok = float(value) > 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{key}={value!r} must be auto or a number > 0")
+
+
 def _check_choices(section: str, obj) -> None:
     """Every Literal-typed field of `obj` holds one of its allowed values."""
     for name, hint in typing.get_type_hints(type(obj)).items():
@@ -82,8 +94,8 @@ class TrainerConfig:
     )
     pack_sequences: bool = knob(
         False,
-        "several sequences per row, attention kept inside each (a block-diagonal mask "
-        "on CPU, Transformer Engine's THD format on GPU); needs trainer.micro_batch_tokens",
+        "several sequences per row, attention kept inside each (megatron's THD format: "
+        "each document attended alone); needs trainer.micro_batch_tokens",
     )
     mini_batches: int = knob(1, "optimizer steps per rollout (> 1 uses the clipped ratio)")
     eval_every: int = knob(5, "greedy eval every N steps (0: never)")
@@ -285,11 +297,22 @@ class RolloutConfig:
     stop: list[str] = knob([], "stop strings (EOS always stops)")
     stop_token_ids: list[int] = knob([], "token ids that end a completion as EOS does (kept in it)")
     sync_bucket_mb: int = knob(256, "weight-sync bucket size in MiB (peak extra memory of the sync)")
-    kv_cache_gib: float = knob(0.0, "vLLM KV cache per engine in GiB; 0: sized by gpu_memory_utilization")
+    kv_cache_gib: float = knob(
+        0.0,
+        "KV cache per engine in GiB; 0: vLLM sized by gpu_memory_utilization, the native engine one static cache "
+        "per request (prompt + max_new_tokens for every row); native > 0: a request that needs more decodes in "
+        "waves of the rows that fit",
+    )
     gpu_memory_utilization: float = knob(
         0.5, "vLLM's memory fraction when kv_cache_gib=0 (CPU: of HOST memory, per engine)"
     )
-    logprob_warn_threshold: float = knob(0.05, "warn when engine vs actor log-probs differ more")
+    logprob_warn_threshold: str = knob(
+        "auto",
+        "when the engine-vs-actor log-prob gap warns: auto = the gap of the first steps after a sync (>= 100 "
+        "tokens; the floor of the run's dtype: ~1e-7 mean in fp32, ~5e-3 in bf16) measured, then a step whose "
+        "mean |diff| exceeds 3x the floor's mean + 4 standard errors (at least 1e-5) warns, naming the floor "
+        "(rollout/monitor.py MismatchFloor); a number = warn when the max |diff| exceeds it (fixed)",
+    )
     compile: Compile = knob(
         "auto",
         "vLLM's torch.compile of the model: auto = on CUDA (with CUDA graphs), eager on "
@@ -432,6 +455,7 @@ class RolloutConfig:
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"rollout.stop_token_ids={self.stop_token_ids} holds a negative id: token ids are >= 0")
+        _auto_or_positive("rollout.logprob_warn_threshold", self.logprob_warn_threshold)
         _positive("rollout.sync_bucket_mb", self.sync_bucket_mb)
         _positive("rollout.kv_cache_gib", self.kv_cache_gib, zero_ok=True)
         if not 0 < self.gpu_memory_utilization <= 1:

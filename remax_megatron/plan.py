@@ -196,7 +196,10 @@ def activation_elements(cfg, arch, seq: int) -> float:
     etp = a.etp or tp
     d, hd, h, kv, f = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.ffn_hidden_size
     s = sequence_multiple(tp, a.sequence_parallel)
-    mlp = (3 * arch.moe_ffn_hidden_size * arch.moe_top_k / etp + 2 * arch.moe_top_k * d) if arch.is_moe else 3 * f / tp
+    routed = 3 * arch.moe_ffn_hidden_size * arch.moe_top_k / etp + 2 * arch.moe_top_k * d
+    routed += 3 * arch.moe_shared_ffn_hidden_size / tp  # shared experts: a dense MLP over TP
+    # per layer, averaged over the routed and the (DeepSeek-style first) dense layers
+    mlp = (arch.moe_layers * routed + (arch.num_layers - arch.moe_layers) * 3 * f / tp) / arch.num_layers
     selective = 4 * d / s + (2 * h + 2 * kv) * hd / tp + mlp
     layers = arch.num_layers // pp
     if a.recompute == "none":
@@ -211,11 +214,21 @@ def rollout_memory(cfg, arch, sizes: dict, seq: int, nbytes: int) -> tuple[int, 
     rollout engine's rank."""
     engines = sizes["rollout_world"] // cfg.rollout.tp
     per_engine = ceil_div(cfg.trainer.prompts_per_step, engines)
-    kv, hd = arch.num_kv_heads, arch.head_dim
-    kv_cache = 2 * arch.num_layers * (kv / cfg.rollout.tp) * hd * per_engine * (cfg.rollout.n + 1) * seq * nbytes
+    kv_cache = arch.num_layers * _kv_cache_per_token(cfg, arch) * per_engine * (cfg.rollout.n + 1) * seq * nbytes
     seqs = per_engine * (cfg.rollout.n + 1)
     engine_weights = param_count(arch, arch.vocab_size) / cfg.rollout.tp * nbytes
     return engines, per_engine, seqs, kv_cache, engine_weights
+
+
+def _kv_cache_per_token(cfg, arch) -> float:
+    """KV-cache elements one token keeps per layer on one rollout rank: k and v of its KV heads; with
+    multi-latent attention vLLM caches the latent and the shared rope key (kv_lora + rope, on every TP
+    rank) where transformers' model (the native engine) caches every head's k (nope + rope) and v."""
+    if getattr(arch, "is_mla", False):
+        if cfg.rollout.engine == "vllm":
+            return arch.kv_lora_rank + arch.qk_pos_emb_head_dim
+        return arch.num_heads / cfg.rollout.tp * (arch.qk_head_dim + arch.qk_pos_emb_head_dim + arch.v_head_dim)
+    return 2 * arch.num_kv_heads / cfg.rollout.tp * arch.head_dim
 
 
 def reward_model_bytes(cfg, rm_arch, nbytes: int) -> int:

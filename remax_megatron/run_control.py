@@ -85,7 +85,7 @@ class RunControl:
             c.dir, step, self.actor_module, self.parts.optimizer, state, self.parts.hf_dir, keep=c.keep
         )
         self._save_seconds = time.perf_counter() - start
-        self.log.write(f"saved checkpoint {path}")
+        self.log.write(f"saved checkpoint {path} in {self._save_seconds:.1f} s")
         return path
 
     def save_if_sound(self, step: int, state_dict) -> str | None:

@@ -22,16 +22,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from remax_megatron.rollout.agent import check_env_reward, env_factory_of
 from remax_megatron.algo.zero_advantage import skips_zero_advantage
 from remax_megatron.builtin.models import resolve_model
+from remax_megatron.startup_times import StartupClock
 from remax_megatron.data.prompts import Prompt, load_prompts
-from remax_megatron.models.arch import (
-    DTYPES,
-    ExpertOptions,
-    LoraOptions,
-    ModelArch,
-    check_packing,
-    expert_options,
-    transformer_engine_usable,
-)
+from remax_megatron.models.arch import DTYPES, ExpertOptions, LoraOptions, ModelArch, check_packing, expert_options
 from remax_megatron.models.hf_config import check_layout, check_run_length, read_hf_config
 from remax_megatron.reward.functions import PLACEHOLDER, RewardBatch, RewardFunctions
 from remax_megatron.reward.rm_inputs import RewardModelInputs, load_rm_tokenizer
@@ -102,7 +95,7 @@ def check_inputs(cfg, world_size: int) -> CheckedInputs:
     skips_zero_advantage(cfg, arch.is_moe)  # trainer.skip_zero_advantage=on where it would change the update
     experts = expert_options(cfg, arch)
     if cfg.trainer.pack_sequences:
-        check_packing(DTYPES[cfg.actor.dtype])
+        check_packing(DTYPES[cfg.actor.dtype], local_spec=bool(cfg.actor.lora_rank))
     check_rollout(cfg.rollout, arch, cfg.rollout_world(world_size))
     env_factory = env_factory_of(cfg) if cfg.rollout.multi_turn else None  # imports, has step(), tools: now
     if env_factory is not None:
@@ -276,8 +269,8 @@ def claim_run(cfg, checked: CheckedInputs) -> Claim:
 
 def check_lora(cfg, arch: ModelArch) -> None:
     """LoRA checks that need the model or the machine (one line each): MoE experts cannot take adapters;
-    a LoRA actor runs megatron's local layer spec, so nothing of Transformer Engine's (packed THD rows,
-    grouped experts) is there for it."""
+    a LoRA actor runs megatron's local layer spec, so Transformer Engine's grouped experts are not there for
+    it (packed rows are: models/attention.py takes THD)."""
     if not cfg.actor.lora_rank:
         return
     experts = [t for t in cfg.actor.lora_targets if t in ("linear_fc1", "linear_fc2")]
@@ -285,12 +278,6 @@ def check_lora(cfg, arch: ModelArch) -> None:
         raise ValueError(
             f"actor.lora_targets holds {experts}, which are MoE experts in {arch.architecture}: LoRA on "
             "experts is not supported; use actor.lora_targets=[linear_qkv,linear_proj]"
-        )
-    if cfg.trainer.pack_sequences and transformer_engine_usable():
-        raise ValueError(
-            f"trainer.pack_sequences=true with actor.lora_rank={cfg.actor.lora_rank}: the LoRA actor runs "
-            "megatron's local layer spec, which takes no packed (THD) rows; set "
-            "trainer.pack_sequences=false"
         )
     if arch.is_moe and cfg.actor.moe_experts == "grouped":
         raise ValueError(
@@ -325,10 +312,10 @@ def prepare_models(cfg, checked: CheckedInputs) -> None:
         resolve_model(cfg.reward.model, "reward.model")
 
 
-def build(cfg, checked: CheckedInputs, bridge=None):
+def build(cfg, checked: CheckedInputs, bridge=None, clock: StartupClock | None = None):
     """Process groups, models, optimizer, engine, reward: the trainer's Components (built-in models
     built first by prepare_models). rollout.placement=separate: the engine is the rollout ranks' (`bridge`:
-    parallel/split.py's, on training rank 0)."""
+    parallel/split.py's, on training rank 0). clock: times each part (time/startup/<part>_s)."""
     import torch
 
     from remax_megatron.algo.kl_controller import KLController
@@ -344,23 +331,27 @@ def build(cfg, checked: CheckedInputs, bridge=None):
     actor_dir = resolve_model(cfg.actor.model, "actor.model")
     ref_dir = checked.ref_dir and resolve_model(cfg.reference.model or cfg.actor.model, "reference.model")
     rm_dir = checked.rm_dir and resolve_model(cfg.reward.model, "reward.model")
-    _, world = init_distributed(cfg.trainer.dist_timeout_minutes)
-    groups = ParallelLayout(
-        tp=cfg.actor.tp, pp=cfg.actor.pp, world_size=world, ep=cfg.actor.ep, etp=cfg.actor.etp
-    ).initialize(seed=cfg.trainer.seed, timeout_minutes=cfg.trainer.dist_timeout_minutes)
+    clock = clock or StartupClock()
+    with clock.part("process_groups"):
+        _, world = init_distributed(cfg.trainer.dist_timeout_minutes)
+        groups = ParallelLayout(
+            tp=cfg.actor.tp, pp=cfg.actor.pp, world_size=world, ep=cfg.actor.ep, etp=cfg.actor.etp
+        ).initialize(seed=cfg.trainer.seed, timeout_minutes=cfg.trainer.dist_timeout_minutes)
     torch.manual_seed(cfg.trainer.seed)
     dtype = params_dtype_of(cfg.actor.dtype)
-    actor, reference, reward_model = build_models(cfg, checked, dtype, actor_dir, ref_dir, rm_dir)
-    ddp = wrap_ddp(actor, cfg.optim.distributed_optimizer)
-    optimizer = build_optimizer(ddp, cfg.optim, dtype, groups)
-    attach_to_schedule(ddp, optimizer)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.steps * cfg.trainer.mini_batches)
-    if cfg.rollout.placement == "separate":
-        from remax_megatron.rollout.remote import RemoteEngine
+    actor, reference, reward_model = build_models(cfg, checked, dtype, actor_dir, ref_dir, rm_dir, clock)
+    with clock.part("optimizer"):
+        ddp = wrap_ddp(actor, cfg.optim.distributed_optimizer)
+        optimizer = build_optimizer(ddp, cfg.optim, dtype, groups)
+        attach_to_schedule(ddp, optimizer)
+        scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.steps * cfg.trainer.mini_batches)
+    with clock.part("engine"):
+        if cfg.rollout.placement == "separate":
+            from remax_megatron.rollout.remote import RemoteEngine
 
-        engine = RemoteEngine(bridge, dtype=dtype, seed=cfg.trainer.seed)
-    else:
-        engine = build_rollout_engine(cfg, checked, actor_dir)
+            engine = RemoteEngine(bridge, dtype=dtype, seed=cfg.trainer.seed)
+        else:
+            engine = build_rollout_engine(cfg, checked, actor_dir)
     tok = checked.tokenizer
     # Worker processes start on the first scoring call: a failure there stops every rank in one line.
     workers = (
@@ -392,14 +383,22 @@ def build(cfg, checked: CheckedInputs, bridge=None):
         eval_prompts=checked.eval,
         kl=KLController(cfg.algo.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon),
         hf_dir=actor_dir,
+        startup=clock,
     )
 
 
 def build_models(
-    cfg, checked: CheckedInputs, dtype: torch.dtype, actor_dir: str, ref_dir: str | None, rm_dir: str | None
+    cfg,
+    checked: CheckedInputs,
+    dtype: torch.dtype,
+    actor_dir: str,
+    ref_dir: str | None,
+    rm_dir: str | None,
+    clock: StartupClock | None = None,
 ):
     """The actor (with its LoRA adapters), the reference and the reward model (None when not used), their
-    weights loaded from their directories; after ParallelLayout.initialize."""
+    weights loaded from their directories; after ParallelLayout.initialize. clock: times the builds
+    (time/startup/model_build_s) apart from the loads (time/startup/hf_load_s)."""
     import torch
 
     from remax_megatron.models import build_policy, build_reward_model
@@ -415,8 +414,13 @@ def build_models(
         init_weights=False,
     )
     lora = lora_options(cfg)
-    actor = build_policy(checked.arch, recompute_granularity=recompute, experts=checked.experts, lora=lora, **common)
-    load_hf_weights(actor, actor_dir)
+    clock = clock or StartupClock()
+    with clock.part("model_build"):
+        actor = build_policy(
+            checked.arch, recompute_granularity=recompute, experts=checked.experts, lora=lora, **common
+        )
+    with clock.part("hf_load"):
+        load_hf_weights(actor, actor_dir)
     if lora is not None and torch.distributed.get_rank() == 0:
         print(
             f"LoRA actor: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}; base frozen"
@@ -429,22 +433,29 @@ def build_models(
         )
     reference = None
     if ref_dir:  # the reference routes on its own (no replay)
-        reference = build_policy(
-            checked.arch, trainable=False, **common, experts=dataclasses.replace(checked.experts, routing_replay=False)
-        )
-        load_hf_weights(reference, ref_dir)
+        with clock.part("model_build"):
+            reference = build_policy(
+                checked.arch,
+                trainable=False,
+                **common,
+                experts=dataclasses.replace(checked.experts, routing_replay=False),
+            )
+        with clock.part("hf_load"):
+            load_hf_weights(reference, ref_dir)
     reward_model = None
     if rm_dir:
-        reward_model = build_reward_model(
-            checked.rm_arch,
-            tp=cfg.reward.tp,
-            pp=cfg.reward.pp,
-            params_dtype=dtype,
-            sequence_parallel=cfg.actor.sequence_parallel,
-            init_weights=False,
-            make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by,
-        )
-        load_hf_weights(reward_model, rm_dir)
+        with clock.part("model_build"):
+            reward_model = build_reward_model(
+                checked.rm_arch,
+                tp=cfg.reward.tp,
+                pp=cfg.reward.pp,
+                params_dtype=dtype,
+                sequence_parallel=cfg.actor.sequence_parallel,
+                init_weights=False,
+                make_vocab_size_divisible_by=cfg.actor.make_vocab_size_divisible_by,
+            )
+        with clock.part("hf_load"):
+            load_hf_weights(reward_model, rm_dir)
     return actor, reference, reward_model
 
 

@@ -22,6 +22,7 @@ from remax_megatron.metrics import count_weighted, global_mean, reduce_totals
 from remax_megatron.models.forward import broadcast_from_last_stage
 from remax_megatron.parallel import all_reduce_cpu
 from remax_megatron.rollout import SamplingParams, logprob_mismatch
+from remax_megatron.rollout.monitor import warn_rule
 from remax_megatron.rollout.agent import FINISHES, trajectory_stats
 
 # Statistics of the loss that are summed over micro-batches and DP ranks (each already normalised globally).
@@ -68,6 +69,7 @@ class StepMetrics:
     def __init__(self, cfg, parts, reduce: DpReduce):
         self.cfg, self.parts, self.reduce, self.groups = cfg, parts, reduce, reduce.groups
         self.actor_module = parts.actor.module
+        self.gap_rule = warn_rule(cfg.rollout.logprob_warn_threshold)  # auto: the floor measured at the first step
 
     def record(
         self, step: int, batch, rollouts, r_sampled, r_greedy, update, ref_lp, reward_metrics, stale: bool = False
@@ -134,7 +136,7 @@ class StepMetrics:
                 old_lp,
                 batch["engine_logprobs"],
                 ran,
-                threshold=None if stale else self.cfg.rollout.logprob_warn_threshold,
+                threshold=None if stale else self.gap_rule,
                 constrained=SamplingParams.from_config(self.cfg.rollout).guided is not None,
             )
             ran_n = int(ran.sum())
@@ -242,6 +244,7 @@ class BehaviourCheck:
 
     def __init__(self, cfg, actor_module, reduce: DpReduce, enabled: bool):
         self.cfg, self.actor_module, self.reduce, self.enabled = cfg, actor_module, reduce, enabled
+        self.gap_rule = warn_rule(cfg.rollout.logprob_warn_threshold)
         self._snapshots: dict[int, list[torch.Tensor]] = {}  # version -> weights
 
     def keep(self, version: int) -> None:
@@ -264,12 +267,7 @@ class BehaviourCheck:
             swap_data(params, snapshot)
         local = None
         if self.reduce.groups.is_last_stage:
-            gap = logprob_mismatch(
-                behaviour,
-                batch["engine_logprobs"],
-                forward_mask(batch),
-                threshold=self.cfg.rollout.logprob_warn_threshold,
-            )
+            gap = logprob_mismatch(behaviour, batch["engine_logprobs"], forward_mask(batch), threshold=self.gap_rule)
             local = {"max": gap["max"]}
         totals = self.reduce.totals(self.reduce.from_last_stage(local, ("max",)), maximum=("max",))
         return {"logprob/engine_vs_behaviour_max_diff": totals["max"]}

@@ -25,6 +25,7 @@ import sys
 # while it loads is then kept like any other, not a KeyboardInterrupt traceback).
 from remax_megatron.launch import report_error
 from remax_megatron.processes import children_die_with_parent, preemption_flag, set_parent_death_signal
+from remax_megatron.startup_times import StartupClock
 
 
 def _stop_with_launcher() -> None:
@@ -96,20 +97,24 @@ def main(argv=None) -> None:
     preemption_flag()  # a stop signal from here on ends the run at a step boundary with a checkpoint
     _stop_with_launcher()
     children_die_with_parent()
-    cfg = _config(argv)
+    clock = StartupClock()  # where the time to the first step goes (time/startup_s, time/startup/<part>_s)
+    with clock.part("checks"):
+        cfg = _config(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # Imported in this order: what the libraries print is set before they load (remax_megatron.console),
     # the checks need torch and transformers only, megatron-core and vLLM load for the claim and the build.
-    from remax_megatron.console import quiet_console
+    with clock.part("checks"):  # their imports (torch, transformers) included
+        from remax_megatron.console import quiet_console
 
-    quiet_console(cfg.logging.level)
-    from remax_megatron.startup import check_inputs, claim_run, prepare_models
+        quiet_console(cfg.logging.level)
+        from remax_megatron.startup import check_inputs, claim_run, prepare_models
 
-    try:
-        checked = check_inputs(cfg, world)
-    except (ValueError, FileNotFoundError) as e:
-        _refuse(e)
-    prepare_models(cfg, checked)  # built-in models on first use (a minute once), before the process group
+        try:
+            checked = check_inputs(cfg, world)
+        except (ValueError, FileNotFoundError) as e:
+            _refuse(e)
+    with clock.part("builtin_models"):
+        prepare_models(cfg, checked)  # built-in models on first use (a minute once), before the process group
     bridge = None
     if cfg.rollout.placement == "separate":  # the world splits: the last rollout.ranks ranks serve the engine
         from remax_megatron.parallel.split import split_world
@@ -119,11 +124,12 @@ def main(argv=None) -> None:
             _serve_rollouts(cfg, checked, split)
             return
         bridge = split.bridge
-    from remax_megatron.checkpoint import CheckpointError
-    from remax_megatron.metrics import is_rank0
-
+    with clock.part("claim"):  # megatron-core's import, the checkpoint to resume checked
+        from remax_megatron.checkpoint import CheckpointError
+        from remax_megatron.metrics import is_rank0
     try:
-        claim = claim_run(cfg, checked)  # from here on this run owns its directories (rank 0 holds the lock)
+        with clock.part("claim"):
+            claim = claim_run(cfg, checked)  # from here on this run owns its directories (rank 0 holds the lock)
     except (ValueError, FileNotFoundError) as e:
         _refuse(e)
     except CheckpointError as e:  # the checkpoint to resume cannot be read (every rank raises the same line)
@@ -132,7 +138,7 @@ def main(argv=None) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         _print_banner(cfg, checked, world)
     try:
-        _train(cfg, checked, claim, bridge)
+        _train(cfg, checked, claim, clock, bridge)
     finally:  # a run that failed before its first record leaves no lock file and no directory it created
         if claim.lock is not None:
             claim.lock.release()
@@ -205,18 +211,19 @@ def _serve_rollouts(cfg, checked, split) -> None:
     teardown(engine)
 
 
-def _train(cfg, checked, claim, bridge=None) -> None:
+def _train(cfg, checked, claim, clock: StartupClock, bridge=None) -> None:
     """Build, train, tear down: the run after its inputs were checked and its directories claimed."""
-    from remax_megatron.checkpoint import CheckpointError
-    from remax_megatron.config import save_config
-    from remax_megatron.memory import keep_freed_host_memory
-    from remax_megatron.metrics import MetricsLogger, is_rank0, print0, run_summary
-    from remax_megatron.reward import RewardError
-    from remax_megatron.startup import build
-    from remax_megatron.trainer import StageError, Trainer
+    with clock.part("imports"):  # megatron-core's models and optimizers, the engines
+        from remax_megatron.checkpoint import CheckpointError
+        from remax_megatron.config import save_config
+        from remax_megatron.memory import keep_freed_host_memory
+        from remax_megatron.metrics import MetricsLogger, is_rank0, print0, run_summary
+        from remax_megatron.reward import RewardError
+        from remax_megatron.startup import build
+        from remax_megatron.trainer import StageError, Trainer
 
     keep_freed_host_memory()  # CPU: no page faults on every step's big tensors (remax_megatron.memory)
-    parts = build(cfg, checked, bridge)
+    parts = build(cfg, checked, bridge, clock)
     # config.yaml, metrics.jsonl and TensorBoard events appear with the first record: a run that fails
     # before it has trained or evaluated anything leaves an existing run's files as they were.
     logger = MetricsLogger(

@@ -22,16 +22,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from transformers import PreTrainedTokenizerBase
 
 from remax_megatron.algo.kl_controller import KLController
-from remax_megatron.batching import pad_sequences
+from remax_megatron.batching import rollout_batch
 from remax_megatron.checkpoint import CheckpointError
 from remax_megatron.config import Config
 from remax_megatron.data.prompts import Prompt, PromptSampler
@@ -39,7 +38,7 @@ from remax_megatron.evaluation import Evaluator
 from remax_megatron.health import TrainingHealth
 from remax_megatron.memory import TrainStateOffload, phase_memory
 from remax_megatron.metrics import MetricsLogger
-from remax_megatron.models.gpt import PolicyModel, sequence_multiple
+from remax_megatron.models.gpt import PolicyModel
 from remax_megatron.optimizer import CpuAdamW, MegatronOptimizer
 from remax_megatron.parallel import ProcessGroups
 from remax_megatron.reward.overlong import shape_overlong
@@ -51,6 +50,7 @@ from remax_megatron.rollout.dump import RolloutDump
 from remax_megatron.rollout.dynamic_sampling import DynamicSampling, Scored
 from remax_megatron.rollout.schedule import SyncThenGenerate, make_schedule, one_step_ahead
 from remax_megatron.run_control import RunControl
+from remax_megatron.startup_times import StartupClock
 from remax_megatron.step_metrics import BehaviourCheck, DpReduce, StepMetrics
 from remax_megatron.update import Updater
 
@@ -72,6 +72,7 @@ class Components:
     eval_prompts: list[Prompt]
     kl: KLController
     hf_dir: str  # the actor's HF directory (config and tokenizer go into checkpoints)
+    startup: StartupClock = field(default_factory=StartupClock)  # launch to the first step, in parts
 
 
 class Trainer:
@@ -142,12 +143,14 @@ class Trainer:
                 state = self.run.resume(resume)
                 self.step, self.updater.skipped_updates = state["step"], state["skipped_updates"]
         if cfg.trainer.eval_every and self.step == 0:
-            with self._stage("eval", {}, step=0):
+            with self.parts.startup.part("eval"), self._stage("eval", {}, step=0):
                 record = self.evaluator.evaluate(self.step, self._eval_rollouts)
             if record:  # no held-out prompts (data.eval_size=0): nothing to log
                 self.log.log(record)
         while self.step < cfg.trainer.steps:
+            self.parts.startup.step_starts()
             record = self.train_step()
+            record.update(self.parts.startup.first_record())  # time/startup_s and its parts, once
             self.step += 1
             if cfg.trainer.eval_every and (self.step % cfg.trainer.eval_every == 0 or self.step == cfg.trainer.steps):
                 with self._stage("eval", {}, step=self.step):  # its "step" is the record's
@@ -194,7 +197,7 @@ class Trainer:
                 )
 
         with self._stage("pack", times):
-            batch = self._batch(prompts, rollouts, r_sampled, r_greedy)
+            batch = rollout_batch(cfg, parts.tokenizer, self.actor_module, prompts, rollouts, r_sampled, r_greedy)
             batch, plan = updater.micro_batch_plan(batch)  # this rank's rows and micro-batches per update
 
         with self._stage("logprobs", times):
@@ -266,25 +269,6 @@ class Trainer:
         scores = shape_overlong(scores, responses, self.cfg, metrics)  # reward.overlong_buffer: samples and greedy
         n = self.cfg.rollout.n
         return [s for row in scores for s in row[:n]], [row[n] for row in scores], metrics
-
-    def _batch(self, prompts, rollouts, r_sampled, r_greedy) -> dict:
-        """The samples as one right-padded batch (batching.pad_sequences) with their rewards [B] and their
-        prompt's greedy reward [B] (the baseline)."""
-        n, tokenizer = self.cfg.rollout.n, self.parts.tokenizer
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        # each row's context: its prompt, or the environment's first message (rollout.env)
-        rows = [r.prompt_ids or q.token_ids for q, r in zip(prompts, rollouts) for _ in range(n)]
-        rows = rows, [c for r in rollouts for c in r.sampled]
-        batch = pad_sequences(
-            *rows,
-            pad_id=pad_id,
-            pad_to_multiple=sequence_multiple(self.actor_module),
-            routes=self.cfg.rollout.routing_replay,  # the engine's experts, replayed in the update
-            mask_truncated=self.cfg.trainer.mask_truncated,
-        )  # cut samples leave the loss
-        batch["rewards"] = torch.tensor(r_sampled, dtype=torch.float32)  # [B]
-        batch["baseline"] = torch.tensor(r_greedy, dtype=torch.float32).repeat_interleave(n)  # [B]
-        return batch
 
     @contextlib.contextmanager
     def _stage(self, name: str, times: dict, step: int | None = None):

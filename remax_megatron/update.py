@@ -33,7 +33,6 @@ from remax_megatron.batching import (
 )
 from remax_megatron.kernels import compute_advantages, logprob_gradient, remax_loss
 from remax_megatron.metrics import print0
-from remax_megatron.models.arch import packed_attention
 from remax_megatron.models.forward import forward_only, run_schedule, to_model_device
 from remax_megatron.models.gpt import sequence_multiple
 from remax_megatron.models.lora import adapters_disabled, has_adapters
@@ -131,9 +130,8 @@ class Updater:
 
     def micro_batches(self, batch: dict, micro: list[MicroBatch], extra: dict | None = None) -> list[dict]:
         """The micro-batches' tensors (batching.assemble)."""
-        path = packed_attention()
         multiple = sequence_multiple(self.actor_module)
-        return [assemble(batch, m, path, extra, multiple) for m in micro]
+        return [assemble(batch, m, extra, multiple) for m in micro]
 
     @torch.no_grad()
     def logprobs(self, model, batch: dict, plan: list[list[MicroBatch]]) -> torch.Tensor | None:

@@ -17,8 +17,8 @@ MODULE_STRING = re.compile(r"(remax_megatron(?:\.\w+)+)(?::\w+)?")
 
 # Bottom to top: a unit imports units of its own layer or below.
 LAYERS = [
-    # foundation: the config tree, integer size rules, process groups, console, lazy exports
-    {"lazy", "sizes", "parallel", "config", "console"},
+    # foundation: the config tree, integer size rules, process groups, console, lazy exports, start-up clock
+    {"lazy", "sizes", "parallel", "config", "console", "startup_times"},
     # tensors in, tensors out: loss terms, fused kernels, FLOP counts, run-health and host-memory helpers
     {"algo", "kernels", "flops", "health", "memory"},
     # models: HF config -> megatron, families, builders; their weights (mapping, load, export)

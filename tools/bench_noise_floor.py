@@ -7,7 +7,9 @@
 The model is a random Llama with SmolLM2-135M's shape unless told otherwise (30 layers, hidden 576, 9 heads /
 3 KV heads (head_dim 64, which vLLM's CPU attention runs), ffn 1536, tied embeddings), written with
 remax_megatron.builtin.tiny.make_tiny_model into --model-dir (or a temporary directory); --vocab adds
-filler tokens to the character tokenizer. Everything is fp32 on CPU. One fixed batch: --prompts random
+filler tokens to the character tokenizer. Everything is fp32 on CPU, or bf16 with --dtype bf16 (HF, the actor
+and the engines alike: the floor the trainer's monitor meets in a bf16 run); --no-lora skips the LoRA rows.
+One fixed batch: --prompts random
 prompts of --prompt-len tokens, each with a random completion of --completion-len tokens; the log-probs
 compared are those of the completion tokens. Rows (each pair measured in the same run):
 
@@ -47,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LORA_RANK, LORA_ALPHA = 4, 16.0  # tests/models/test_lora.py's: scale 4
 _LIVE_ENGINES: list = []  # kept to the end: a collected vLLM engine could tear the process groups down early
 
@@ -68,12 +71,19 @@ def _logprobs_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return lp.masked_fill(labels < 0, 0.0)
 
 
-def _hf(model_dir: str, attn: str, batch: dict, state_dict: dict | None = None, adapter: str | None = None):
+def _hf(
+    model_dir: str,
+    attn: str,
+    batch: dict,
+    state_dict: dict | None = None,
+    adapter: str | None = None,
+    dtype: torch.dtype = torch.float32,
+):
     """(logits, log-probs) of the fixed batch by transformers (fp32, `attn` attention); state_dict: weights
     loaded over the checkpoint's (a merged export); adapter: a PEFT directory applied on top."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn).eval()
     if state_dict is not None:
         missing, unexpected = model.load_state_dict(state_dict, strict=False)
         assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)  # tied: lm_head
@@ -131,6 +141,14 @@ def _engine_gap(engine, actor, prompts: list[list[int]], n: int, completion_len:
     return logprob_mismatch(actor_lp, padded["engine_logprobs"], padded["response_mask"])
 
 
+def _auto_limit(gap: dict) -> float:
+    from remax_megatron.rollout.monitor import MismatchFloor
+
+    rule = MismatchFloor(min_tokens=1)
+    rule.judge(gap)
+    return rule.limit(gap["tokens"])
+
+
 def _centered(diff: torch.Tensor) -> torch.Tensor:
     """[B, S, V] logit differences minus their mean over the vocab at each position."""
     return diff - diff.mean(-1, keepdim=True)
@@ -156,6 +174,7 @@ def run(args) -> dict:
     from remax_megatron.weights.peft_export import write_peft_dir
 
     rank, world = init_distributed()
+    dtype = DTYPES[args.dtype]
     tp = args.tp or world
     groups = ParallelLayout(tp=tp, pp=1, world_size=world).initialize(seed=0)
     arch = read_hf_config(args.model_dir)
@@ -177,15 +196,15 @@ def run(args) -> dict:
 
     start = time.perf_counter()
     if rank == 0:  # transformers on rank 0 only: the other ranks hold actor shards
-        eager_logits, eager_lp = _hf(args.model_dir, "eager", batch)
-        sdpa_logits, sdpa_lp = _hf(args.model_dir, "sdpa", batch)
+        eager_logits, eager_lp = _hf(args.model_dir, "eager", batch, dtype=dtype)
+        sdpa_logits, sdpa_lp = _hf(args.model_dir, "sdpa", batch, dtype=dtype)
         rows.append(_row("floor", "HF eager vs HF sdpa", layout, **diffs(eager_lp, sdpa_lp, eager_logits, sdpa_logits)))
         logit_std = float(eager_logits.std())
         del sdpa_logits
     timings["hf_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    actor = build_policy(arch, tp=tp, pp=1, trainable=False)
+    actor = build_policy(arch, tp=tp, pp=1, trainable=False, params_dtype=dtype)
     load_hf_weights(actor, args.model_dir)
     actor_logits, actor_lp = _actor(actor, batch)
     if rank == 0:
@@ -201,49 +220,57 @@ def run(args) -> dict:
     timings["actor_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    lora = build_policy(arch, tp=tp, pp=1, init_weights=False, lora=LoraOptions(rank=LORA_RANK, alpha=LORA_ALPHA))
-    load_hf_weights(lora, args.model_dir)
-    random_adapters(lora, groups.tp_rank)
-    lora_logits, lora_lp = _actor(lora, batch)
-    merged = {n: t.clone() for n, t in export_hf_weights(lora)}
-    adapter_dir = os.path.join(args.work_dir, f"peft-{layout}")
-    write_peft_dir(lora, adapter_dir, base_model=args.model_dir)
-    del lora
-    if rank == 0:
-        merged_logits, merged_lp = _hf(args.model_dir, "eager", batch, state_dict=merged)
-        merged_sdpa_logits, merged_sdpa_lp = _hf(args.model_dir, "sdpa", batch, state_dict=merged)
-        del merged
-        # The adapted model's own floor: random adapters make larger activations than the base model's.
-        rows.append(
-            _row(
-                "floor_merged",
-                f"HF eager vs HF sdpa on the LoRA actor's ({layout}) merged export",
-                layout,
-                **diffs(merged_lp, merged_sdpa_lp, merged_logits, merged_sdpa_logits),
-                logit_std=float(merged_logits.std()),
-            )
+    if args.lora:  # the LoRA rows (fp32 claims of the docs); --no-lora skips them
+        lora = build_policy(
+            arch,
+            tp=tp,
+            pp=1,
+            init_weights=False,
+            lora=LoraOptions(rank=LORA_RANK, alpha=LORA_ALPHA),
+            params_dtype=dtype,
         )
-        del merged_sdpa_logits
-        rows.append(
-            _row(
-                "lora_actor_vs_merged_hf",
-                f"LoRA actor ({layout}) vs HF eager on its merged export",
-                layout,
-                **diffs(lora_lp, merged_lp, lora_logits, merged_logits),
-                floor_row="floor_merged",
-                adapter_effect_logprob=float((merged_lp - eager_lp)[mask].abs().max()),
+        load_hf_weights(lora, args.model_dir)
+        random_adapters(lora, groups.tp_rank)
+        lora_logits, lora_lp = _actor(lora, batch)
+        merged = {n: t.clone() for n, t in export_hf_weights(lora)}
+        adapter_dir = os.path.join(args.work_dir, f"peft-{layout}")
+        write_peft_dir(lora, adapter_dir, base_model=args.model_dir)
+        del lora
+        if rank == 0:
+            merged_logits, merged_lp = _hf(args.model_dir, "eager", batch, state_dict=merged, dtype=dtype)
+            merged_sdpa_logits, merged_sdpa_lp = _hf(args.model_dir, "sdpa", batch, state_dict=merged, dtype=dtype)
+            del merged
+            # The adapted model's own floor: random adapters make larger activations than the base model's.
+            rows.append(
+                _row(
+                    "floor_merged",
+                    f"HF eager vs HF sdpa on the LoRA actor's ({layout}) merged export",
+                    layout,
+                    **diffs(merged_lp, merged_sdpa_lp, merged_logits, merged_sdpa_logits),
+                    logit_std=float(merged_logits.std()),
+                )
             )
-        )
-        peft_logits, peft_lp = _hf(args.model_dir, "eager", batch, adapter=adapter_dir)
-        rows.append(
-            _row(
-                "peft_vs_merged",
-                "PEFT adapter (written at this layout) on the base HF model vs the merged export (HF eager both)",
-                layout,
-                **diffs(peft_lp, merged_lp, peft_logits, merged_logits),
-                floor_row="floor_merged",
+            del merged_sdpa_logits
+            rows.append(
+                _row(
+                    "lora_actor_vs_merged_hf",
+                    f"LoRA actor ({layout}) vs HF eager on its merged export",
+                    layout,
+                    **diffs(lora_lp, merged_lp, lora_logits, merged_logits),
+                    floor_row="floor_merged",
+                    adapter_effect_logprob=float((merged_lp - eager_lp)[mask].abs().max()),
+                )
             )
-        )
+            peft_logits, peft_lp = _hf(args.model_dir, "eager", batch, adapter=adapter_dir, dtype=dtype)
+            rows.append(
+                _row(
+                    "peft_vs_merged",
+                    "PEFT adapter (written at this layout) on the base HF model vs the merged export (HF eager both)",
+                    layout,
+                    **diffs(peft_lp, merged_lp, peft_logits, merged_logits),
+                    floor_row="floor_merged",
+                )
+            )
     timings["lora_s"] = time.perf_counter() - start
 
     prompts = [row[: args.prompt_len].tolist() for row in batch["input_ids"]]
@@ -255,7 +282,7 @@ def run(args) -> dict:
             hf_dir=args.model_dir,
             arch=arch,
             seed=0,
-            dtype=torch.float32,
+            dtype=dtype,
             max_model_len=args.prompt_len + args.completion_len + 8,
         )
         WeightSync(engine, actor, bucket_mb=64, groups=groups)()
@@ -270,6 +297,11 @@ def run(args) -> dict:
                     gap["max"],
                     gap["tokens"],
                     mean_logprob_diff=gap["mean"],
+                    sd_logprob_diff=gap["sd"],
+                    mean_exp_logprob_diff=gap["exp_mean"],
+                    # what rollout.logprob_warn_threshold=auto would allow a step of as many tokens, had
+                    # this been the floor it measured (rollout/monitor.py MismatchFloor)
+                    auto_warn_mean_above=_auto_limit(gap),
                 )
             )
         _LIVE_ENGINES.append(engine)  # vLLM's teardown takes torch's default group with it: main() does it last
@@ -303,6 +335,7 @@ def run(args) -> dict:
             "scored_tokens": tokens,
         },
         "logit_std_hf": logit_std,
+        "dtype": args.dtype,
         "world": world,
         "timings_s": timings,
         "versions": _versions(),
@@ -364,6 +397,9 @@ def _also_tp(args, result: dict) -> None:
         *args.engines,
         "--kv-cache-gib",
         str(args.kv_cache_gib),
+        "--dtype",
+        args.dtype,
+        *([] if args.lora else ["--no-lora"]),
     ]
     subprocess.run(cmd, check=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
     other = json.load(open(out))
@@ -394,6 +430,13 @@ def main(argv=None):
     p.add_argument("--completion-len", type=int, default=32)
     p.add_argument("--samples", type=int, default=2, help="sampled completions per prompt from each engine (+ greedy)")
     p.add_argument("--engines", nargs="*", default=["native", "vllm"], choices=["native", "vllm"])
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=sorted(DTYPES),
+        help="the weights' dtype of every side (HF, actor, LoRA, engines): the floor of that dtype",
+    )
+    p.add_argument("--no-lora", dest="lora", action="store_false", help="skip the LoRA and PEFT rows")
     p.add_argument("--kv-cache-gib", type=float, default=0.1, help="vLLM KV cache per engine")
     args = p.parse_args(argv)
     from remax_megatron.console import quiet_console

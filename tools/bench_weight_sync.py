@@ -12,6 +12,9 @@ actor)()` (export in the engine dtype -> buckets -> engine) between barriers. Me
 - transport_gbps: one plain `dist.broadcast` of the same number of bytes from
   rank 0 over all ranks and the same backend: what the transport allows;
 - memcpy_gbps: a single-process tensor copy of min(bytes, 256 MiB);
+- copy_floor_s: one device-to-device copy of the same bytes on the engine's device (`dst.copy_(src)`, both
+  preallocated): the least a colocated sync can cost; `time/sync_s` (the sync's median) and
+  `sync_over_copy_floor` (= time/sync_s / copy_floor_s) set the sync against it;
 - floor_s (vLLM): the engine's own cost, every rank's engine reloading the same tensors already
   in its memory (`VllmEngine.reload`, ONE reload_weights call, no export, no copy);
 - transport_s: the plain broadcast's median seconds (transport_gbps in seconds);
@@ -22,9 +25,10 @@ The syncs, the plain broadcasts and the floors are timed between barriers in tur
 reversed every repeat), `--repeats` of each after one warm-up of each.
 
 JSON (rank 0 writes it): bytes, seconds (median of the syncs), gbps, transport_gbps, memcpy_gbps,
-ratio (= gbps / transport_gbps), transport_s, floor_s and overhead_ratio (= (floor_s + transport_s)
-/ seconds: 1.0 when the sync costs no more than its two parts; vLLM only), buckets,
-max_logprob_diff, plus the layout and the per-repeat times.
+ratio (= gbps / transport_gbps), time/sync_s, copy_floor_s, sync_over_copy_floor, in_place (the native
+engine: tensors the export wrote straight into its parameters / copied from a bucket), transport_s,
+floor_s and overhead_ratio (= (floor_s + transport_s) / seconds: 1.0 when the sync costs no more than its
+two parts; vLLM only), buckets, max_logprob_diff, plus the layout and the per-repeat times.
 """
 
 from __future__ import annotations
@@ -130,7 +134,17 @@ def run(args) -> dict:
         payload.fill_(1)
     device_payload = payload.cuda() if dist.get_backend() == "nccl" else payload
     dist.broadcast(device_payload, src=0)
-    parts = {"sync": sync, "broadcast": lambda: dist.broadcast(device_payload, src=0)}
+    # The copy floor: the same bytes copied once on the engine's device (one kernel, no export, no merge).
+    copy_src = torch.ones(nbytes, dtype=torch.uint8, device=engine.device)
+    copy_dst = torch.empty_like(copy_src)
+
+    def copy_floor():
+        copy_dst.copy_(copy_src)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+
+    copy_floor()
+    parts = {"sync": sync, "broadcast": lambda: dist.broadcast(device_payload, src=0), "copy_floor": copy_floor}
     if args.engine == "vllm":  # the engine's floor: its reload of the same tensors, held in memory
         held = [(name, tensor.clone()) for name, tensor in weight_sync.exporter]
         if engine.untied_head:
@@ -145,9 +159,16 @@ def run(args) -> dict:
     sync()  # the engine ends on the synced weights (the same values either way)
     sync_times, bcast_times, floor_times = times["sync"], times["broadcast"], times.get("floor", [])
     seconds, bcast = statistics.median(sync_times), statistics.median(bcast_times)
+    copy_floor_s = statistics.median(times["copy_floor"])
     result = {
         "bytes": nbytes,
         "seconds": seconds,
+        "time/sync_s": seconds,
+        "copy_floor_s": copy_floor_s,
+        "sync_over_copy_floor": seconds / copy_floor_s,
+        "copy_floor_times": times["copy_floor"],
+        "in_place": getattr(engine, "last_update", None) or None,
+        "device": str(engine.device),
         "gbps": nbytes / seconds / 1e9,
         "transport_gbps": nbytes / bcast / 1e9,
         "memcpy_gbps": _memcpy_gbps(nbytes, args.repeats),

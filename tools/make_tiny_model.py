@@ -5,6 +5,7 @@
     python tools/make_tiny_model.py --family qwen3 --out /tmp/tiny-qwen3 --hidden 128 --head-dim 64
     python tools/make_tiny_model.py --family mistral --out /tmp/tiny-mistral --sliding-window 256
     python tools/make_tiny_model.py --family qwen3_moe --out /tmp/tiny-moe --hidden 128 --ffn 64 --experts 4 --top-k 2
+    python tools/make_tiny_model.py --family glm4_moe --out /tmp/tiny-glm --hidden 72 --head-dim 20 --layers 3
     python tools/make_tiny_model.py --family llama --tie --out /tmp/tiny-llama
     python tools/make_tiny_model.py --family llama --reward --out /tmp/tiny-rm
 
@@ -48,6 +49,10 @@ def main(argv=None):
         default=None,
         help="qwen3_moe, mixtral: experts per token (default 2); --ffn is each expert's width",
     )
+    p.add_argument("--first-dense", type=int, default=None, help="glm4_moe: dense first layers (default 1)")
+    p.add_argument("--shared-experts", type=int, default=None, help="glm4_moe: shared experts (default 1)")
+    p.add_argument("--moe-ffn", type=int, default=None, help="glm4_moe: each expert's width (default --ffn / 2)")
+    p.add_argument("--qk-norm", action="store_true", default=None, help="glm4_moe: q/k RMSNorm (use_qk_norm)")
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--max-positions", type=int, default=512)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -63,6 +68,10 @@ def main(argv=None):
                 ("sliding_window", a.sliding_window),
                 ("experts", a.experts),
                 ("top_k", a.top_k),
+                ("first_dense", a.first_dense),
+                ("shared_experts", a.shared_experts),
+                ("moe_ffn", a.moe_ffn),
+                ("qk_norm", a.qk_norm),
             )
             if v is not None
         }

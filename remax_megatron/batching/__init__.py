@@ -17,7 +17,7 @@ from remax_megatron.batching.micro_batches import (
     to_rows,
     to_sequences,
 )
-from remax_megatron.batching.padding import pad_routes, pad_sequences
+from remax_megatron.batching.padding import pad_routes, pad_sequences, rollout_batch
 from remax_megatron.sizes import round_up
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "pad_routes",
     "pad_sequences",
     "plan_step",
+    "rollout_batch",
     "round_up",
     "take_rows",
     "to_rows",

@@ -3,7 +3,7 @@
     plan = plan_step(lengths_by_rank, mini_batches=1, budget=4096, multiple=1, pack=True)
     batch = exchange_rows(batch, plan.sources, dp_rank, width, dp_group)   # this rank's rows after the balance
     for micro in plan.updates[dp_rank][u]:
-        mb = assemble(batch, micro, path="mask")                    # tensors of one micro-batch
+        mb = assemble(batch, micro)                                 # tensors of one micro-batch
 
 With `trainer.micro_batch_tokens` = 0 the trainer keeps fixed-count micro-batches (`fixed_micro_batches`):
 `micro_batch_size` rows each, all as wide as the step's longest row. With a budget B:
@@ -17,12 +17,13 @@ With `trainer.micro_batch_tokens` = 0 the trainer keeps fixed-count micro-batche
 - **Token budget, padded rows.** Longest first, rows join a micro-batch while rows x width <= B, the
   width being its longest row rounded up to `multiple` (TP with sequence parallel).
 - **Packed rows** (`trainer.pack_sequences`): sequences go first-fit-decreasing into rows as wide as
-  the update's longest sequence (rounded), floor(B / width) rows per micro-batch. Attention stays
-  inside each sequence: a block-diagonal causal mask over the rows through megatron's local
-  attention (path "mask", CPU), or Transformer Engine's THD format, all sequences of the micro-batch
-  in one row with their cu_seqlens (path "thd", GPU). RoPE needs no per-sequence positions under the
-  mask: it depends on relative positions only (tests/models/test_parity.py checks each sequence of a
-  packed row against transformers 1900+ positions in, plain and llama3-scaled RoPE).
+  the update's longest sequence (rounded), floor(B / width) rows per micro-batch (the token budget).
+  The model then sees the micro-batch's sequences back to back in ONE row in megatron's THD format
+  (PackedSeqParams with cu_seqlens; trailing padding up to the sequence multiple is a segment of its
+  own): Transformer Engine's attention where its spec runs, else models/attention.py, which attends
+  each document alone, so a packed row costs what its documents cost (no [s, s] mask). RoPE depends
+  on relative positions only (tests/models/test_parity.py checks each sequence of a packed row against
+  transformers 1900+ positions in, plain and llama3-scaled RoPE).
 - **Same count everywhere.** Megatron's schedule (and expert-parallel collectives, which span DP
   replicas) need every DP rank to run the same number of micro-batches: a rank with fewer splits
   its largest ones, and runs an empty "ghost" micro-batch (one row of padding, no label) only when
@@ -48,7 +49,6 @@ from remax_megatron.kernels import IGNORE_INDEX
 from remax_megatron.parallel.layout import comm_device
 from remax_megatron.sizes import check_token_budget, round_up
 
-PATHS = ("mask", "thd")
 # Fill of each per-token key beyond a row's length (anything else: 0).
 _FILL = {"labels": IGNORE_INDEX, "routed_experts": -1}
 
@@ -271,18 +271,15 @@ def take_rows(batches: list[dict], sources: list[tuple[int, int]], width: int | 
     return out
 
 
-def assemble(batch: dict, micro: MicroBatch, path: str = "mask", extra: dict | None = None, multiple: int = 1) -> dict:
+def assemble(batch: dict, micro: MicroBatch, extra: dict | None = None, multiple: int = 1) -> dict:
     """The tensors of one micro-batch: every tensor of `batch` (and of `extra`, e.g. reference
     log-probs [B, S]) at the micro-batch's rows, per-token ones trimmed to its width (the sequence
     layout), and `padding` [b, w] (True past each row's length) when the batch has `lengths`.
 
-    Packed micro-batches: `input_ids`, `padding` and `routed_experts` are the model's input rows
-    instead ([rows, row width]; path "thd": one row, rounded up to `multiple`), with `row_labels`
-    (the labels at the same places), `segments` (sequence per position, -1 padding), `unpack` (the
-    flat position of each sequence-layout token in the rows) and the attention boundaries
-    (`attention_mask`, or `cu_seqlens` and `max_seqlen`); see the module docstring."""
-    if path not in PATHS:
-        raise ValueError(f"packed attention path {path!r} is not one of {PATHS}")
+    Packed micro-batches: `input_ids`, `padding` and `routed_experts` are the model's input row instead
+    ([1, tokens rounded up to `multiple`]), with `row_labels` (the labels at the same places), `segments`
+    (sequence per position, -1 padding), `unpack` (the flat position of each sequence-layout token in the
+    row) and the documents' boundaries `cu_seqlens` and `max_seqlen`; see the module docstring."""
     width_of_batch = batch["input_ids"].shape[1]
     sources = {k: v for k, v in batch.items() if torch.is_tensor(v)}
     sources.update({k: v for k, v in (extra or {}).items() if v is not None})
@@ -298,7 +295,7 @@ def assemble(batch: dict, micro: MicroBatch, path: str = "mask", extra: dict | N
     if "lengths" in mb:
         mb["padding"] = torch.arange(micro.width)[None, :] >= mb["lengths"][:, None]
     if micro.bins is not None:
-        mb.update(_pack_rows(mb, micro, path, multiple))
+        mb.update(_pack_rows(mb, micro, multiple))
     return mb
 
 
@@ -313,15 +310,12 @@ def _ghost(sources: dict, width_of_batch: int, width: int) -> dict:
     return mb
 
 
-def _pack_rows(mb: dict, micro: MicroBatch, path: str, multiple: int) -> dict:
-    """The model's input rows of a packed micro-batch and the index from the sequence layout into them."""
+def _pack_rows(mb: dict, micro: MicroBatch, multiple: int) -> dict:
+    """The model's input row of a packed micro-batch and the index from the sequence layout into it."""
     lengths = mb["lengths"].tolist()
     b, w = mb["input_ids"].shape
-    if path == "thd":  # every sequence in one row, back to back (padding only at the end)
-        layout = [[j for members in micro.bins for j in members]]
-        row_width = round_up(sum(lengths), multiple)
-    else:
-        layout, row_width = micro.bins, micro.row_width
+    layout = [[j for members in micro.bins for j in members]]  # every sequence in one row, back to back
+    row_width = round_up(sum(lengths), multiple)  # padding only at the end
     rows = len(layout)
     unpack = torch.full((b, w), rows * row_width, dtype=torch.long)  # default: the zero slot past the rows
     segments = torch.full((rows, row_width), -1, dtype=torch.long)
@@ -350,23 +344,11 @@ def _pack_rows(mb: dict, micro: MicroBatch, path: str, multiple: int) -> dict:
         flat = torch.full((rows * row_width + 1, *routes.shape[2:]), -1, dtype=routes.dtype)
         flat[unpack.reshape(-1)] = routes.reshape(b * w, *routes.shape[2:])
         out["routed_experts"] = flat[:-1].view(rows, row_width, *routes.shape[2:])
-    if path == "thd":
-        if bounds[-1] < row_width:  # the trailing padding is a sequence of its own
-            bounds.append(row_width)
-        out["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
-        out["max_seqlen"] = torch.tensor(max(e - s for s, e in zip(bounds, bounds[1:])), dtype=torch.int32)
-    else:
-        out["attention_mask"] = block_causal_mask(segments)
+    if bounds[-1] < row_width:  # the trailing padding is a sequence of its own
+        bounds.append(row_width)
+    out["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
+    out["max_seqlen"] = torch.tensor(max(e - s for s, e in zip(bounds, bounds[1:])), dtype=torch.int32)
     return out
-
-
-def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
-    """segments [r, W] (sequence per position; -1 padding, which attends within its own run) ->
-    attention_mask [r, 1, W, W] bool, True = masked: causal and inside the position's own segment."""
-    w = segments.shape[1]
-    causal = torch.ones(w, w, dtype=torch.bool).tril()
-    same = segments[:, :, None] == segments[:, None, :]
-    return ~(causal[None] & same)[:, None]
 
 
 def packed(mb: dict) -> bool:
@@ -400,7 +382,7 @@ def to_sequences(mb: dict, values: torch.Tensor | None) -> torch.Tensor | None:
 
 def model_inputs(mb: dict) -> tuple[torch.Tensor, dict]:
     """(input_ids, keyword arguments) of the model's forward for micro-batch `mb`: padded rows
-    (attention_mask None: megatron's causal mask), or packed rows with their boundaries."""
+    (attention_mask None: causal), or a packed row with its documents' boundaries (THD)."""
     if "cu_seqlens" in mb:
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -411,4 +393,4 @@ def model_inputs(mb: dict) -> tuple[torch.Tensor, dict]:
                 qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
             ),
         }
-    return mb["input_ids"], {"attention_mask": mb.get("attention_mask")}
+    return mb["input_ids"], {"attention_mask": None}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from remax_megatron.kernels import IGNORE_INDEX
+from remax_megatron.models.gpt import sequence_multiple
 from remax_megatron.sizes import round_up
 
 
@@ -91,6 +92,26 @@ def pad_sequences(
     )
     if routes:
         batch["routed_experts"] = pad_routes([c.routed_experts for c in completions], total, width)
+    return batch
+
+
+def rollout_batch(cfg, tokenizer, actor, prompts, rollouts, r_sampled, r_greedy) -> dict:
+    """The samples as one right-padded batch (pad_sequences) with their rewards [B] and their
+    prompt's greedy reward [B] (the baseline)."""
+    n = cfg.rollout.n
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    # each row's context: its prompt, or the environment's first message (rollout.env)
+    rows = [r.prompt_ids or q.token_ids for q, r in zip(prompts, rollouts) for _ in range(n)]
+    rows = rows, [c for r in rollouts for c in r.sampled]
+    batch = pad_sequences(
+        *rows,
+        pad_id=pad_id,
+        pad_to_multiple=sequence_multiple(actor),
+        routes=cfg.rollout.routing_replay,  # the engine's experts, replayed in the update
+        mask_truncated=cfg.trainer.mask_truncated,
+    )  # cut samples leave the loss
+    batch["rewards"] = torch.tensor(r_sampled, dtype=torch.float32)  # [B]
+    batch["baseline"] = torch.tensor(r_greedy, dtype=torch.float32).repeat_interleave(n)  # [B]
     return batch
 
 

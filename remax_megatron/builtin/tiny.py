@@ -100,6 +100,9 @@ def make_tiny_model(
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # a DeepSeek-style router's correction bias starts at zero
+            if name.endswith("e_score_correction_bias"):  # float32 in any dtype, as published checkpoints keep it
+                b.data = b.data.float() + 0.1 * torch.randn(b.shape)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

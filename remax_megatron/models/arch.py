@@ -34,18 +34,12 @@ def transformer_engine_usable() -> bool:
     return True
 
 
-def packed_attention() -> str:
-    """How packed rows (trainer.pack_sequences) keep their sequences apart: "thd" where the Transformer Engine
-    layer spec runs (its THD format with cu_seqlens: megatron's PackedSeqParams), else "mask" (a block-diagonal
-    causal attention_mask through megatron's local attention). Position ids are the rows' own either way: RoPE
-    depends only on positions relative to each other within a sequence (the THD path restarts them per
-    sequence)."""
-    return "thd" if transformer_engine_usable() else "mask"
-
-
-def check_packing(params_dtype: torch.dtype) -> None:
-    """Refuse packed rows where the attention cannot keep the sequences apart (one line)."""
-    if packed_attention() == "thd" and params_dtype == torch.float32:
+def check_packing(params_dtype: torch.dtype, local_spec: bool = False) -> None:
+    """Refuse packed rows where the attention cannot keep the sequences apart (one line). Packed rows reach
+    the attention in megatron's THD format (cu_seqlens: batching.micro_batches): Transformer Engine's where
+    its layer spec runs, else models/attention.py's (any dtype; `local_spec`: a LoRA actor, which runs the
+    local spec even where TE is installed)."""
+    if transformer_engine_usable() and not local_spec and params_dtype == torch.float32:
         raise ValueError(
             "trainer.pack_sequences=true with actor.dtype=float32 under Transformer Engine: its THD "
             "attention (packed sequences) runs in its flash and cuDNN backends, which take bfloat16 or "
@@ -79,15 +73,49 @@ class ModelArch:
     qkv_bias: bool = False  # biases on q, k, v (Qwen2)
     qk_layernorm: bool = False  # RMSNorm over each head's queries and keys (Qwen3)
     sliding_window: int | None = None  # attention window of some layer; None: full attention everywhere
+    # per layer: the keys a query keeps (q - k < W, HF's sliding_window) or None for full causal (gpt-oss)
+    layer_windows: tuple[int | None, ...] | None = None
     # Mixture of experts (Qwen3-MoE, Mixtral): every decoder layer's MLP is routed; 0 experts: dense
     num_experts: int = 0
     moe_ffn_hidden_size: int = 0  # one expert's FFN width
     moe_top_k: int = 0  # experts per token
     moe_pre_softmax: bool = False  # softmax over all experts, then top-k, no renormalisation
+    # DeepSeek-style MoE (GLM-4.5, DeepSeek-V3; models/families/deepseek_moe.py maps them)
+    rotary_percent: float = (
+        1.0  # the fraction of each head's dims RoPE rotates (the first ones; HF partial_rotary_factor)
+    )
+    first_dense_layers: int = 0  # the first k decoder layers have a dense MLP (ffn_hidden_size), the rest are routed
+    moe_shared_ffn_hidden_size: int = 0  # shared experts' total FFN width, run on every token (0: none)
+    moe_score_function: str = "softmax"  # softmax | sigmoid (sigmoid scores, top-k renormalised)
+    moe_expert_bias: bool = False  # a per-expert bias added to the scores for choosing experts only (frozen)
+    moe_num_groups: int | None = None  # group-limited top-k: experts split into this many groups
+    moe_group_topk: int | None = None  # ... of which each token picks this many
+    moe_topk_scaling_factor: float | None = None  # routed weights multiplied by this (HF routed_scaling_factor)
+    mtp_layers: int = 0  # the checkpoint's multi-token-prediction layers: not built, not trained, not exported
+    # Multi-latent attention (DeepSeek-V3, models/families/mla.py); kv_lora_rank 0: not MLA
+    q_lora_rank: int | None = None  # queries through a low-rank down / norm / up; None: one q projection
+    kv_lora_rank: int = 0  # the compressed keys and values (one latent shared by the heads)
+    qk_head_dim: int = 0  # per head: the query / key part without RoPE (HF qk_nope_head_dim)
+    qk_pos_emb_head_dim: int = 0  # per head: the RoPE part (HF qk_rope_head_dim; the key's is shared)
+    v_head_dim: int = 0
+    # YaRN RoPE (rope_type "yarn"; None: another type): HF rope_parameters' factor and its knobs
+    yarn: tuple[tuple[str, float], ...] | None = None  # (("factor", 40.0), ("beta_fast", 32.0), ...)
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (global, 0-based) routes its MLP over the experts."""
+        return self.is_moe and layer >= self.first_dense_layers
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_layers - self.first_dense_layers if self.is_moe else 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@
   *ForSequenceClassification does (`RewardModel.score_positions`).
 
 Layer spec: Transformer Engine when it imports and CUDA is present, megatron's
-local spec otherwise (CPU, or GPUs without TE).
+local spec otherwise (CPU, GPUs without TE, LoRA), with torch SDPA as its core
+attention (models/attention.py).
 """
 
 from __future__ import annotations
@@ -19,24 +20,18 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel, gpt_layer_specs
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from torch import nn
 
 from remax_megatron import sizes
 from remax_megatron.kernels import fused_logprobs
+from remax_megatron.models.attention import TorchDotProductAttention, param_device
 from remax_megatron.models.arch import DTYPES, ExpertOptions, LoraOptions, ModelArch, transformer_engine_usable
 from remax_megatron.models.hf_config import padded_vocab_size, transformer_config
 from remax_megatron.models.lora import apply_lora
+from remax_megatron.models.moe import freeze_expert_bias, has_dense_layers, stage_layer_specs
 from remax_megatron.parallel import cpu_compat
 from remax_megatron.parallel.nested import NestedGroups, nested_groups
-
-
-def param_device(config) -> torch.device:
-    """Where megatron's layers put their parameters: the current GPU unless use_cpu_initialization.
-
-    The project's own modules (RMSNorm, ScalarHead) follow it; nothing moves a model afterwards.
-    """
-    return torch.device("cpu") if config.use_cpu_initialization else torch.device("cuda", torch.cuda.current_device())
 
 
 class RMSNorm(nn.RMSNorm):
@@ -69,24 +64,26 @@ class HeadRMSNorm(RMSNorm):
 
 def layer_spec(config, pp_rank: int | None = None, local: bool = False):
     """Transformer Engine spec when usable (and not `local`), else the local (pure megatron-core) spec with
-    RMSNorm above.
+    RMSNorm above and the SDPA core attention (models/attention.py).
 
     Returns the block spec of pipeline stage `pp_rank` (default: megatron's global PP rank): its
     layers and the final norm. config.qk_layernorm (Qwen3) adds the per-head q/k norms.
     """
     moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     if transformer_engine_usable() and not local:
+        if has_dense_layers(config):  # megatron's own per-layer specs (its moe_layer_freq list)
+            return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, pp_rank=pp_rank)
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **moe)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm, **moe)
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
+    # SDPA in place of megatron's unfused DotProductAttention (models/attention.py).
+    spec.submodules.self_attention.submodules.core_attention = TorchDotProductAttention
     if config.qk_layernorm:
         # megatron's WrappedTorchNorm refuses sequence parallel and builds fp32 weights.
         spec.submodules.self_attention.submodules.q_layernorm = HeadRMSNorm
         spec.submodules.self_attention.submodules.k_layernorm = HeadRMSNorm
-    return TransformerBlockSubmodules(
-        layer_specs=[spec] * get_num_layers_to_build(config, pp_rank=pp_rank), layer_norm=RMSNorm
-    )
+    return TransformerBlockSubmodules(layer_specs=stage_layer_specs(config, spec, pp_rank), layer_norm=RMSNorm)
 
 
 def _gpt_kwargs(
@@ -110,6 +107,7 @@ def _gpt_kwargs(
         rotary_base=int(arch.rope_theta),
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+        rotary_percent=arch.rotary_percent,
     )
 
 
@@ -300,6 +298,7 @@ def build_policy(
         )
     model.arch, model.lora = arch, lora
     _mark_tensor_parallel(model)
+    freeze_expert_bias(model)
     if model.post_process:
         # Same parameters, no logits GEMM (see HiddenStatesOutputLayer).
         model.output_layer.__class__ = HiddenStatesOutputLayer

@@ -2,7 +2,7 @@
 
 The model-family registry (models/families) says which architectures are served: Llama, Qwen2,
 Qwen3 and Mistral, each as *ForCausalLM and as *ForSequenceClassification with one label (a reward
-model), and the MoE families Qwen3-MoE and Mixtral as *ForCausalLM only. Anything else is refused by
+model), and the MoE families Qwen3-MoE, Mixtral and GLM-4.5 as *ForCausalLM only. Anything else is refused by
 name, with the registry's families listed, before a model is built; so is a setting a family cannot
 run exactly (its file names it).
 """
@@ -19,6 +19,7 @@ from transformers import AutoConfig
 
 from remax_megatron.models import families
 from remax_megatron.models.arch import ExpertOptions, ModelArch
+from remax_megatron.models.families.mla import check_mla_tp, mla_config_kwargs
 from remax_megatron.sizes import round_up
 
 
@@ -76,6 +77,8 @@ def _common_fields(cfg, path: str) -> dict:
                     f"rope_parameters.{key}={rope[key]} in {path} is not supported (megatron uses {value})"
                 )
         scaling = float(rope["factor"])
+    elif rope_type == "yarn" and getattr(cfg, "kv_lora_rank", None):
+        pass  # multi-latent attention's own YaRN (models/families/mla.py reads it)
     elif rope_type != "default":
         raise ValueError(f"rope_type {rope_type!r} in {path} is not supported: use 'default' or 'llama3'")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -149,6 +152,8 @@ def check_tp_heads(arch: ModelArch, tp: int, tp_name: str) -> None:
                 f"{tp_name}={tp} does not divide {what}={heads}: choose {tp_name.lstrip('-')} from "
                 f"the divisors of {heads}"
             )
+    if getattr(arch, "is_mla", False):  # callers may pass any object with the head counts
+        check_mla_tp(arch, tp, tp_name)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -170,12 +175,16 @@ def transformer_config(
 ):
     """The megatron TransformerConfig of `arch` at this layout (see PITFALLS: TP/PP sizes must be set)."""
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     experts = experts or ExpertOptions()
     check_layout(arch, tp, pp, ep=experts.ep)
     cuda = torch.cuda.is_available()
-    return TransformerConfig(
+    config_class = MLATransformerConfig if arch.is_mla else TransformerConfig
+    attention = mla_config_kwargs(arch) if arch.is_mla else {"qk_layernorm": arch.qk_layernorm}
+    return config_class(
         **(_moe_kwargs(arch, experts) if arch.is_moe else {}),
+        **attention,
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -188,7 +197,6 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -215,15 +223,30 @@ def transformer_config(
 
 
 def _moe_kwargs(arch: ModelArch, experts: ExpertOptions) -> dict:
-    """megatron's MoE settings for `arch`: HF's routing (softmax scores, top-k, renormalised unless
-    moe_pre_softmax) computed in fp32, no capacity limit (no token dropped), and megatron's own
-    load-balancing loss off: the trainer adds its own, globally normalised (models/moe.py)."""
+    """megatron's MoE settings for `arch`: HF's routing (softmax or sigmoid scores, top-k, renormalised
+    unless moe_pre_softmax; group-limited, scaled) computed in fp32, no capacity limit (no token dropped),
+    and megatron's own load-balancing loss off: the trainer adds its own, globally normalised (models/moe.py).
+
+    DeepSeek-style models (GLM-4.5, DeepSeek-V3): dense first layers as megatron's per-layer
+    `moe_layer_freq` list, shared experts, and the routing correction bias (HF `e_score_correction_bias`,
+    megatron's `expert_bias` buffer) kept FROZEN: megatron's aux-loss-free update (bias += rate *
+    sign(mean load - load) after every step) is off (rate 0). RL batches are small and skewed toward
+    one prompt set, so that update would chase their noise, and the rollout engine must route as the
+    actor does: the bias is synced to it with the weights, and a frozen one keeps both on the
+    published routing."""
     return dict(
         num_moe_experts=arch.num_experts,
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         moe_router_topk=arch.moe_top_k,
         moe_router_pre_softmax=arch.moe_pre_softmax,
-        moe_router_score_function="softmax",
+        moe_router_score_function=arch.moe_score_function,
+        moe_layer_freq=([0] * arch.first_dense_layers + [1] * arch.moe_layers if arch.first_dense_layers else 1),
+        moe_shared_expert_intermediate_size=arch.moe_shared_ffn_hidden_size or None,
+        moe_router_enable_expert_bias=arch.moe_expert_bias,
+        moe_router_bias_update_rate=0.0,  # frozen (see above)
+        moe_router_num_groups=arch.moe_num_groups,
+        moe_router_group_topk=arch.moe_group_topk,
+        moe_router_topk_scaling_factor=arch.moe_topk_scaling_factor,
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,

@@ -64,6 +64,40 @@ class _AddLoss(torch.autograd.Function):
         return grad, torch.ones_like(loss)
 
 
+def has_dense_layers(config) -> bool:
+    """Whether a MoE TransformerConfig has dense layers among the routed ones (megatron's moe_layer_freq
+    list: 0 dense, 1 MoE; DeepSeek-style first dense layers)."""
+    return bool(config.num_moe_experts) and isinstance(config.moe_layer_freq, list) and 0 in config.moe_layer_freq
+
+
+def stage_layer_specs(config, spec, pp_rank: int | None) -> list:
+    """The layer specs of pipeline stage `pp_rank` (None: megatron's global PP rank) from the local spec
+    `spec` of a layer: `spec` itself for every layer, except that layers moe_layer_freq marks dense get
+    megatron's local dense MLP (ColumnParallel fc1, RowParallel fc2) in place of the routed one."""
+    import dataclasses
+
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    count = get_num_layers_to_build(config, pp_rank=pp_rank)
+    if not has_dense_layers(config):
+        return [spec] * count
+    dense_mlp = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=None).submodules.mlp
+    dense = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=dense_mlp))
+    offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
+    return [spec if config.moe_layer_freq[offset + i] else dense for i in range(count)]
+
+
+def freeze_expert_bias(model) -> None:
+    """Stop megatron's routers counting tokens per expert for their correction bias (its aux-loss-free
+    update, off here: hf_config._moe_kwargs says why). The bias still steers the routing. megatron-core
+    0.16.1's counting also breaks under a padding mask (it ands the [tokens] mask with the [tokens, experts]
+    routing map)."""
+    for router in routers(model):
+        router.enable_expert_bias = False
+
+
 def routers(model) -> list:
     """megatron's TopKRouter modules of `model`, in layer order."""
     from megatron.core.transformer.moe.router import TopKRouter
@@ -81,7 +115,7 @@ class LoadBalancing:
         self.tp_group = tp_group if dist.get_world_size(tp_group) > 1 else None
         self.dp_group, self.pp_group = dp_group, pp_group
         self.routers = routers(model)
-        self.num_layers = model.config.num_layers  # every layer is MoE (the families refuse dense ones)
+        self.num_layers = routed_layers(model.config)  # DeepSeek-style models start with dense layers
         self._norm: float | None = None  # 1 / global tokens ("aux") or sequences ("seq_aux")
         self._segments: torch.Tensor | None = None  # packed rows: the sequence of each token [b, s], -1 padding
         self._aux = torch.zeros(len(self.routers), dtype=torch.float64)  # this rank's weighted share per layer
@@ -173,7 +207,11 @@ class LoadBalancing:
         """coef * this rank's share of the layer's weighted load-balancing loss (differentiable in the
         router's weight through the recomputed logits [T, E])."""
         experts, k = routing_map.shape[1], router.topk
-        scores = torch.softmax(logits.float(), dim=-1)  # [T, E]
+        if router.score_function == "sigmoid":  # DeepSeek-V3's form: sigmoid scores normalised per token
+            scores = torch.sigmoid(logits.float())
+            scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)  # [T, E]
+        else:
+            scores = torch.softmax(logits.float(), dim=-1)  # [T, E]
         scores = scores * valid[:, None]
         routed = (routing_map & valid[:, None]).float()
         if self.kind == "aux":
@@ -243,9 +281,16 @@ def padding_mask(
     return mask
 
 
+def routed_layers(config) -> int:
+    """How many decoder layers route over experts (all but DeepSeek-style dense first layers)."""
+    freq = config.moe_layer_freq
+    return sum(freq) if isinstance(freq, list) else config.num_layers
+
+
 def replay_routes(model, routes: torch.Tensor) -> None:
-    """routes [b, s, layers, top_k] (global layer index; -1 where none was given) -> this stage's routers
-    route the micro-batch's tokens there (their [s_local * b, top_k] token order; sequence-parallel shard)."""
+    """routes [b, s, layers, top_k] (global layer index, as vLLM lays them out; -1 where none was given, and
+    at dense layers) -> this stage's routers route the micro-batch's tokens there (their [s_local * b, top_k]
+    token order; sequence-parallel shard)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     b, s, _, k = routes.shape
@@ -277,8 +322,8 @@ def end_replay(model) -> None:
 def own_routes(model, batch: dict) -> torch.Tensor:
     """The experts `model` itself routes every token of `batch` (`input_ids` [B, S], `lengths` [B]) to,
     [B, S, layers, top_k] long on every rank, -1 where an engine feeds no token (each row's last token and
-    padding), as an engine's routes are laid out (megatron's RouterReplay, RECORD; the model must be built
-    with routing replay). Pipeline stages exchange their layers' routes."""
+    padding) and at dense layers, as an engine's routes are laid out (megatron's RouterReplay, RECORD; the
+    model must be built with routing replay). Pipeline stages exchange their layers' routes."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 

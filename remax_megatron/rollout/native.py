@@ -5,16 +5,18 @@ arrive through `sync_weights` from the actor's export (one full replica per
 rank, so `rollout.tp` must be 1). `generate` runs ONE batched decode loop over
 all P * (n + 1) rows of this rank's P prompts: for prompt p the rows
 p*(n+1) .. p*(n+1)+n-1 are sampled, row p*(n+1)+n is greedy (argmax). The
-prompts are prefilled once (left-padded, positions start at each prompt's
-first token) and the KV cache is repeated n + 1 times; finished rows leave
-the batch.
+prompts are prefilled once and copied into a static KV cache n + 1 times; the
+loop (rollout/native_decode.py) reads back to the host only every few tokens,
+splits a request that `rollout.kv_cache_gib` cannot hold into waves, and runs
+the decode step as a CUDA graph on a GPU.
 
 Sampling (same semantics as vLLM): logits / temperature -> keep the top_k
 largest -> keep the smallest set of most likely tokens whose mass reaches
 top_p (of the top-k renormalised distribution) -> sample. Greedy rows take argmax of the raw logits. Log-probs follow
-the convention in rollout/engine.py. Sample j of prompt p draws from its own
-generator seeded `seeds[p] + j` (the seed convention of rollout/engine.py), so a
-prompt's samples do not depend on which other prompts share the batch.
+the convention in rollout/engine.py. Every draw is rollout/sampling.py's one batched Gumbel-max, its
+noise keyed by the row's seed (sample j of prompt p: `seeds[p] + j`, the seed convention of
+rollout/engine.py) and the token's index in the completion, so a prompt's samples do not depend on which
+other prompts share the batch, nor on a row's place in it.
 
 Routes (MoE with rollout.routing_replay): hooks on transformers' top-k routers (the modules the model's
 family names, models/families) record the experts every token fed through the model went to (prompt
@@ -24,15 +26,13 @@ tokens in the prefill, then each new token as it is fed; the final token never i
 Weights: the stream carries the family's HF checkpoint names; the family says where a name lies in
 transformers' model when the model does not hold it under that name (MoE experts and routers).
 
-sleep()/wake_up(): the KV cache lives only inside a generate call, so between
-calls the engine holds just its weights; on CUDA sleep() moves them to the CPU
+sleep()/wake_up(): the KV cache (and the CUDA graph) lives only inside a generate
+call, so between calls the engine holds just its weights; on CUDA sleep() moves them to the CPU
 and empties the allocator cache, wake_up() moves them back. On CPU both are
 no-ops (there is no separate device memory to free).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -41,63 +41,14 @@ from transformers.initialization import no_init_weights
 from remax_megatron.models import families
 from remax_megatron.models.families import Family
 from remax_megatron.rollout.engine import Completion, PromptRollout, RolloutEngine, SamplingParams
-from remax_megatron.rollout.sequences import left_pad
-
-
-def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """scaled logits [B, V] -> the same with tokens outside top-k / top-p set to -inf.
-
-    top-k first (k largest; ties at the k-th value are kept), then top-p on the
-    renormalised rest: a token is kept when the mass of the tokens ranked above
-    it is < top_p, so the most likely token always survives.
-    """
-    out = scaled
-    vocab = scaled.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(out, top_k, dim=-1).values[..., -1:]  # [B, 1]
-        out = out.masked_fill(out < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(out, dim=-1, descending=True)  # [B, V]
-        probs = sorted_logits.softmax(-1)
-        mass_before = probs.cumsum(-1) - probs
-        drop_sorted = mass_before >= top_p
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        out = out.masked_fill(drop, float("-inf"))
-    return out
-
-
-def sample_next(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    greedy: torch.Tensor,
-    top_k: int,
-    top_p: float,
-    generators: list[torch.Generator | None],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step.
-
-    logits [B, V] float32, temperature [B] (1.0 on greedy rows), greedy [B] bool,
-    generators [B] (each sampled row draws from its own stream; None on greedy rows)
-    -> (tokens [B] long, logprobs [B] float32 of log softmax(logits / temperature)[token]).
-    """
-    scaled = logits / temperature.unsqueeze(-1)
-    logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V]
-    tokens = logits.argmax(-1)
-    sampled_rows = (~greedy).nonzero().squeeze(-1)
-    if sampled_rows.numel():
-        probs = filter_logits(scaled[sampled_rows], top_k, top_p).softmax(-1)  # [B_sampled, V]
-        draws = torch.cat(
-            [torch.multinomial(probs[i], 1, generator=generators[row]) for i, row in enumerate(sampled_rows.tolist())]
-        )
-        tokens = tokens.index_copy(0, sampled_rows, draws)
-    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+from remax_megatron.rollout.native_decode import ATTENTION, decode_request
 
 
 class RouteRecorder:
     """Forward hooks on a transformers MoE model's top-k routers (the modules `family` names, which
     return (logits, scores, indices [tokens, top_k])): `take(b, s)` gives the experts of the last
-    forward's b x s tokens, [b, s, layers, top_k] int16, in layer order."""
+    forward's b x s tokens, [b, s, layers, top_k] int16, by global layer as vLLM lays them out (-1 at
+    dense layers: DeepSeek-style first layers)."""
 
     def __init__(self, model, family: Family):
         self._last: dict[int, torch.Tensor] = {}
@@ -110,9 +61,10 @@ class RouteRecorder:
         experts = max(getattr(r, "num_experts", 0) for r in routers)
         if experts > torch.iinfo(torch.int16).max:
             raise ValueError(f"{experts} experts: the native engine keeps routes as int16")
+        self.routed = list(family.routed_layers(model.config))  # the routers' global layers
         for layer, router in enumerate(routers):
             router.register_forward_hook(self._hook(layer))
-        self.layers = len(routers)
+        self.layers = model.config.num_hidden_layers
 
     def _hook(self, layer: int):
         def record(_module, _args, output):  # a forward hook
@@ -120,12 +72,15 @@ class RouteRecorder:
 
         return record
 
-    def take(self, b: int, s: int) -> torch.Tensor:
-        if len(self._last) != self.layers:
-            raise RuntimeError(f"recorded routes of {len(self._last)} of {self.layers} MoE layers")
-        out = torch.stack([self._last[layer] for layer in range(self.layers)], dim=1)  # [b * s, layers, k]
+    def take(self, b: int, s: int, to_host: bool = True) -> torch.Tensor:
+        if len(self._last) != len(self.routed):
+            raise RuntimeError(f"recorded routes of {len(self._last)} of {len(self.routed)} MoE layers")
+        routed = torch.stack([self._last[i] for i in range(len(self.routed))], dim=1)  # [b * s, routed, k]
+        out = routed.new_full((routed.shape[0], self.layers, routed.shape[2]), -1)  # [b * s, layers, k]
+        out[:, self.routed] = routed
         self._last.clear()
-        return out.view(b, s, self.layers, -1).to(torch.int16).cpu()  # expert ids < 32768: 1/4 of long
+        out = out.view(b, s, self.layers, -1).to(torch.int16)  # expert ids < 32768: 1/4 of long
+        return out.cpu() if to_host else out
 
 
 def _eos_ids(hf_dir: str, config) -> set[int]:
@@ -142,31 +97,6 @@ def _eos_ids(hf_dir: str, config) -> set[int]:
         elif item:
             out.update(int(i) for i in item)
     return out
-
-
-@dataclass
-class _Rows:
-    """What each output row of one request has produced so far (lists indexed by output row)."""
-
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    finish: list[str | None]  # "stop" once a row stopped; None: still running or ran to length
-    routes: list[list[torch.Tensor]] | None  # per row, pieces of [tokens, layers, top_k]; None: not recorded
-
-    @classmethod
-    def empty(cls, total: int, routes: bool) -> _Rows:
-        return cls([[] for _ in range(total)], [[] for _ in range(total)], [None] * total, [] if routes else None)
-
-    def completions(self) -> list[Completion]:
-        return [
-            Completion(
-                token_ids=self.tokens[r],
-                logprobs=self.logprobs[r],
-                finish_reason=self.finish[r] or "length",
-                routed_experts=torch.cat(self.routes[r]) if self.routes is not None else None,
-            )
-            for r in range(len(self.tokens))
-        ]
 
 
 class NativeEngine(RolloutEngine):
@@ -195,16 +125,24 @@ class NativeEngine(RolloutEngine):
         architecture = (getattr(config, "architectures", None) or [None])[0]
         self.family = families.lookup(str(architecture), f"{hf_dir}/config.json")[0]
         with no_init_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
         model.tie_weights()  # no_init_weights also skips tying (transformers 5)
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.eos_token_ids = _eos_ids(hf_dir, config)
         pad = getattr(config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else min(self.eos_token_ids, default=0)
         self._tokenizer = None
-        self._params = dict(self.model.named_parameters())
+        # parameters and persistent buffers (a MoE router's correction bias): what the weight stream fills
+        persistent = self.model.state_dict(keep_vars=True)
+        self._params = dict(self.model.named_parameters()) | {
+            name: b for name, b in self.model.named_buffers() if name in persistent
+        }
         self.synced = False
+        self.last_update: dict[str, int] = {}  # the last update's tensors written in place / copied
         self.routes = bool(getattr(cfg, "routing_replay", False)) if routes is None else routes
+        # the static KV cache of one request may take this much; more rows decode in waves (0: no limit)
+        self.kv_cache_bytes = int(float(getattr(cfg, "kv_cache_gib", 0.0) or 0.0) * 2**30)
+        self.decode_pool: torch.Tensor | None = None  # the CPU decode's KV storage, kept between requests
         self._recorder = RouteRecorder(self.model, self.family) if self.routes else None
 
     @staticmethod
@@ -231,10 +169,13 @@ class NativeEngine(RolloutEngine):
     @torch.no_grad()
     def update_weights(self, buckets) -> None:
         if self.asleep:
-            self.wake_up()
+            self._wake(fresh=True)  # every parameter is about to be overwritten: no upload of the old ones
+        self.synced = False
         loaded: dict[str, set[str]] = {}  # parameter -> tensors copied
         pieces: dict[str, int] = {}  # parameter -> tensors it takes
+        in_place = copied = 0
         for bucket in buckets:
+            copies = []  # (engine tensor, bucket tensor): one torch._foreach_copy_ per bucket
             for name, tensor in bucket:
                 key, target, needed = self._target(name)
                 pieces[key] = needed
@@ -243,15 +184,33 @@ class NativeEngine(RolloutEngine):
                         f"weight {name}: shape {tuple(tensor.shape)} but the engine has "
                         f"{tuple(target.shape)}: does {self.hf_dir}/config.json match the actor?"
                     )
-                target.copy_(tensor)
+                if _same_memory(target, tensor):  # the export wrote it in place (weight_destination)
+                    in_place += 1
+                else:
+                    copies.append((target, tensor))
                 loaded.setdefault(key, set()).add(name)
+            if copies:  # before the next bucket: its views may reuse this one's buffer
+                torch._foreach_copy_([t for t, _ in copies], [b for _, b in copies])
+                copied += len(copies)
         missing = sorted(k for k in self._params if len(loaded.get(k, ())) < pieces.get(k, 1))
         if missing:
             raise ValueError(
                 f"weight sync left {len(missing)} engine parameters unset (e.g. {missing[:3]}): "
                 "the exported stream does not cover the model"
             )
+        self.last_update = {"in_place": in_place, "copied": copied}
         self.synced = True
+
+    def weight_destination(self, name: str) -> torch.Tensor | None:
+        """The engine tensor HF weight `name` lives in, for an export that writes it there directly (a
+        colocated actor of the same layout and dtype: weight_sync.WeightSync); None while asleep (its
+        storage is about to be replaced) or for a name the model does not hold."""
+        if self.asleep:
+            return None
+        try:
+            return self._target(name)[1]
+        except ValueError:
+            return None
 
     def _target(self, name: str) -> tuple[str, torch.Tensor, int]:
         """An HF checkpoint tensor's place in the model: (parameter name, the tensor to copy it into, how
@@ -281,8 +240,16 @@ class NativeEngine(RolloutEngine):
         self.asleep = True
 
     def wake_up(self) -> None:
+        self._wake(fresh=False)
+
+    def _wake(self, fresh: bool) -> None:
+        """Back on the device; fresh: the parameters get new uninitialised storage there instead of an upload
+        of the CPU copy (a weight update that overwrites them all follows)."""
         if self.device.type == "cuda" and self.asleep:
-            self.model.to(self.device)
+            if fresh:
+                for param in self._params.values():  # tied parameters are one object: one allocation
+                    param.data = torch.empty(param.shape, dtype=param.dtype, device=self.device)
+            self.model.to(self.device)  # the buffers (rotary tables); parameters already there stay
         self.asleep = False
 
     # ---- generation ----------------------------------------------------------------------
@@ -300,12 +267,9 @@ class NativeEngine(RolloutEngine):
             return []
         self._check_lengths(prompts, [sampling.max_new_tokens] * len(prompts), sampling)
         per = n + 1
-        dev = self.device
-        generators = []  # per output row: sample j of prompt p draws from seeds[p] + j, the greedy row from none
-        for seed in seeds:
-            generators += [torch.Generator(device=dev).manual_seed(seed + j) for j in range(n)] + [None]
-        greedy = ([False] * n + [True]) * len(prompts)
-        rows = self._decode(prompts, per, greedy, generators, sampling, [sampling.max_new_tokens] * len(greedy))
+        row_seeds = [s for seed in seeds for s in [seed + j for j in range(n)] + [seed]]  # sample j: seeds[p] + j
+        greedy = ([False] * n + [True]) * len(prompts)  # (the greedy row's seed is not drawn from)
+        rows = self._decode(prompts, per, greedy, row_seeds, sampling, [sampling.max_new_tokens] * len(greedy))
         return [
             PromptRollout(sampled=rows[p * per : p * per + n], greedy=rows[p * per + n]) for p in range(len(prompts))
         ]
@@ -316,9 +280,7 @@ class NativeEngine(RolloutEngine):
         if not contexts:
             return []
         self._check_lengths(contexts, limits, sampling)
-        dev = self.device
-        generators = [None if g else torch.Generator(device=dev).manual_seed(s) for g, s in zip(greedy, seeds)]
-        return self._decode(contexts, 1, greedy, generators, sampling, limits)
+        return self._decode(contexts, 1, greedy, seeds, sampling, limits)
 
     def _check_lengths(self, prompts: list[list[int]], limits: list[int], sampling: SamplingParams) -> None:
         if sampling.guided:
@@ -338,101 +300,15 @@ class NativeEngine(RolloutEngine):
         prompts: list[list[int]],
         per: int,
         greedy: list[bool],
-        generators: list,
+        seeds: list[int],
         sampling: SamplingParams,
         limits: list[int],
     ) -> list[Completion]:
         """The one engine request: P prompts -> P * per completions (row r continues prompt r // per), row r
-        greedy or drawing from generators[r], at most limits[r] tokens."""
-        dev = self.device
-        cache, logits, mask, next_pos, rows = self._prefill(prompts, per)
-        greedy = torch.tensor(greedy, device=dev)
-        temperature = torch.where(greedy, 1.0, float(sampling.temperature)).to(torch.float32)
-        active = torch.arange(len(prompts) * per, device=dev)  # batch row -> output row
-        eos = torch.tensor(sorted(self.eos_token_ids | set(sampling.stop_token_ids)), dtype=torch.long, device=dev)
-        longest = max(limits)
-        for step in range(longest):
-            tok, lp = sample_next(
-                logits,
-                temperature,
-                greedy,
-                sampling.top_k,
-                sampling.top_p,
-                [generators[row] for row in active.tolist()],
-            )
-            done = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(greedy)
-            done_list = self._append_step(rows, active, tok, lp, done, sampling.stop)
-            if step == longest - 1:
-                break
-            # a row at its own limit ends there ("length")
-            keep = ~torch.tensor([d or step + 1 >= limits[r] for d, r in zip(done_list, active.tolist())], device=dev)
-            if not keep.any():
-                break
-            if not keep.all():
-                index = keep.nonzero().squeeze(-1)
-                cache.batch_select_indices(index)
-                active, tok, mask, next_pos = active[index], tok[index], mask[index], next_pos[index]
-                greedy, temperature = greedy[index], temperature[index]
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            logits = self._feed(tok, mask, next_pos, cache, active, rows)
-            next_pos = next_pos + 1
-        completions = rows.completions()
+        greedy or drawing from stream seeds[r], at most limits[r] tokens (rollout/native_decode.py)."""
+        completions = decode_request(self, prompts, per, greedy, seeds, sampling, limits)
         self.decoded_tokens += sum(len(c.token_ids) for c in completions)
         return completions
-
-    def _prefill(self, prompts: list[list[int]], per: int):
-        """All prompts through the model once, then everything repeated per output row (n + 1 per prompt):
-        (KV cache, last logits [B, V] float32, attention mask [B, L], next positions [B], the rows' record
-        with the prompt tokens' routes)."""
-        ids, mask, pos = left_pad(prompts, self.pad_token_id, self.device)  # [P, L] each
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        rows = _Rows.empty(len(prompts) * per, self.routes)
-        if self.routes:
-            prefill = self._recorder.take(*ids.shape)  # [P, L, layers, k]
-            for p, prompt in enumerate(prompts):
-                rows.routes += [[prefill[p, ids.shape[1] - len(prompt) :]] for _ in range(per)]
-        cache = out.past_key_values
-        cache.batch_repeat_interleave(per)
-        logits = out.logits[:, -1].float().repeat_interleave(per, 0)  # [B, V]
-        return cache, logits, mask.repeat_interleave(per, 0), pos[:, -1].repeat_interleave(per) + 1, rows
-
-    def _append_step(
-        self,
-        rows: _Rows,
-        active: torch.Tensor,
-        tok: torch.Tensor,
-        lp: torch.Tensor,
-        done: torch.Tensor,
-        stop: list[str],
-    ) -> list[bool]:
-        """One step's token and log-prob onto each active row; which rows finished (EOS, a stop token or
-        a stop string), their finish reason set."""
-        tok_list, lp_list, done_list = tok.tolist(), lp.tolist(), done.tolist()
-        for i, row in enumerate(active.tolist()):
-            rows.tokens[row].append(tok_list[i])
-            rows.logprobs[row].append(lp_list[i])
-            if not done_list[i] and stop and self._hits_stop(rows.tokens[row], stop):
-                done_list[i] = True
-            if done_list[i]:
-                rows.finish[row] = "stop"
-        return done_list
-
-    def _feed(
-        self, tok: torch.Tensor, mask: torch.Tensor, next_pos: torch.Tensor, cache, active: torch.Tensor, rows: _Rows
-    ) -> torch.Tensor:
-        """The active rows' new tokens through the model (their routes recorded) -> next logits [B, V] float32."""
-        out = self.model(
-            input_ids=tok.unsqueeze(-1),
-            attention_mask=mask,
-            position_ids=next_pos.unsqueeze(-1),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        if self.routes:
-            fed = self._recorder.take(tok.shape[0], 1)  # [B, 1, layers, k]
-            for i, row in enumerate(active.tolist()):
-                rows.routes[row].append(fed[i])
-        return out.logits[:, -1].float()
 
     def _hits_stop(self, token_ids: list[int], stop: list[str]) -> bool:
         # Earlier steps found no stop string, so only one ending in the new text can be new:
@@ -450,3 +326,8 @@ class NativeEngine(RolloutEngine):
         lab = labels.to(self.device)
         out = logp.gather(-1, lab.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         return out.masked_fill(lab < 0, 0.0)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are the same elements of the same storage (views of one parameter included)."""
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape and a.dtype == b.dtype

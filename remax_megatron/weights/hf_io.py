@@ -19,6 +19,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from remax_megatron.weights import fp8_blocks
+from remax_megatron.weights.mxfp4 import dequantize_mxfp4, is_mxfp4, quantized_pairs
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # Files an HF model directory carries besides the weights.
@@ -62,7 +65,40 @@ class HFCheckpointReader:
         for tensor, name in weight_map.items():
             if tensor not in self._handles[name].keys():
                 raise ValueError(f"{INDEX} maps {tensor} to {name} but that file lacks it: re-download the model")
-        self.weight_map = weight_map
+        # MXFP4 (gpt-oss): each `<name>_blocks` / `<name>_scales` pair reads as `<name>`, dequantized.
+        self._mxfp4: dict[str, tuple[str, str]] = {}
+        config_path = os.path.join(model_dir, "config.json")
+        if os.path.isfile(config_path):
+            with open(config_path) as f:
+                if is_mxfp4(json.load(f)):
+                    self._mxfp4 = quantized_pairs(weight_map)
+        self._file_of_raw = {raw: weight_map[raw] for pair in self._mxfp4.values() for raw in pair}
+        for name, (blocks, scales) in self._mxfp4.items():
+            weight_map[name] = weight_map.pop(blocks)
+            weight_map.pop(scales)
+        # FP8 block-quantized weights (DeepSeek-V3): `W_scale_inv` beside `W`, hidden from names() and
+        # applied by read(), which returns float32.
+        quantization = None if self._mxfp4 else _quantization_config(model_dir)  # MXFP4's is read above
+        self.fp8_block = fp8_blocks.block_size_of(quantization, model_dir)
+        self._scales = {
+            n[: -len(fp8_blocks.SCALE_SUFFIX)]: n
+            for n in weight_map
+            if n.endswith(fp8_blocks.SCALE_SUFFIX) and n[: -len(fp8_blocks.SCALE_SUFFIX)] in weight_map
+        }
+        if self._scales and self.fp8_block is None:
+            raise ValueError(
+                f"{model_dir} has FP8 scales ({next(iter(self._scales.values()))}) but its config.json has no "
+                "quantization_config.weight_block_size: restore the checkpoint's config.json"
+            )
+        self._scale_files = {n: weight_map[n] for n in self._scales.values()}
+        self.weight_map = {k: v for k, v in weight_map.items() if k not in self._scale_files}
+        if self.fp8_block is not None:  # headers only: an FP8 tensor with no scales is refused before any work
+            for name, file in self.weight_map.items():
+                if name not in self._scales and self._handles[file].get_slice(name).get_dtype().startswith("F8"):
+                    raise ValueError(
+                        f"{model_dir}: tensor {name} is FP8 with no {name}{fp8_blocks.SCALE_SUFFIX} beside it: only "
+                        "block-quantized FP8 (DeepSeek-V3's layout) is dequantized; give a bf16 checkpoint"
+                    )
 
     def names(self) -> list[str]:
         return list(self.weight_map)
@@ -81,16 +117,70 @@ class HFCheckpointReader:
         """The tensor `name`, or its slice [start:stop] along `dim`."""
         if name not in self.weight_map:
             raise KeyError(f"tensor {name} not found in {self.model_dir}: is this the right model family?")
+        if name in self._mxfp4:
+            return self._read_mxfp4(name, dim, start, stop)
         handle = self._handles[self.weight_map[name]]
         if dim is None:
+            tensor = handle.get_tensor(name)
+        else:
+            sl = handle.get_slice(name)
+            index = [slice(None)] * len(sl.get_shape())
+            index[dim] = slice(start, stop)
+            tensor = sl[tuple(index)]
+        if name in self._scales:
+            return self._dequantized(name, tensor, dim, start)
+        if tensor.dtype in fp8_blocks.FP8_DTYPES:
+            raise ValueError(
+                f"{self.model_dir}: tensor {name} is {tensor.dtype} with no {name}{fp8_blocks.SCALE_SUFFIX} "
+                "beside it: only block-quantized FP8 (DeepSeek-V3's layout) is dequantized; give a bf16 checkpoint"
+            )
+        return tensor
+
+    def _dequantized(self, name: str, tensor: torch.Tensor, dim: int | None, start: int | None) -> torch.Tensor:
+        """float32 `tensor` (the whole of `name`, or its slice from `start` along `dim`) times its block scales."""
+        block = self.fp8_block
+        offsets = [0, 0]
+        scale_name = self._scales[name]
+        handle = self._handles[self._scale_files[scale_name]]
+        if dim is None or start is None:
+            return fp8_blocks.dequantize(tensor, handle.get_tensor(scale_name), block)
+        offsets[dim] = start
+        first_block = start // block[dim]
+        scale = handle.get_slice(scale_name)
+        index = [slice(None), slice(None)]
+        index[dim] = slice(first_block, None)
+        return fp8_blocks.dequantize(tensor, scale[tuple(index)], block, offsets[0], offsets[1])
+
+    def _read_mxfp4(self, name: str, dim: int | None, start: int | None, stop: int | None) -> torch.Tensor:
+        """`name` dequantized to float32 (exact: bfloat16 holds it too), [E, in, out]; a slice of the
+        experts (dim 0) dequantizes only those."""
+        blocks_name, scales_name = self._mxfp4[name]
+        blocks = self._raw(blocks_name, 0 if dim == 0 else None, start, stop)
+        scales = self._raw(scales_name, 0 if dim == 0 else None, start, stop)
+        full = dequantize_mxfp4(blocks, scales, torch.float32, name)
+        if dim is None or dim == 0:
+            return full
+        return full.narrow(dim, start or 0, (full.shape[dim] if stop is None else stop) - (start or 0))
+
+    def _raw(self, name: str, dim: int | None, start: int | None, stop: int | None) -> torch.Tensor:
+        handle = self._handles[self._file_of_raw[name]]
+        if dim is None:
             return handle.get_tensor(name)
-        sl = handle.get_slice(name)
-        index = [slice(None)] * len(sl.get_shape())
-        index[dim] = slice(start, stop)
-        return sl[tuple(index)]
+        return handle.get_slice(name)[start:stop]
 
     def dtype(self, name: str) -> torch.dtype:
+        if name in self._mxfp4:
+            return torch.float32
         return self.read(name, 0, 0, 1).dtype
+
+
+def _quantization_config(model_dir: str) -> dict | None:
+    """config.json's quantization_config (None when there is none or no readable config.json)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return json.load(f).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _no_safetensors(model_dir: str) -> str:
@@ -295,6 +385,9 @@ class HFDirWriter:
             config = json.load(f)
         name = str(max(self._floating, key=self._floating.get)).removeprefix("torch.")
         config["dtype"] = config["torch_dtype"] = name
+        if not any(dtype in fp8_blocks.FP8_DTYPES for dtype in self._floating):
+            # An FP8 source's weights were dequantized on import: its quantization_config no longer holds.
+            config.pop("quantization_config", None)
         with open(path, "w") as f:
             json.dump(config, f, indent=2)
             f.write("\n")

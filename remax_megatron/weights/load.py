@@ -77,6 +77,10 @@ def load_hf_weights(model, model_dir: str | HFCheckpointReader) -> None:
         for k, v in model.state_dict(keep_vars=True).items()
         if not k.endswith("_extra_state") and not is_adapter(k)
     }
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
+        from remax_megatron.models.families.deepseek_moe import say_mtp_dropped
+
+        say_mtp_dropped(model.arch, reader.model_dir)
     mine = [s for s in mapping.stage_specs(stage) if mapping.owns(s, ep_rank)]
     for spec in mine:
         for name in spec.hf:

@@ -12,6 +12,8 @@ Megatron layouts (per TP rank r of tp, checked against transformers, PITFALLS.md
   groups [r * ng/tp, (r+1) * ng/tp). The qkv bias follows the same order.
 - `linear_fc1` [2 * F/tp, D]: rank r's gate rows, then its up rows.
 - `linear_proj`, `linear_fc2`: row parallel, split on dim 1.
+- column-parallel linears of one HF tensor (MLA's q / kv projections, down ones
+  included in the local spec): split on dim 0.
 - word embeddings / output layer: vocab parallel over the padded vocab, split
   on dim 0; rows past the tokenizer's vocab are zero padding, dropped on export.
 - layers: stage s of pp holds global layers [s * L/pp, (s+1) * L/pp) as local
@@ -33,7 +35,7 @@ import torch
 
 from remax_megatron.models.arch import DTYPES, ModelArch
 from remax_megatron.models.families import family_named
-from remax_megatron.models.families.base import FC1, QKV, REPLICATED, ROW, VOCAB
+from remax_megatron.models.families.base import COLUMN, FC1, QKV, REPLICATED, ROW, VOCAB
 
 # Norm names differ between the local layer spec and Transformer Engine's fused one (a MoE layer keeps
 # its pre-MLP norm apart: no fused fc1 there).
@@ -75,6 +77,7 @@ class ParamSpec:
     layer: int | None = None  # global layer index, None outside the decoder layers
     shapes: tuple[tuple[int, ...], ...] = ()  # the HF tensors' shapes, one per name of `hf`
     expert: int | None = None  # MoE: the global expert index (its megatron name carries it)
+    fp32: bool = False  # exported in float32 whatever the export dtype (TensorRule.fp32)
 
     def local_name(self, layers_per_stage: int, first_expert: int = 0) -> str:
         """The name in the owning stage's state_dict of the local layer spec (local layer index; an
@@ -114,6 +117,7 @@ class WeightMapping:
                     i,
                     rule.shapes,
                     rule.expert,
+                    rule.fp32,
                 )
                 for rule in family.layer_rules(a, i)
             ]
@@ -193,7 +197,7 @@ class WeightMapping:
             if real is not None:
                 out[: real.shape[0]] = real
             return out
-        if spec.kind == FC1:
+        if spec.kind in (FC1, COLUMN):
             rows = _hf_shape(self, spec.hf[0])[0] // tp
             return torch.cat([read(n, 0, r * rows, (r + 1) * rows) for n in spec.hf])
         if spec.kind == QKV:
@@ -212,32 +216,51 @@ class WeightMapping:
 
     # ---- TP shards -> full HF tensors ----------------------------------------------------
     def merge_shards(
-        self, spec: ParamSpec, shards: list[torch.Tensor], out: list[torch.Tensor] | None = None
+        self,
+        spec: ParamSpec,
+        shards: list[torch.Tensor],
+        out: list[torch.Tensor] | None = None,
+        copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
         """Inverse of load_shard: the TP shards (rank order) -> [(hf_name, full tensor)].
 
         out: one tensor of the HF shape per name of `spec.hf` to write into (the exporter passes
-        reused buffers); fresh ones by default. A replicated tensor is returned as is.
+        reused buffers, or the engine's own parameters); fresh ones by default. A replicated tensor
+        is returned as is. copies: collect the (destination, source) copies here instead of running
+        them (the caller runs a bucket's copies as one torch._foreach_copy_).
         """
         a = self.arch
         if spec.kind == REPLICATED:
             return [(spec.hf[0], shards[0])]
         if out is None:
             out = [torch.empty(_hf_shape(self, n), dtype=shards[0].dtype, device=shards[0].device) for n in spec.hf]
+
+        def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+            if copies is None:
+                dst.copy_(src)
+            else:
+                copies.append((dst, src))
+
         tp = len(shards)
         if spec.kind == ROW:
-            torch.cat(shards, dim=1, out=out[0])
+            cols = out[0].shape[1] // tp
+            for r, shard in enumerate(shards):
+                copy(out[0][:, r * cols : (r + 1) * cols], shard)
+        elif spec.kind == COLUMN:
+            rows = out[0].shape[0] // tp
+            for r, shard in enumerate(shards):
+                copy(out[0][r * rows : (r + 1) * rows], shard)
         elif spec.kind == VOCAB:
             rows = shards[0].shape[0]  # padded_vocab // tp: the padding rows are dropped
             for r, shard in enumerate(shards):
                 start, stop = r * rows, min((r + 1) * rows, a.vocab_size)
                 if start < stop:
-                    out[0][start:stop].copy_(shard[: stop - start])
+                    copy(out[0][start:stop], shard[: stop - start])
         elif spec.kind == FC1:
             rows = out[0].shape[0] // tp  # each shard is [gate rows; up rows]
             for r, shard in enumerate(shards):
-                out[0][r * rows : (r + 1) * rows].copy_(shard[:rows])
-                out[1][r * rows : (r + 1) * rows].copy_(shard[rows:])
+                copy(out[0][r * rows : (r + 1) * rows], shard[:rows])
+                copy(out[1][r * rows : (r + 1) * rows], shard[rows:])
         elif spec.kind == QKV:
             # Each shard holds `groups` KV groups, each [q heads of the group; k; v] along dim 0.
             qpg, hd, groups = a.num_heads // a.num_kv_heads, a.head_dim, a.num_kv_heads // tp
@@ -246,9 +269,9 @@ class WeightMapping:
             for r, shard in enumerate(shards):
                 g = slice(r * groups, (r + 1) * groups)
                 grouped = shard.reshape(groups, (qpg + 2) * hd, *tail)
-                q[g].copy_(grouped[:, : qpg * hd])
-                k[g].copy_(grouped[:, qpg * hd : (qpg + 1) * hd])
-                v[g].copy_(grouped[:, (qpg + 1) * hd :])
+                copy(q[g], grouped[:, : qpg * hd])
+                copy(k[g], grouped[:, qpg * hd : (qpg + 1) * hd])
+                copy(v[g], grouped[:, (qpg + 1) * hd :])
         else:
             raise AssertionError(spec.kind)
         return list(zip(spec.hf, out))
@@ -265,6 +288,8 @@ class WeightMapping:
             return (self.padded_vocab // tp,) + full[1:]
         if spec.kind == FC1:
             return (2 * full[0] // tp, full[1])
+        if spec.kind == COLUMN:
+            return (full[0] // tp,) + full[1:]
         if spec.kind == QKV:
             rows = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim // tp
             return (rows,) + full[1:]

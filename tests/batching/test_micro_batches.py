@@ -1,7 +1,7 @@
 """batching/micro_batches.py: token-budget micro-batches, packed rows, the DP balance, the global normalisation.
 
 Pure python (no process group, but for the one all-to-all that moves rows between 3 gloo ranks): the plans,
-the row exchange keeping each sample with its prompt's greedy reward, the packed layout and its attention mask,
+the row exchange keeping each sample with its prompt's greedy reward, the packed layout and its documents' bounds,
 and that summing per-micro-batch losses with GLOBAL counts gives the whole batch's loss whatever the grouping
 (with per-micro-batch counts it does not).
 The updates themselves are compared in tests/train/test_update.py.
@@ -18,7 +18,6 @@ from tests._dist import run_distributed
 from remax_megatron.batching.micro_batches import (
     assemble,
     balance_rows,
-    block_causal_mask,
     equalize,
     exchange_rows,
     fixed_micro_batches,
@@ -162,9 +161,10 @@ def test_packed_rows_hold_the_sequences_and_their_labels():
     lengths = [5, 3, 8, 2, 6]
     batch = _batch(lengths, width=8)
     (micro,) = plan_micro_batches(lengths, budget=32, multiple=1, pack=True)
-    mb = assemble(batch, micro, "mask")
+    mb = assemble(batch, micro)
     rows, width = mb["input_ids"].shape
-    assert width == 8 and rows * width <= 32 and rows < len(lengths)
+    assert micro.row_width == 8 and len(micro.bins) * 8 <= 32  # the budget's rows
+    assert (rows, width) == (1, sum(lengths))  # the model's: every sequence back to back in one row
     for j, r in enumerate(micro.rows):
         n = lengths[r]
         flat = mb["unpack"][j, :n]
@@ -175,38 +175,21 @@ def test_packed_rows_hold_the_sequences_and_their_labels():
     values = torch.randn(len(lengths), 8) * mb["response_mask"]
     assert torch.equal(to_sequences(mb, to_rows(mb, values)), values)  # round trip on every labelled token
     _, kwargs = model_inputs(mb)
-    assert kwargs["attention_mask"].shape == (rows, 1, width, width)
+    assert kwargs["attention_mask"] is None and kwargs["packed_seq_params"].qkv_format == "thd"
 
 
 def test_thd_rows_carry_cu_seqlens():
     lengths = [5, 3, 8]
     batch = _batch(lengths, width=8)
     (micro,) = plan_micro_batches(lengths, budget=32, multiple=4, pack=True)
-    mb = assemble(batch, micro, "thd", multiple=4)
+    mb = assemble(batch, micro, multiple=4)
     assert mb["input_ids"].shape == (1, 16)  # 16 real tokens, already a multiple of 4
     order = [micro.rows[j] for b in micro.bins for j in b]
     assert mb["cu_seqlens"].tolist() == [0] + list(torch.tensor([lengths[r] for r in order]).cumsum(0).tolist())
     assert int(mb["max_seqlen"]) == 8
     (micro,) = plan_micro_batches([5, 2], budget=32, multiple=4, pack=True)
-    mb = assemble(_batch([5, 2], width=8), micro, "thd", multiple=4)
+    mb = assemble(_batch([5, 2], width=8), micro, multiple=4)
     assert mb["input_ids"].shape == (1, 8) and mb["cu_seqlens"].tolist() == [0, 5, 7, 8]  # padding: its own
-
-
-def test_block_causal_mask_keeps_each_sequence_to_itself():
-    segments = torch.tensor([[0, 0, 1, 1, 1, -1]])
-    allowed = ~block_causal_mask(segments)[0, 0]
-    expected = torch.tensor(
-        [
-            [1, 0, 0, 0, 0, 0],
-            [1, 1, 0, 0, 0, 0],
-            [0, 0, 1, 0, 0, 0],
-            [0, 0, 1, 1, 0, 0],
-            [0, 0, 1, 1, 1, 0],
-            [0, 0, 0, 0, 0, 1],
-        ],
-        dtype=torch.bool,
-    )
-    assert torch.equal(allowed, expected)
 
 
 def test_fixed_micro_batches_are_todays():
@@ -239,12 +222,13 @@ def test_global_counts_make_the_loss_independent_of_the_grouping(mode, pack):
 
 def test_packing_where_the_attention_cannot_keep_sequences_apart_is_refused(monkeypatch):
     """Under Transformer Engine packed rows run in its THD attention, which float32 does not reach (its flash
-    and cuDNN backends take bf16 / fp16); the local attention's mask path runs any dtype."""
+    and cuDNN backends take bf16 / fp16); the local spec's (models/attention.py, LoRA too) runs any dtype."""
     import remax_megatron.models.arch as arch
 
     monkeypatch.setattr(arch, "transformer_engine_usable", lambda: True)
     with pytest.raises(ValueError, match=r"^trainer.pack_sequences=true with actor.dtype=float32 under Transformer"):
         arch.check_packing(torch.float32)
     arch.check_packing(torch.bfloat16)
+    arch.check_packing(torch.float32, local_spec=True)
     monkeypatch.setattr(arch, "transformer_engine_usable", lambda: False)
     arch.check_packing(torch.float32)

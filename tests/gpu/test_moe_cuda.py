@@ -1,7 +1,8 @@
 """MoE checks that need CUDA (collected only with CUDA; run by tools/gpu_check.sh on one GPU).
 
 - Transformer Engine's grouped experts (TEGroupedMLP, actor.moe_experts=grouped) load the same HF weights
-  as megatron's SequentialMLP and give transformers' logits (fp32 and bf16);
+  as megatron's SequentialMLP and give transformers' logits (fp32 and bf16), for Qwen3-MoE and GLM-4.5
+  (megatron's TE decoder block spec: a dense first layer, shared experts, the float32 correction bias);
 - vLLM's CUDA engine after in-place reloads of a MoE actor: log-probs vs the actor, with the engine's
   CPU-only expert re-processing off (does CUDA need it? this test says).
 One GPU: expert parallelism itself (EP > 1) is covered on CPU by the gloo tests.
@@ -59,11 +60,12 @@ def _grouped_body(rank, world, model_dir, dtype_name, out_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="Transformer Engine not installed")
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 0.1)])
-def test_grouped_experts_match_sequential_and_transformers(tmp_path, dtype, tol):
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])  # glm4_moe: TE's decoder block spec, dense layer 0
+def test_grouped_experts_match_sequential_and_transformers(tmp_path, dtype, tol, family):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    model_dir = _moe_model(tmp_path)
+    model_dir = _moe_model(tmp_path, family)
     out = str(tmp_path / "grouped.pt")
     run_distributed(_grouped_body, world_size=1, args=(model_dir, dtype, out))
     results = torch.load(out)
@@ -77,7 +79,9 @@ def test_grouped_experts_match_sequential_and_transformers(tmp_path, dtype, tol)
         assert err < tol, (grouped, dtype, err)
     source = load_file(f"{model_dir}/model.safetensors")
     for name, tensor in source.items():  # the grouped experts' names map back to HF's
-        assert torch.equal(results[True]["exported"][name].float(), tensor.to(getattr(torch, dtype)).float()), name
+        if not name.endswith("e_score_correction_bias"):  # the correction bias stays float32 (TensorRule.fp32)
+            tensor = tensor.to(getattr(torch, dtype))
+        assert torch.equal(results[True]["exported"][name].float(), tensor.float()), name
 
 
 def _vllm_moe_body(rank, world, model_dir, out_path):

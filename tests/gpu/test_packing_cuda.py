@@ -4,11 +4,10 @@ With Transformer Engine's layer spec the trainer packs with TE's THD format (meg
 every sequence of a micro-batch back to back in one row, cu_seqlens marking where each starts; RoPE restarts
 per sequence). Here the log-probs of a packed micro-batch equal those of the same sequences right-padded, in
 bf16 (TE's THD attention runs in its flash / cuDNN backends), and so do the loss, grad norm and the updated
-weights of one update. Without TE the trainer uses the block-diagonal mask (the CPU path, tested on CPU):
-the THD case is then skipped with the reason.
+weights of one update. Without TE the same THD rows go through models/attention.py (each document through
+SDPA alone), which this test then checks on the GPU.
 """
 
-import pytest
 import torch
 
 from tests._dist import run_distributed
@@ -56,10 +55,8 @@ def _bf16_trainer(world, model_dir, overrides):
 
 
 def _thd_body(rank, world, model_dir, out_path):
-    from remax_megatron.models.arch import packed_attention
     from remax_megatron.weights import export_hf_weights
 
-    assert packed_attention() == "thd"
     results = {}
     for variant, overrides in VARIANTS.items():
         trainer, actor = _bf16_trainer(
@@ -82,13 +79,6 @@ def _thd_body(rank, world, model_dir, out_path):
 
 
 def test_thd_packed_rows_equal_padded_rows_in_bf16(tmp_path):
-    from remax_megatron.models.gpt import transformer_engine_usable
-
-    if not transformer_engine_usable():
-        pytest.skip(
-            "Transformer Engine is not installed: the trainer packs with the block-diagonal mask here "
-            "(tested on CPU); THD needs TE"
-        )
     model_dir = make_tiny_model(
         str(tmp_path / "llama"), "llama", hidden=128, layers=2, heads=4, kv_heads=2, ffn=256, seed=7
     )

@@ -23,6 +23,7 @@ BUILTIN = {
     "mistral": ["MistralForCausalLM", "MistralForSequenceClassification"],
     "qwen3_moe": ["Qwen3MoeForCausalLM"],
     "mixtral": ["MixtralForCausalLM"],
+    "glm4_moe": ["Glm4MoeForCausalLM"],
 }
 
 # family, options, tie, reward: the shapes the parameter count is checked on
@@ -36,6 +37,7 @@ SHAPES = [
     ("mistral", {"head_dim": 8, "sliding_window": 128}, False, False),
     ("qwen3_moe", {"experts": 4, "top_k": 2}, False, False),
     ("mixtral", {"experts": 3, "top_k": 2}, True, False),
+    ("glm4_moe", {"experts": 4, "top_k": 2, "head_dim": 20, "qk_norm": True}, False, False),
 ]
 
 
@@ -84,7 +86,10 @@ def test_parameter_count_matches_transformers(tmp_path, family, options, tie, re
     arch = read_hf_config(path)
     cls = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
     hf = cls.from_pretrained(path)
-    assert plan.param_count(arch, arch.vocab_size) == sum(p.numel() for p in hf.parameters())
+    # parameters and persistent buffers (a DeepSeek-style router's correction bias): the checkpoint's tensors
+    persistent = hf.state_dict()
+    buffers = sum(b.numel() for name, b in hf.named_buffers() if name in persistent)
+    assert plan.param_count(arch, arch.vocab_size) == sum(p.numel() for p in hf.parameters()) + buffers
     # Every HF tensor of the checkpoint is made by exactly one rule (nothing left out, nothing invented).
     from safetensors import safe_open
 

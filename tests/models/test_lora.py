@@ -558,8 +558,9 @@ def test_lora_off_keeps_kl_needing_a_reference_and_lora_on_does_not():
 
 
 def test_what_transformer_engine_would_run_is_refused_or_avoided(monkeypatch):
-    """On a GPU with Transformer Engine a LoRA actor still runs megatron's local spec: packed THD rows are
-    refused, and MoE experts default to megatron's SequentialMLP (auto) or are refused (grouped)."""
+    """On a GPU with Transformer Engine a LoRA actor still runs megatron's local spec: packed rows run through
+    its SDPA attention (THD, any dtype), and MoE experts default to megatron's SequentialMLP (auto) or are
+    refused (grouped)."""
     from types import SimpleNamespace
 
     from remax_megatron import startup
@@ -567,14 +568,13 @@ def test_what_transformer_engine_would_run_is_refused_or_avoided(monkeypatch):
 
     from remax_megatron.models import arch
 
-    monkeypatch.setattr(startup, "transformer_engine_usable", lambda: True)
     monkeypatch.setattr(arch, "transformer_engine_usable", lambda: True)  # expert_options' (its owner's)
     base = ["reward.functions=[exact_match]", "actor.lora_rank=4"]
     dense = SimpleNamespace(is_moe=False, architecture="LlamaForCausalLM")
     moe = SimpleNamespace(is_moe=True, architecture="MixtralForCausalLM")
     cfg = load_config(None, [*base, "trainer.pack_sequences=true", "trainer.micro_batch_tokens=4096"])
-    with pytest.raises(ValueError, match="set trainer.pack_sequences=false"):
-        startup.check_lora(cfg, dense)
+    startup.check_lora(cfg, dense)
+    arch.check_packing(torch.float32, local_spec=True)
     cfg = load_config(None, [*base, "actor.lora_targets=[linear_qkv]", "actor.moe_experts=grouped"])
     with pytest.raises(ValueError, match="use actor.moe_experts=sequential or auto"):
         startup.check_lora(cfg, moe)

@@ -441,9 +441,9 @@ def _packed_case(model_dir):
 
 
 def _packed_body(rank, world, model_dir, sequences, expected):
-    """Three sequences in one packed row (remax_megatron.batching, the trainer's "mask" path: a block-diagonal causal
-    mask through megatron's local attention, RoPE at the row's positions): each one's logits equal
-    transformers' on that sequence alone, the last two starting 1900 and 1940 positions into the row."""
+    """Three sequences in one packed row (remax_megatron.batching: megatron's THD format, each document attended
+    alone by models/attention.py, RoPE at the row's positions): each one's logits equal transformers' on that
+    sequence alone, the last two starting 1900 and 1940 positions into the row."""
     from remax_megatron.models import build_policy, read_hf_config
     from remax_megatron.models.forward import forward_only
     from remax_megatron.parallel import ParallelLayout
@@ -459,7 +459,7 @@ def _packed_body(rank, world, model_dir, sequences, expected):
         ids[i, : len(seq)] = seq
     batch = {"input_ids": ids, "labels": torch.full_like(ids, -100), "lengths": torch.tensor(PACKED_LENGTHS)}
     row = sum(PACKED_LENGTHS)
-    mb = assemble(batch, MicroBatch([0, 1, 2], width, bins=[[0, 1, 2]], row_width=row), "mask")
+    mb = assemble(batch, MicroBatch([0, 1, 2], width, bins=[[0, 1, 2]], row_width=row))
     assert mb["input_ids"].shape == (1, row)
 
     def head(m, hidden, micro):

@@ -24,11 +24,12 @@ def native_engine(model_dir, seed=0, scale_final_norm=1.0):
     return engine
 
 
-def assert_chi_square(counts: torch.Tensor, probs: torch.Tensor, z: float = 3.09) -> None:
-    """Goodness of fit at p ~ 1e-3 (Wilson-Hilferty chi-square quantile; scipy when installed).
+def assert_chi_square(counts: torch.Tensor, probs: torch.Tensor, level: float = 1e-3) -> None:
+    """Goodness of fit at the `level` (1e-3 or 1e-2; Wilson-Hilferty chi-square quantile; scipy when installed).
 
     counts [V] observed, probs [V] expected distribution; bins with expected < 5 are pooled.
     """
+    z = {1e-3: 3.09, 1e-2: 2.326}[level]  # the standard normal's 1 - level quantile
     total = counts.sum().item()
     expected = probs.double() * total
     big = expected >= 5
@@ -44,7 +45,7 @@ def assert_chi_square(counts: torch.Tensor, probs: torch.Tensor, z: float = 3.09
     try:
         from scipy.stats import chi2
 
-        crit = chi2.ppf(1 - 1e-3, df)
+        crit = chi2.ppf(1 - level, df)
     except ImportError:
         crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
     assert stat < crit, f"chi-square {stat:.1f} >= critical {crit:.1f} (df={df}): samples do not follow the model"

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from remax_megatron.rollout import SamplingParams
-from remax_megatron.rollout.native import filter_logits
 from tests.rollout.helpers import assert_chi_square, native_engine
 
 
@@ -28,8 +27,8 @@ def test_one_request_carries_sampled_and_greedy(engine, monkeypatch):
     calls = []
     original = engine._decode
 
-    def spy(prompts, per, greedy, generators, sampling, limits):
-        rows = original(prompts, per, greedy, generators, sampling, limits)
+    def spy(prompts, per, greedy, seeds, sampling, limits):
+        rows = original(prompts, per, greedy, seeds, sampling, limits)
         calls.append((len(prompts), per - 1, len(rows)))
         return rows
 
@@ -139,12 +138,6 @@ def test_top_p_is_respected_and_renormalised(sharp_engine):
     nucleus = torch.zeros_like(probs)
     nucleus[keep] = probs[keep] / probs[keep].sum()
     assert_chi_square(counts, nucleus)
-
-
-def test_filter_logits_keeps_the_top_token_and_ties():
-    logits = torch.tensor([[3.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
-    assert torch.isfinite(filter_logits(logits, 2, 1.0)).sum(-1).tolist() == [3, 4]
-    assert torch.isfinite(filter_logits(logits, 0, 1e-6)).sum(-1).tolist() == [1, 1]
 
 
 def test_stop_string_ends_the_completion(engine):
@@ -259,3 +252,225 @@ def test_routes_of_a_dense_model_are_refused_in_one_line(tiny_llama):
 
     with pytest.raises(ValueError, match="no top-k router"):
         NativeEngine(hf_dir=tiny_llama, device="cpu", routes=True)
+
+
+# ---- the decode loop (rollout/native_decode.py) against the old one (tests/rollout/_reference_decode.py) ----
+def _old_loop(engine, prompts, n, sampling, seeds, limits=None):
+    """The pre-issue-49 loop on the same engine: per-row generators seeded as rollout/engine.py says."""
+    from tests.rollout._reference_decode import reference_decode
+
+    generators, greedy = [], []
+    for seed in seeds:
+        generators += [torch.Generator().manual_seed(seed + j) for j in range(n)] + [None]
+        greedy += [False] * n + [True]
+    limits = limits or [sampling.max_new_tokens] * len(greedy)
+    return reference_decode(engine, prompts, n + 1, greedy, generators, sampling, limits)
+
+
+VARIED = ("hello world", "ab", "The quick brown fox jumps", "x", "0123456789 abc")
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(max_new_tokens=24, temperature=0.9),
+        SamplingParams(max_new_tokens=20, temperature=1.1, stop_token_ids=[40, 41, 50, 60, 70]),
+        SamplingParams(max_new_tokens=16, temperature=0.8, top_k=5, stop=["]8", "~~", "JJ", "ssss", "cc"]),
+    ],
+    ids=["length", "stop-ids", "stop-strings"],
+)
+def test_greedy_rows_equal_the_old_loop_token_for_token(engine, sampling):
+    """Prompts of different lengths, n = 2: every greedy row, its log-probs and finish reason as the old
+    loop's (rows end at different steps: stop ids / strings)."""
+    prompts = _prompts(engine, VARIED)
+    new = engine.generate(prompts, n=2, sampling=sampling, seeds=[11, 12, 13, 14, 15])
+    old = _old_loop(engine, prompts, 2, sampling, [11, 12, 13, 14, 15])
+    ends = set()
+    for p, ro in enumerate(new):
+        ref = old[p * 3 + 2]
+        assert ro.greedy.token_ids == ref.token_ids, (p, ro.greedy.token_ids, ref.token_ids)
+        assert ro.greedy.finish_reason == ref.finish_reason
+        assert max(abs(a - b) for a, b in zip(ro.greedy.logprobs, ref.logprobs)) < 1e-5
+        ends.add(len(ro.greedy.token_ids))
+        for c in ro.sampled:
+            ends.add(len(c.token_ids))
+    if sampling.stop or sampling.stop_token_ids:
+        assert len(ends) > 2, f"rows ended at {ends} tokens only: the stops did not end rows early"
+
+
+def _teacher_forced(engine, prompt, completion, temperature):
+    ids = torch.tensor([prompt + completion.token_ids])
+    labels = torch.full_like(ids, -100)
+    labels[0, len(prompt) - 1 : -1] = torch.tensor(completion.token_ids)
+    return engine.score(ids, labels, temperature)[0, len(prompt) - 1 : -1]
+
+
+def test_every_completions_logprobs_equal_a_teacher_forced_recomputation(engine):
+    """Sampled rows at the sampling temperature, greedy rows at 1 (rollout/engine.py), under top-k / top-p,
+    prompts of different lengths, rows ending at different steps: fp32, within 1e-5."""
+    prompts = _prompts(engine, VARIED)
+    sampling = SamplingParams(max_new_tokens=20, temperature=0.7, top_k=8, top_p=0.9, stop_token_ids=[40, 50, 60])
+    out = engine.generate(prompts, n=3, sampling=sampling, seeds=[1, 2, 3, 4, 5])
+    worst = 0.0
+    for prompt, ro in zip(prompts, out):
+        for c, temperature in [(c, 0.7) for c in ro.sampled] + [(ro.greedy, 1.0)]:
+            got = torch.tensor(c.logprobs)
+            worst = max(worst, (got - _teacher_forced(engine, prompt, c, temperature)).abs().max().item())
+    assert worst < 1e-5, worst
+
+
+def test_per_row_limits_and_greedy_rows_of_generate_rows_equal_the_old_loop(engine):
+    """generate_rows (multi-turn): a limit per row, greedy and sampled rows mixed."""
+    from tests.rollout._reference_decode import reference_decode
+
+    contexts = _prompts(engine, VARIED)
+    greedy = [True, False, True, False, True]
+    limits = [3, 7, 12, 1, 9]
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.2)
+    new = engine.generate_rows(contexts, greedy, sampling, [5, 6, 7, 8, 9], max_new_tokens=limits)
+    old = reference_decode(
+        engine, contexts, 1, greedy, [None if g else torch.Generator().manual_seed(9) for g in greedy], sampling, limits
+    )
+    for c, ref, g, limit in zip(new, old, greedy, limits):
+        assert len(c.token_ids) == limit and c.finish_reason == "length"
+        if g:
+            assert c.token_ids == ref.token_ids
+
+
+def test_waves_give_the_same_rows_as_one_batch(engine, monkeypatch):
+    """rollout.kv_cache_gib splits a request into waves: every row (sampled ones too: keyed per row) is the
+    same token for token; a budget below one row is refused in one line."""
+    from remax_megatron.rollout import native_decode
+
+    prompts = _prompts(engine, VARIED)
+    sampling = SamplingParams(max_new_tokens=10, temperature=1.0, stop_token_ids=[40, 50])
+    whole = engine.generate(prompts, n=2, sampling=sampling, seeds=[7, 8, 9, 10, 11])
+    row = native_decode.kv_bytes_per_token(engine.model.config, engine.dtype) * (max(map(len, prompts)) + 10)
+    waves = []
+    original = native_decode.WaveDecoder
+
+    def spy(*args, **kwargs):
+        waves.append(len(args[2]))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(native_decode, "WaveDecoder", spy)
+    monkeypatch.setattr(engine, "kv_cache_bytes", 4 * row)  # 4 rows a wave: 15 rows -> 4 + 4 + 4 + 3
+    split = engine.generate(prompts, n=2, sampling=sampling, seeds=[7, 8, 9, 10, 11])
+    assert waves == [4, 4, 4, 3]
+    for a, b in zip(whole, split):
+        for x, y in zip(a.sampled + [a.greedy], b.sampled + [b.greedy]):
+            assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-5
+    monkeypatch.setattr(engine, "kv_cache_bytes", row - 1)
+    with pytest.raises(ValueError, match=r"rollout.kv_cache_gib=.* holds no row of this request"):
+        engine.generate(prompts, n=2, sampling=sampling)
+
+
+class _HostReads:
+    """Counts device-to-host reads (Tensor.tolist / item / cpu / __bool__ / nonzero) while active."""
+
+    METHODS = ("tolist", "item", "cpu", "__bool__", "nonzero")
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(*args, _original=original, **kwargs):
+                self.count += 1
+                return _original(*args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_64_token_decode_reads_the_host_once_per_check(family, tiny_llama, moe_models, monkeypatch):
+    """No per-token host sync: a 64-token decode (no row ends early) reads device tensors at the host checks
+    only (tokens 1, 2, 3, 4, 6, 8, 12, then every 16) plus the prefill's, the MoE model's experts included
+    (transformers' grouped-mm experts); the old loop reads several times per token."""
+    from remax_megatron.rollout import native_decode
+
+    model_dir = tiny_llama if family == "llama" else moe_models[family]
+    engine = native_engine(model_dir)
+    if family != "llama":
+        assert engine.model.config._experts_implementation != "eager"
+    monkeypatch.setattr(engine, "eos_token_ids", set())
+    prompts = _prompts(engine, ("hello world", "ab", "The quick"))
+    sampling = SamplingParams(max_new_tokens=64, temperature=1.0)
+    reads = _HostReads(monkeypatch)
+    out = engine.generate(prompts, n=2, sampling=sampling, seeds=[1, 2, 3])
+    assert all(len(c.token_ids) == 64 for ro in out for c in ro.sampled + [ro.greedy])
+    # one read per 16 tokens (checks 16, 32, 48, 64) + a constant: the 7 early checks and the prefill's 2
+    # (transformers' SDPA mask asks whether the prompts' padding mask is all ones)
+    assert native_decode.CHECK_EVERY >= 16 and len(native_decode.FIRST_CHECKS) <= 7
+    assert reads.count <= 64 // 16 + 7 + 2, f"{reads.count} host reads in a 64-token decode"
+    reads.count = 0
+    _old_loop(engine, prompts, 2, sampling, [1, 2, 3])
+    assert reads.count >= 3 * 64, f"the counter saw only {reads.count} reads of the old loop"
+
+
+def test_eager_attention_takes_the_additive_mask(tiny_llama):
+    """A model on transformers' eager attention gets the decode's mask as an additive one: the same rows."""
+    engine = native_engine(tiny_llama, seed=3)
+    prompts = _prompts(engine, VARIED)
+    sampling = SamplingParams(max_new_tokens=12, temperature=0.9, stop_token_ids=[40, 50])
+    sdpa = engine.generate(prompts, n=2, sampling=sampling, seeds=[1, 2, 3, 4, 5])
+    engine.model.set_attn_implementation("eager")
+    eager = engine.generate(prompts, n=2, sampling=sampling, seeds=[1, 2, 3, 4, 5])
+    for a, b in zip(sdpa, eager):
+        for x, y in zip(a.sampled + [a.greedy], b.sampled + [b.greedy]):
+            assert x.token_ids == y.token_ids
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-5
+
+
+class _FakeGraph:
+    """Stands in for a torch.cuda.CUDAGraph on the CPU: a replay runs the decoder's step, after checking that
+    every tensor the capture would have baked in is still the very one it saw (a real graph replays on the
+    old storage: the hazard when a compaction replaces the state)."""
+
+    def __init__(self, decoder):
+        self.decoder, self.bound = decoder, self.state(decoder)
+
+    @staticmethod
+    def state(d):
+        tensors = [d.fed, d.position, d.slot, d.step, d.tokens, d.logprobs, d.lengths, d.stopped, d.done]
+        tensors += [d.greedy, d.temperature, d.keys, d.limit, d.prompt_mask]
+        return [id(t) for t in tensors] + [id(layer.keys) for layer in d.cache.layers]
+
+    def replay(self):
+        assert self.state(self.decoder) == self.bound, "a graph replayed on tensors the decoder replaced"
+        self.decoder._forward_and_sample()
+
+
+def test_the_cuda_graph_path_recaptures_after_compaction(engine, monkeypatch):
+    """The graph path's bookkeeping on the CPU (a fake graph; tests/gpu runs the real one): captured after two
+    eager steps, captured again after finished rows leave the batch (CUDA's rule: half of it), the same rows
+    as the eager decode."""
+    from remax_megatron.rollout import native_decode
+
+    prompts = _prompts(engine, VARIED)
+    sampling = SamplingParams(max_new_tokens=40, temperature=1.0, stop_token_ids=list(range(40, 52)))
+    eager = engine.generate(prompts, n=2, sampling=sampling, seeds=[3, 4, 5, 6, 7])
+    captures, replays = [], []
+
+    class GraphDecoder(native_decode.WaveDecoder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.use_graph, self.compact_share = True, 0.5
+
+        def _capture(self):
+            captures.append(self.fed.shape[0])
+            self.graph = _FakeGraph(self)
+
+        def decode_step(self):
+            replays.append(self.graph is not None)
+            super().decode_step()
+
+    monkeypatch.setattr(native_decode, "WaveDecoder", GraphDecoder)
+    graphed = engine.generate(prompts, n=2, sampling=sampling, seeds=[3, 4, 5, 6, 7])
+    for a, b in zip(eager, graphed):
+        for x, y in zip(a.sampled + [a.greedy], b.sampled + [b.greedy]):
+            assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-5  # other batch sizes
+    assert len(captures) >= 2 and captures == sorted(captures, reverse=True) and captures[-1] < captures[0], captures
+    assert sum(replays) > len(replays) // 2, replays

@@ -42,7 +42,7 @@ def test_logprob_mismatch_and_warning():
     with pytest.warns(LogprobMismatchWarning, match="rollout.logprob_warn_threshold=0.1"):
         logprob_mismatch(actor, engine, mask, threshold=0.1)
     empty = logprob_mismatch(actor, engine, torch.zeros_like(mask))
-    assert empty == {"max": 0.0, "mean": 0.0, "below": 0.0, "tokens": 0}
+    assert empty == {"max": 0.0, "mean": 0.0, "below": 0.0, "tokens": 0, "sd": 0.0, "exp_mean": 1.0}
     with pytest.raises(ValueError, match="shapes differ"):
         logprob_mismatch(actor, engine[:, :2], mask)
 

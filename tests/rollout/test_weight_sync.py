@@ -105,3 +105,47 @@ def test_incomplete_or_foreign_stream_is_refused(tiny_llama):
         sync_weights(engine, iter([("lm_head.bias", torch.zeros(3))]), bucket_mb=1)
     with pytest.raises(ValueError, match="shape \\(3,\\) but the engine has"):
         sync_weights(engine, iter([("model.norm.weight", torch.zeros(3))]), bucket_mb=1)
+
+
+def _in_place_body(rank, world, model_dirs):
+    from remax_megatron.models import build_policy, read_hf_config
+    from remax_megatron.parallel import ParallelLayout
+    from remax_megatron.rollout import WeightSync
+    from remax_megatron.rollout.native import NativeEngine
+    from remax_megatron.weights import export_hf_weights, load_hf_weights
+
+    groups = ParallelLayout(tp=1, pp=1, world_size=world).initialize(seed=0)
+    for model_dir in model_dirs:
+        actor = build_policy(read_hf_config(model_dir), tp=1, pp=1, trainable=False)
+        load_hf_weights(actor, model_dir)
+        for dtype in (torch.float32, torch.bfloat16):
+            direct = NativeEngine(hf_dir=model_dir, dtype=dtype, device="cpu")
+            staged = NativeEngine(hf_dir=model_dir, dtype=dtype, device="cpu")
+            sync = WeightSync(direct, actor, bucket_mb=0.02, groups=groups)
+            for step in range(2):  # the second sync after an update: no stale weights in place either
+                stats = sync()
+                sync_weights(staged, export_hf_weights(actor, dtype=dtype, bucket_mb=0.02), bucket_mb=0.02)
+                tensors = sum(1 for _ in export_hf_weights(actor, bucket_mb=0.02))
+                assert stats["buckets"] > 1
+                # every tensor written by the export into the engine's own storage; nothing staged
+                assert direct.last_update == {"in_place": tensors, "copied": 0}, (model_dir, direct.last_update)
+                assert staged.last_update["in_place"] == 0
+                for name, p in direct.model.named_parameters():
+                    q = staged.model.get_parameter(name)
+                    assert p.dtype == dtype and torch.equal(p, q), (model_dir, dtype, step, name)
+                with torch.no_grad():
+                    for p in actor.parameters():
+                        p.add_(0.01 * torch.randn_like(p))
+
+
+def test_colocated_sync_writes_in_place_bit_for_bit(tiny_llama, tmp_path):
+    """tp1, one device: WeightSync writes the export straight into the native engine's parameters (no staged
+    copy), and the engine's weights equal those of the staged path (packer + copy) bit for bit, in fp32 and
+    bf16, for a tied Llama and an untied Qwen2 with QKV bias."""
+    from tests._dist import run_distributed
+    from tools.make_tiny_model import make_tiny_model
+
+    qwen2 = make_tiny_model(
+        str(tmp_path / "qwen2"), "qwen2", hidden=64, layers=2, heads=4, kv_heads=2, ffn=96, vocab=301, seed=3
+    )
+    run_distributed(_in_place_body, world_size=1, args=([tiny_llama, qwen2],))

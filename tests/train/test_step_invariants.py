@@ -6,7 +6,7 @@ The spy scorer gives prompt p's greedy response the reward 10 * index(p) and its
 10 * index(p) + OFFSETS[j], OFFSETS = (-1, 0, 2). So when every sample is paired with ITS prompt's
 greedy reward, sample j's advantage is exactly OFFSETS[j] on every response token: negative, zero
 (a tie) and positive. Pairing a sample with another prompt's greedy reward (`repeat` instead of
-`repeat_interleave` in Trainer._batch), flipping the sign, or a baseline that is not the greedy reward
+`repeat_interleave` in batching.rollout_batch), flipping the sign, or a baseline that is not the greedy reward
 (the mean of the prompt's sampled rewards is 10 * index(p) + 1/3) changes that. Two steps at a
 large learning rate: the engine the second step samples from must carry the first update's weights
 (an engine one update behind shows a log-prob gap of 1e-2 and more).

@@ -74,9 +74,9 @@ def lookup(architecture: str, where: str) -> tuple[Family, str]:
 
 
 def _register_builtin() -> None:
-    from remax_megatron.models.families import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+    from remax_megatron.models.families import glm4_moe, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 
-    for module in (llama, qwen2, qwen3, mistral, qwen3_moe, mixtral):
+    for module in (llama, qwen2, qwen3, mistral, qwen3_moe, mixtral, glm4_moe):
         register(module.FAMILY)
 
 

@@ -31,7 +31,8 @@ VOCAB = "vocab"  # split over the padded vocab on dim 0 (embedding, output layer
 ROW = "row"  # row-parallel linear: split on dim 1 (attention output, MLP down)
 QKV = "qkv"  # q, k, v fused per query group: [q heads of g; k_g; v_g] for each group g
 FC1 = "fc1"  # gate, up fused: per TP rank [its gate rows; its up rows]
-KINDS = (REPLICATED, VOCAB, ROW, QKV, FC1)
+COLUMN = "column"  # one HF tensor, column-parallel linear: split on dim 0 (MLA's projections)
+KINDS = (REPLICATED, VOCAB, ROW, QKV, FC1, COLUMN)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class TensorRule:
     # MoE: the global index of the expert this parameter belongs to (split over expert parallelism, and
     # over expert tensor parallelism instead of TP); its megatron name carries that global index
     expert: int | None = None
+    # kept in float32 whatever dtype the weights are exported or synced in (a router's correction bias:
+    # rounded to bfloat16, near-tied experts would be chosen differently than the actor chooses them)
+    fp32: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,8 +144,12 @@ class Family:
             return []
         return [
             model.get_submodule(f"{self.hf_layer(layer)}{self.moe.model_router}")
-            for layer in range(model.config.num_hidden_layers)
+            for layer in self.routed_layers(model.config)
         ]
+
+    def routed_layers(self, config) -> range:
+        """The decoder layers of a transformers config of this family whose MLP is routed (a MoE family: all)."""
+        return range(config.num_hidden_layers)
 
     @cached_property
     def _moe_pattern(self) -> re.Pattern:
