@@ -10,9 +10,13 @@ Usage inside a test:
         run_distributed(_body, world_size=2, args=(str(tmp_path),))
 
 The body must be a module-level function (it is pickled). A failing assert in any rank fails the
-test with that rank's traceback. Ranks are forked from a fork server that imported torch,
+test with that rank's traceback. CPU ranks are forked from a fork server that imported torch,
 megatron-core and transformers once (PRELOAD), and get the launching test's environment and working
-directory, as spawned processes would.
+directory, as spawned processes would. CUDA ranks (`device="cuda"`, or CUDA available and no device
+asked for) are spawned: a process forked from one that has called `torch.cuda.is_available()` cannot
+initialise CUDA ("Cannot re-initialize CUDA in forked subprocess"), and PRELOAD does call it (megatron-core
+0.16.1's dist_checkpointing/strategies/torch.py, at import, through remax_megatron.weights; vLLM's Triton
+driver check, where vLLM is installed). See `start_method`.
 
 run_distributed_cases runs several such bodies (cases) in one launch, one process start per rank
 instead of one per case, and says which case failed.
@@ -22,6 +26,7 @@ import os
 import socket
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -31,7 +36,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, errors, environ=None, cwd=None):
+def cuda_workers(device: str | None = None) -> bool:
+    """Whether the ranks run on CUDA (one GPU per rank, NCCL): as the test asks (`device` "cuda" or "cpu"),
+    else when this process sees CUDA."""
+    if device not in (None, "cuda", "cpu"):
+        raise ValueError(f"device={device!r}: use 'cuda', 'cpu' or None (CUDA when available)")
+    return torch.cuda.is_available() if device is None else device == "cuda"
+
+
+def start_method(cuda: bool) -> str:
+    """How ranks start. CPU: forked from the warm fork server (imports once per test process). CUDA: spawned,
+    each rank a fresh interpreter, since torch refuses CUDA in a process forked from one whose imports
+    asked the CUDA runtime anything (`torch.cuda.is_available()` calls cudaGetDeviceCount, which poisons
+    fork unless PYTORCH_NVML_BASED_CUDA_CHECK=1), and which library does so at import is not ours to
+    keep true. A spawned rank pays its imports (a few seconds); the GPU tests launch a handful."""
+    return "spawn" if cuda else "forkserver"
+
+
+def _worker(rank, world_size, port, fn, args, errors, environ=None, cwd=None, cuda=False):
     if environ is not None:  # the launching test's environment and directory, as a spawned process inherits them
         os.environ.clear()
         os.environ.update(environ)
@@ -46,13 +68,14 @@ def _worker(rank, world_size, port, fn, args, errors, environ=None, cwd=None):
         LOCAL_WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
     )
-    import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    if torch.cuda.is_available():  # tests/gpu: one GPU per rank, NCCL as under torchrun
+    if cuda:  # tests/gpu: one GPU per rank, NCCL as under torchrun
+        if rank >= torch.cuda.device_count():
+            raise RuntimeError(f"rank {rank} of {world_size} needs {world_size} GPUs; {torch.cuda.device_count()} here")
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     except BaseException:
@@ -75,7 +98,7 @@ def _worker(rank, world_size, port, fn, args, errors, environ=None, cwd=None):
             dist.destroy_process_group()
 
 
-# What every rank imports: the fork server imports it once, and each rank is forked from there with it
+# What every CPU rank imports: the fork server imports it once, and each rank is forked from there with it
 # already imported (a spawned rank spent ~6 s of CPU importing torch, megatron-core and transformers; a
 # 4-process launch on 2 cores waited ~24 s before its first line).
 PRELOAD = [
@@ -97,18 +120,25 @@ PRELOAD = [
 ]
 
 
-def _context():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+def _context(cuda: bool | None = None):
+    """The multiprocessing context of a launch: `start_method(cuda)`, with PRELOAD for the fork server.
+    `cuda` None: as `cuda_workers()` says."""
+    method = start_method(cuda_workers() if cuda is None else cuda)
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
-def run_distributed(fn, world_size: int, args: tuple = ()) -> None:
-    ctx = _context()
+def run_distributed(fn, world_size: int, args: tuple = (), device: str | None = None) -> None:
+    """`fn(rank, world_size, *args)` on `world_size` ranks; `device`: see `cuda_workers`."""
+    cuda = cuda_workers(device)
+    ctx = _context(cuda)
     errors = ctx.SimpleQueue()
     port = _free_port()
+    env, cwd = dict(os.environ), os.getcwd()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors, dict(os.environ), os.getcwd()))
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors, env, cwd, cuda))
         for r in range(world_size)
     ]
     for p in procs:
@@ -236,9 +266,9 @@ def _main_worker(rank, world_size, port, module, argv, out_dir, environ, cwd):
 def run_main(module: str, argv: list[str], nproc: int, env: dict | None = None, timeout: float = 900) -> Completed:
     """`torchrun --nproc_per_node=nproc -m module *argv` with ranks forked from the warm fork server
     (torch, megatron-core, transformers and vLLM imported once per test process instead of once per
-    rank and launch). `env`: the ranks' environment (default: this process's), as subprocess takes it.
-    For what the ranks compute; what torchrun itself does (its exit codes, signals, its error report) is
-    tested with the real command."""
+    rank and launch; spawned where CUDA is available, see `start_method`). `env`: the ranks' environment
+    (default: this process's), as subprocess takes it. For what the ranks compute; what torchrun itself
+    does (its exit codes, signals, its error report) is tested with the real command."""
     import tempfile
 
     ctx = _context()
