@@ -51,6 +51,10 @@ at world W - 1 and W, separate at W with staleness 0 and 1) and reports the rati
     torchrun --nproc_per_node=3 tools/bench_e2e.py --hf-dir HF --placement separate --rollout-ranks 1 \
         --json sep.json actor.tp=2 rollout.engine=native
 
+Both sides also report `launch_to_first_step_s` (from the process's start to the end of its first
+training step: imports, model build, first rollout and update) and `peak_memory` (GPU: torch's allocator
+peak, where CUDA is used; host: peak RSS; GiB). For TRL these are the subprocess's own.
+
 Output: one JSON object (DESIGN.md, "Benchmark JSON"), printed and written to --json
 (rank 0).
 """
@@ -75,6 +79,32 @@ DEFAULT_CONFIG = os.path.join(REPO, "configs", "tiny_cpu.yaml")
 
 def median(values: list[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
+
+
+_IMPORTED = time.time()
+
+
+def seconds_since_launch() -> float:
+    """Seconds since this process started (Linux: /proc), else since this module was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time() - _IMPORTED
+
+
+def peak_memory() -> dict:
+    """This process's peak memory so far: GPU (torch's allocator, GiB) where CUDA is in use, host RSS (GiB)."""
+    import resource
+
+    import torch
+
+    peak = {"host_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peak["gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return peak
 
 
 # ---- ours ---------------------------------------------------------------------------------
@@ -160,6 +190,7 @@ class OursRun:
         self.logger = MetricsLogger(self.output_dir, cfg.trainer.steps, tensorboard=False, progress_bar=False)
         self.trainer = Trainer(self.parts, self.logger)
         self.cfg, self.samples = cfg, cfg.rollout.n * cfg.trainer.prompts_per_step
+        self.launch_to_first_step_s = None  # process start to the end of its first training step
         self.checked = dataclasses.replace(checked, actor_dir=self.parts.hf_dir)  # a built-in model: now built
 
     def steps(self, count: int, padded: bool = False) -> tuple[list[dict], list[float]]:
@@ -182,6 +213,8 @@ class OursRun:
             cpu_start = time.process_time()  # every thread of this process (the vLLM engine's too)
             record = self.trainer.train_step()
             cpu_s.append(time.process_time() - cpu_start)
+            if self.launch_to_first_step_s is None:
+                self.launch_to_first_step_s = seconds_since_launch()
             self.trainer.step += 1
             self.logger.log(record)
             records.append(record)
@@ -227,6 +260,8 @@ class OursRun:
             "cpu_s_per_step": median(cpu_s),
             "cpu_s_per_sample": median(cpu_s) / samples,
             "build_s": self.build_s,
+            "launch_to_first_step_s": self.launch_to_first_step_s,
+            "peak_memory": peak_memory(),
             "metrics_jsonl": os.path.join(self.output_dir, "metrics.jsonl"),  # every step's full record
             # torch's threads after the run: vLLM's CPU build sets 1 in its process unless OMP_NUM_THREADS is set.
             "threads": torch.get_num_threads(),

@@ -21,7 +21,9 @@ from a directory whose generation_config.json lists them beside EOS as `eos_toke
 the same weights), so TRL's generation stops there and its completion masks end there, as ours.
 
 Seconds per step: the wall time between consecutive optimizer steps (on_step_end), so
-generation, rewards, forward/backward and TRL's own bookkeeping all count.
+generation, rewards, forward/backward and TRL's own bookkeeping all count. launch_to_first_step_s: from
+this process's start to the end of the first optimizer step; peak_memory: GPU (torch's allocator) and
+host RSS peaks, GiB.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from tools.bench_e2e import peak_memory, seconds_since_launch
+
     rows = spec["rows"]
     columns = [k for k in rows[0] if k != "prompt"]
     samples = spec["prompts_per_step"] * spec["n"]
@@ -137,6 +141,7 @@ def main(argv=None) -> None:
     grpo_args = GRPOConfig(output_dir=out_dir, **config)
 
     step_ends: list[float] = []
+    first_step = [None]  # process start to the end of the first optimizer step
     cpu_ends: list[float] = []  # process CPU seconds at the same points
     history: list[dict] = []  # TRL's log records (completion lengths, rewards)
     generating: list[float] = [0.0]  # seconds in GRPOTrainer._generate (weight sync + decoding) per step
@@ -147,6 +152,8 @@ def main(argv=None) -> None:
             cpu_ends.append(time.process_time())
 
         def on_step_end(self, *_a, **_k):
+            if len(step_ends) == 1:
+                first_step[0] = seconds_since_launch()
             step_ends.append(time.perf_counter())
             cpu_ends.append(time.process_time())
             generating.append(0.0)
@@ -193,6 +200,8 @@ def main(argv=None) -> None:
         "cpu_s_per_step": statistics.median(cpu_s),
         "cpu_s_per_sample": statistics.median(cpu_s) / samples,
         "build_s": build_s,
+        "launch_to_first_step_s": first_step[0],
+        "peak_memory": peak_memory(),
         "response_length_mean": statistics.median(lengths[spec["warmup"] :] or lengths) if lengths else None,
         "config": {
             "trainer": "trl.GRPOTrainer",

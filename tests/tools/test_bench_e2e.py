@@ -68,6 +68,9 @@ def test_bench_e2e_json_contract(tmp_path):
     assert greedy["ratio"] == pytest.approx(greedy["with_greedy_s"] / greedy["sampling_only_s"])
     assert greedy["bound"] == pytest.approx(1.5)
     assert "peer_samples_per_s" not in result and "ratio" not in result
+    # from the process's start to the end of the first (warm-up) step: the build is part of it
+    assert result["launch_to_first_step_s"] > result["build_s"] > 0
+    assert positive(result["peak_memory"]["host_gib"]) and "gpu_gib" not in result["peak_memory"]
 
 
 FAKE_PEER = '''#!{python}
