@@ -7,9 +7,9 @@
 
 One process (a world of 1), on --device (cpu, or cuda) in --dtype (fp32 or bf16). Each engine gets the model's
 weights through the same sync the trainer uses, then decodes `--prompts` random prompts of `--prompt-len` tokens
-with `n` sampled responses plus one greedy response each, in one request, `--repeats` times (after one warm-up).
-A random model rarely samples EOS (1 / vocab per token), so rows run to max_new_tokens on every engine;
-tokens_per_s counts what was decoded.
+with `n` sampled responses plus one greedy response each, in one request, `--repeats` times after one warm-up,
+the engines taking turns (every engine built first; ABBA order over the repeats). A random model rarely samples
+EOS (1 / vocab per token), so rows run to max_new_tokens on every engine; tokens_per_s counts what was decoded.
 
 transformers-generate: what TRL's GRPOTrainer runs without vLLM, on the same prompts: the model loaded with
 `AutoModelForCausalLM.from_pretrained` (SDPA attention), one `model.generate` of the P x (n + 1) rows (each
@@ -50,20 +50,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(request, args) -> tuple[list[float], object]:
-    """(seconds of each of --repeats calls after one warm-up, the last call's output)."""
-    request(0)  # warm-up
-    times, out = [], None
-    for step in range(1, args.repeats + 1):
-        _sync(args.device)
-        start = time.perf_counter()
-        out = request(step)
-        _sync(args.device)
-        times.append(time.perf_counter() - start)
-    return times, out
-
-
-def bench_engine(name: str, args, arch) -> dict:
+def engine_request(name: str, args, arch):
+    """(request(step) -> output, tokens(output) -> tokens decoded): ReMax's request on engine `name`, its weights
+    synced the trainer's way."""
     from remax_megatron.config import RolloutConfig
     from remax_megatron.rollout import SamplingParams, build_engine, sync_weights
     from remax_megatron.rollout.native import NativeEngine
@@ -85,17 +74,18 @@ def bench_engine(name: str, args, arch) -> dict:
     prompts = make_prompts(args, arch)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
 
-    def remax_request(step):
+    def request(step):
         return engine.generate(
             prompts, n=args.n, sampling=sampling, seeds=[step * 1000 + i for i in range(len(prompts))]
         )
 
-    times, out = _timed(remax_request, args)
-    tokens = sum(len(c.token_ids) for r in out for c in r.sampled + [r.greedy])
-    return _row(name, args, times, tokens)
+    def tokens(out):
+        return sum(len(c.token_ids) for r in out for c in r.sampled + [r.greedy])
+
+    return request, tokens
 
 
-def bench_transformers_generate(args, arch) -> dict:
+def generate_request(args, arch):
     """TRL's engine without vLLM: one `model.generate` of every prompt n + 1 times (module docstring)."""
     from transformers import AutoModelForCausalLM
 
@@ -119,12 +109,35 @@ def bench_transformers_generate(args, arch) -> dict:
                 pad_token_id=model.generation_config.pad_token_id or 0,
             )
 
-    times, out = _timed(request, args)
-    tokens = 0
-    for row in out[:, ids.shape[1] :].tolist():  # up to and including the first EOS, as the engines count
-        ends = [i for i, t in enumerate(row) if t in eos]
-        tokens += ends[0] + 1 if ends else len(row)
-    return _row("transformers-generate", args, times, tokens)
+    def tokens(out):
+        count = 0
+        for row in out[:, ids.shape[1] :].tolist():  # up to and including the first EOS, as the engines count
+            ends = [i for i, t in enumerate(row) if t in eos]
+            count += ends[0] + 1 if ends else len(row)
+        return count
+
+    return request, tokens
+
+
+def run_interleaved(requests: dict, args) -> dict:
+    """{name: (seconds of each repeat, tokens of the last)}: one warm-up each, then --repeats rounds in which
+    every engine serves the request once, the order reversed every other round (ABBA), so a change of the
+    machine's speed during the run reaches every engine alike."""
+    for request, _ in requests.values():
+        request(0)
+    names = list(requests)
+    times = {name: [] for name in names}
+    last = {}
+    for step in range(1, args.repeats + 1):
+        for name in names if step % 2 else names[::-1]:
+            request, tokens = requests[name]
+            _sync(args.device)
+            start = time.perf_counter()
+            out = request(step)
+            _sync(args.device)
+            times[name].append(time.perf_counter() - start)
+            last[name] = tokens(out)
+    return {name: (times[name], last[name]) for name in names}
 
 
 def _row(name: str, args, times: list[float], tokens: int) -> dict:
@@ -171,14 +184,19 @@ def main(argv=None):
 
     init_distributed()
     arch = read_hf_config(args.hf_dir)
-    rows = []
+    requests, skipped = {}, {}
     for name in engines:
         if name == "vllm" and importlib.util.find_spec("vllm") is None:
-            rows.append({"engine": name, "skipped": "vLLM is not installed"})
+            skipped[name] = "vLLM is not installed"
         elif name == "transformers-generate":
-            rows.append(bench_transformers_generate(args, arch))
+            requests[name] = generate_request(args, arch)
         else:
-            rows.append(bench_engine(name, args, arch))
+            requests[name] = engine_request(name, args, arch)
+    measured = run_interleaved(requests, args)
+    rows = [
+        {"engine": name, "skipped": skipped[name]} if name in skipped else _row(name, args, *measured[name])
+        for name in engines
+    ]
     result = {"results": rows, "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads()}
     by = {r["engine"]: r for r in rows if "skipped" not in r}
     result["ratios"] = {
