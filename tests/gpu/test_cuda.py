@@ -62,7 +62,8 @@ def test_triton_advantages_on_cuda():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-def _actor_body(rank, world, model_dir, dtype_name, out):
+def _actor_body(rank, world, model_dir, out):
+    """Both dtypes in one rank (one process start for the two tests)."""
     from transformers import AutoModelForCausalLM
 
     from remax_megatron.models import build_policy, read_hf_config
@@ -71,40 +72,53 @@ def _actor_body(rank, world, model_dir, dtype_name, out):
     from remax_megatron.weights import load_hf_weights
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    dtype = getattr(torch, dtype_name)
     ParallelLayout(tp=1, pp=1, world_size=world).initialize()
     arch = read_hf_config(model_dir)
-    actor = build_policy(arch, tp=1, pp=1, params_dtype=dtype, trainable=False)
-    load_hf_weights(actor, model_dir)
-    assert all(p.is_cuda and p.dtype == dtype for p in actor.parameters())
     ids = torch.randint(4, arch.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
     labels = torch.roll(ids, -1, 1)
     labels[:, -1] = -100
     ids, labels = ids.cuda(), labels.cuda()
-    lp = forward_only(
-        actor, [{"input_ids": ids, "labels": labels}], lambda m, hidden, b: m.token_logprobs(hidden, b["labels"])[0]
-    )[0]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     with torch.no_grad():
         ref = torch.log_softmax(hf(ids).logits.double(), -1)
     ref = ref.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(labels < 0, 0)
-    torch.save({"max": (lp.double() - ref).abs().max().item(), "mean": (lp.double() - ref).abs().mean().item()}, out)
+    gaps = {}
+    for dtype_name in ("float32", "bfloat16"):
+        dtype = getattr(torch, dtype_name)
+        actor = build_policy(arch, tp=1, pp=1, params_dtype=dtype, trainable=False)
+        load_hf_weights(actor, model_dir)
+        assert all(p.is_cuda and p.dtype == dtype for p in actor.parameters())
+        lp = forward_only(
+            actor, [{"input_ids": ids, "labels": labels}], lambda m, hidden, b: m.token_logprobs(hidden, b["labels"])[0]
+        )[0]
+        gaps[dtype_name] = {
+            "max": (lp.double() - ref).abs().max().item(),
+            "mean": (lp.double() - ref).abs().mean().item(),
+        }
+    torch.save(gaps, out)
 
 
-@pytest.mark.parametrize("dtype,max_tol,mean_tol", [("float32", 1e-4, 1e-5), ("bfloat16", 0.25, 0.03)])
-def test_actor_tp1_matches_transformers_on_cuda(tmp_path, dtype, max_tol, mean_tol):
+@pytest.fixture(scope="module")
+def actor_gaps(tmp_path_factory):
     from tests._dist import run_distributed
 
+    tmp = tmp_path_factory.mktemp("actor")
     model_dir = make_tiny_model(
-        str(tmp_path / "m"), "qwen2", hidden=256, layers=4, heads=8, kv_heads=2, ffn=512, vocab=1000, seed=1
+        str(tmp / "m"), "qwen2", hidden=256, layers=4, heads=8, kv_heads=2, ffn=512, vocab=1000, seed=1
     )
-    out = str(tmp_path / "gap.pt")
-    run_distributed(_actor_body, world_size=1, args=(model_dir, dtype, out))
-    gap = torch.load(out)
+    run_distributed(_actor_body, world_size=1, args=(model_dir, str(tmp / "gaps.pt")))
+    return torch.load(str(tmp / "gaps.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,max_tol,mean_tol", [("float32", 1e-4, 1e-5), ("bfloat16", 0.25, 0.03)])
+def test_actor_tp1_matches_transformers_on_cuda(actor_gaps, dtype, max_tol, mean_tol):
+    gap = actor_gaps[dtype]
     print(f"actor {dtype} vs transformers fp32: max {gap['max']:.3g}, mean {gap['mean']:.3g}")
     assert gap["max"] < max_tol and gap["mean"] < mean_tol, gap
 
 
+@pytest.mark.slow  # four processes
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_and_cpu_optimizer_paths_agree(tmp_path, dtype):
     model_dir = make_tiny_model(
@@ -165,6 +179,7 @@ def _offload_body(rank, world, model_dir):
     assert opt.step()[0]  # and training goes on
 
 
+@pytest.mark.slow
 def test_offload_round_trip_with_distributed_optimizer(tmp_path):
     from tests._dist import run_distributed
 

@@ -58,6 +58,7 @@ def _grouped_body(rank, world, model_dir, dtype_name, out_path):
     torch.save(results, out_path)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="Transformer Engine not installed")
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 0.1)])
 @pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])  # glm4_moe: TE's decoder block spec, dense layer 0
@@ -91,6 +92,7 @@ def _vllm_moe_body(rank, world, model_dir, out_path):
     torch.save("ok", out_path)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 def test_vllm_cuda_reload_of_moe_experts_needs_no_reprocessing(tmp_path):
     """On CUDA the engine does not re-process experts after a reload (remax_megatron/rollout/vllm_engine.py

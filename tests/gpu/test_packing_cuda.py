@@ -8,6 +8,7 @@ weights of one update. Without TE the same THD rows go through models/attention.
 SDPA alone), which this test then checks on the GPU.
 """
 
+import pytest
 import torch
 
 from tests._dist import run_distributed
@@ -78,6 +79,7 @@ def _thd_body(rank, world, model_dir, out_path):
     torch.save(results, out_path)
 
 
+@pytest.mark.slow
 def test_thd_packed_rows_equal_padded_rows_in_bf16(tmp_path):
     model_dir = make_tiny_model(
         str(tmp_path / "llama"), "llama", hidden=128, layers=2, heads=4, kv_heads=2, ffn=256, seed=7
