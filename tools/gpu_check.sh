@@ -23,10 +23,13 @@ if ! $PY -c "import megatron.core, trl, datasets, dill, multiprocess" 2>/dev/nul
     if [ -n "$wheels" ]; then
         start=$(date +%s)
         # shellcheck disable=SC2086  # one argument per wheel
-        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/gpu_check_site \
-            $wheels >"$OUT/wheels.log" 2>&1 || echo "wheel install failed: see $OUT/wheels.log"
+        if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/gpu_check_site \
+            $wheels >"$OUT/wheels.log" 2>&1; then
+            echo "wheels installed in $(( $(date +%s) - start )) s"
+        else
+            echo "wheel install failed: see $OUT/wheels.log"
+        fi
         export PYTHONPATH=/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}
-        echo "wheels installed in $(( $(date +%s) - start )) s"
     else
         echo "no wheels in tools/wheels/ or .whl/ (bash tools/fetch_gpu_wheels.sh): steps that need them fail"
     fi
