@@ -14,7 +14,10 @@
 #            train-state offload round trip with the DistributedOptimizer (GPU memory freed), and
 #            (test_packing_cuda.py) packed rows in Transformer Engine's THD format == padded rows in bf16
 #            (log-probs and one update; skipped, with the reason, where TE is missing)
-#   kernels  tools/bench_kernels.py at the GPU shape (bf16, 16384 tokens, hidden 4096, vocab 151936)
+#   kernels  tools/bench_kernels.py at the GPU shape (bf16, 16384 tokens, hidden 4096, vocab 151936; Triton
+#            with and without the gradient hint, autotuned: first_call_ms holds the tuning)
+#   update_profile tools/bench_update_profile.py: MFU of the update alone and its profile breakdown, random
+#            0.89B Llama, bf16, 128 x 144-token rows and 9 x 2048-token rows (one process each)
 #            and tests/gpu/test_moe_cuda.py: TE grouped experts vs SequentialMLP vs transformers, vLLM's CUDA
 #            reload of MoE experts without the CPU re-processing
 #   train    10 steps of the tiny default on the GPU (TP=1, native engine, megatron optimizer)
@@ -83,8 +86,10 @@ EOF
 
 step tests 240 $PY -m pytest -q -p no:cacheprovider tests/gpu --junitxml="$OUT/gpu_tests.xml" -rA
 
-step kernels 150 $PY tools/bench_kernels.py --device cuda --tokens 16384 --hidden 4096 --vocab 151936 \
+step kernels 240 $PY tools/bench_kernels.py --device cuda --tokens 16384 --hidden 4096 --vocab 151936 \
     --dtype bf16 --repeats 5 --json "$OUT/bench_kernels.json"
+
+step update_profile 300 $PY tools/bench_update_profile.py --json "$OUT/bench_update_profile.json"
 
 TRAIN_DIR=/tmp/gpu_check_train
 rm -rf "$TRAIN_DIR"
@@ -149,6 +154,7 @@ def load(name, default=None):
         return default
 summary = {"env": load(".env.json"), "steps": [json.loads(l) for l in open(os.path.join(out, ".steps.jsonl"))]}
 summary["kernels"] = load("bench_kernels.json")
+summary["update_profile"] = load("bench_update_profile.json")
 def junit(name):
     try:
         import xml.etree.ElementTree as ET

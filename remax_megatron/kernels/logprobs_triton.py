@@ -24,7 +24,7 @@ GEMM passes over ``[N, V_local, D]`` (one pass = ``2 N V D`` FLOPs, whatever the
 - without a hint: forward 1 (logits, ``_fwd_stats_kernel``); backward 3 (the logits again in
   ``_bwd_dlogits_kernel``, ``dz @ W``, ``dz.T @ x``): 4.
 - with ``grad_hint`` (``forward_with_grads``): row tiles of ``R`` rows span the whole vocab
-  shard (``R * V_global <= chunk_elems``). Per tile: (1) ``_fwd_stats_kernel`` with
+  shard (``R * V_global <= hint_elems``). Per tile: (1) ``_fwd_stats_kernel`` with
   ``STORE_Z``: the logits GEMM, its statistics and the logits kept in an ``[R, V_local]`` fp32
   buffer; the statistics are merged over the vocab splits and over TP (then the tile's softmax
   is final); ``_hint_dlogits_kernel`` rewrites the buffer as ``dz`` (elementwise); (2)
@@ -60,6 +60,11 @@ _INTERP_BLOCKS = dict(BLOCK_N=16, BLOCK_V=16, BLOCK_D=16)
 # The elementwise hint kernel (no dot, so no tuning): rows x cols per program.
 _EW_BLOCKS = (16, 16) if _INTERPRET else (32, 256)
 _CHUNK_ELEMS = 1 << 26  # [N, chunk] fp32 dz buffer budget: 256 MiB on GPU
+# The hint path's [R, V_local] fp32 logits tile: 1 GiB, R = 1766 rows at a 151936 vocab. Tall tiles keep the
+# weight-gradient GEMM efficient: each row tile adds its dz.T @ x into the fp32 [V, D] gradient, reading and
+# writing all of it (2 x 2.5 GB at 151936 x 4096), so ten tiles cost ~50 GB of traffic (~10 ms on an H100/H200)
+# where the 256 MiB budget's 38 tiles would cost ~190 GB (~40 ms, half the issue-3 shape's GEMM floor).
+_HINT_ELEMS = 1 << 28
 
 
 def _config(n, v, d, warps, stages):
@@ -299,11 +304,12 @@ def _stat_splits(x, n: int, v: int) -> int:
 class TritonBackend:
     """Launches the kernels above; see ``logprobs_torch`` for the protocol."""
 
-    def __init__(self, chunk_elems: int = _CHUNK_ELEMS):
-        self.chunk_elems = chunk_elems
+    def __init__(self, chunk_elems: int = _CHUNK_ELEMS, hint_elems: int = _HINT_ELEMS):
+        self.chunk_elems, self.hint_elems = chunk_elems, hint_elems
 
     def with_chunk(self, chunk_elems: int) -> TritonBackend:
-        return TritonBackend(chunk_elems)
+        """One budget for both paths (fused_logprobs' chunk_elems)."""
+        return TritonBackend(chunk_elems, chunk_elems)
 
     @staticmethod
     def _flags(x):
@@ -358,7 +364,7 @@ class TritonBackend:
         x, w = _prep(x), _prep(w)
         n, d = x.shape
         v = w.shape[0]
-        rows = max(1, min(n, self.chunk_elems // max(total_vocab, 1)))
+        rows = max(1, min(n, self.hint_elems // max(total_vocab, 1)))
         # bf16/fp16 gradient GEMMs on GPU (fp32 accumulation in cuBLAS); fp32 elsewhere.
         mm = x.dtype if (x.is_cuda and x.dtype != torch.float32) else torch.float32
         # one row tile writes grad_w in the GEMM's dtype; several sum in fp32
