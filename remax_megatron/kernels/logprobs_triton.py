@@ -61,9 +61,10 @@ _INTERP_BLOCKS = dict(BLOCK_N=16, BLOCK_V=16, BLOCK_D=16)
 _EW_BLOCKS = (16, 16) if _INTERPRET else (32, 256)
 _CHUNK_ELEMS = 1 << 26  # [N, chunk] fp32 dz buffer budget: 256 MiB on GPU
 # The hint path's [R, V_local] fp32 logits tile: 1 GiB, R = 1766 rows at a 151936 vocab. Tall tiles keep the
-# weight-gradient GEMM efficient: each row tile adds its dz.T @ x into the fp32 [V, D] gradient, reading and
-# writing all of it (2 x 2.5 GB at 151936 x 4096), so ten tiles cost ~50 GB of traffic (~10 ms on an H100/H200)
-# where the 256 MiB budget's 38 tiles would cost ~190 GB (~40 ms, half the issue-3 shape's GEMM floor).
+# weight gradient's accumulation cheap: with several row tiles each adds its dz.T @ x (a bf16 [V, D] product,
+# 1.25 GB at 151936 x 4096) into the fp32 gradient (2.5 GB read and written): ~7.5 GB of traffic a tile, ten
+# tiles ~75 GB (~16 ms at 4.8 TB/s) where the 256 MiB budget's 38 tiles would move ~285 GB (~60 ms, more than
+# half the issue-3 shape's 88 ms GEMM floor). Not measured on a GPU yet.
 _HINT_ELEMS = 1 << 28
 
 
