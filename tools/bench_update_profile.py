@@ -34,7 +34,8 @@ first `prompt_tokens`, random rewards against a zero greedy baseline. Per shape:
 
 Shapes: `0.89b-144` (hidden 2048, 16 layers, 16 / 8 heads, ffn 5632, vocab 32003; 128 rows x 144 tokens, 16
 prompt tokens, the first GPU run's batch), `0.89b-2048` (9 rows x 2048 tokens: the same 18432 tokens),
-`small` (hidden 64, 2 layers: CPU-sized; `--small` runs it alone). Extra `key=value` arguments override the
+`small` (hidden 64, 2 layers: CPU-sized; `--small` runs it alone), `mid` (hidden 256, 4 layers, 8 / 4 heads,
+ffn 688, vocab 32003; 4 rows x 512 tokens: about 25 s on 2 CPU cores). Extra `key=value` arguments override the
 trainer config (e.g. `trainer.micro_batch_size=8`). One JSON object: `{"shapes": [row, ...]}`.
 """
 
@@ -53,11 +54,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {
     "0.89b": dict(hidden=2048, layers=16, heads=16, kv_heads=8, ffn=5632, vocab=32003),
     "small": dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512),
+    "mid": dict(hidden=256, layers=4, heads=8, kv_heads=4, ffn=688, vocab=32003),
 }
 SHAPES = {
     "0.89b-144": dict(model="0.89b", rows=128, row_tokens=144, prompt_tokens=16, micro_batch_size=16),
     "0.89b-2048": dict(model="0.89b", rows=9, row_tokens=2048, prompt_tokens=256, micro_batch_size=1),
     "small": dict(model="small", rows=8, row_tokens=48, prompt_tokens=8, micro_batch_size=4),
+    "mid": dict(model="mid", rows=4, row_tokens=512, prompt_tokens=64, micro_batch_size=2),
 }
 CATEGORIES = ("attention_core", "attention_linear", "mlp", "logprob_kernel", "optimizer", "all_reduce", "other_ops")
 _LABEL = "remax::"
