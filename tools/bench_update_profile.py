@@ -197,8 +197,11 @@ def _is_collective(name: str) -> bool:
 
 
 def breakdown(events, device: bool) -> tuple[dict, float]:
-    """Seconds per category of profiler `events` ({category: s}, the ops' summed time). device: CUDA
-    kernel time (self device time of each op), else self CPU time; label ranges' own time is `python`."""
+    """Seconds per category of profiler `events` ({category: s}, the ops' summed time) and the host time no op
+    covers. device: CUDA kernel time (each CPU op's self device time: the kernels it launched itself), else self
+    CPU time; on CPU a label range's own time is `python`."""
+    from torch.autograd import DeviceType
+
     by_seq = {}  # forward op's sequence number -> its category (for the backward ops of its node)
     memo = {}
 
@@ -231,8 +234,10 @@ def breakdown(events, device: bool) -> tuple[dict, float]:
     totals = dict.fromkeys(CATEGORIES, 0.0)
     python = 0.0
     for e in ordered:
+        if device and e.device_type != DeviceType.CPU:
+            continue  # a kernel's own event: counted through the CPU op that launched it
         t = (e.self_device_time_total if device else e.self_cpu_time_total) * 1e-6
-        if e.name.startswith(_LABEL):
+        if e.name.startswith(_LABEL) and not device:
             python += t  # host time inside a label that no op covers
         else:
             totals[category(e)] += t

@@ -82,3 +82,37 @@ def test_refuses_too_few_updates_and_unknown_shapes():
         main(["--updates", "2"])
     with pytest.raises(SystemExit, match="--shapes"):
         main(["--shapes", "7b"])
+
+
+def test_device_mode_counts_kernels_once_through_their_cpu_ops():
+    """CUDA profiles list the kernels' own events beside the CPU ops that launched them: only the CPU ops'
+    self device time counts; a backward op takes its forward op's label; collectives are all_reduce."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from tools.bench_update_profile import breakdown
+
+    def ev(name, start, device_us, parent=None, seq=-1, kind=DeviceType.CPU):
+        return SimpleNamespace(
+            name=name,
+            cpu_parent=parent,
+            sequence_nr=seq,
+            time_range=SimpleNamespace(start=start),
+            self_device_time_total=device_us,
+            self_cpu_time_total=1.0,
+            device_type=kind,
+        )
+
+    root = ev("remax::update", 0, 0.0)
+    mlp = ev("remax::mlp", 1, 0.0, root)
+    fwd = ev("aten::mm", 2, 300.0, mlp, seq=7)
+    kernel = ev("sm90_xmma_gemm", 3, 300.0, kind=DeviceType.CUDA)  # fwd's kernel, listed on its own too
+    bwd = ev("autograd::engine::evaluate_function: MmBackward0", 4, 0.0, seq=7)
+    bwd_mm = ev("aten::mm", 5, 600.0, bwd)
+    nccl = ev("nccl:all_reduce", 6, 50.0, root)
+    logp = ev("autograd::engine::evaluate_function: _FusedLogprobsFnBackward", 7, 80.0)
+    totals, python = breakdown([root, mlp, fwd, kernel, bwd, bwd_mm, nccl, logp], device=True)
+    assert totals["mlp"] == pytest.approx(900e-6)
+    assert totals["all_reduce"] == pytest.approx(50e-6) and totals["logprob_kernel"] == pytest.approx(80e-6)
+    assert sum(totals.values()) == pytest.approx(1030e-6) and python == 0.0
