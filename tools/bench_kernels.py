@@ -9,6 +9,7 @@ Implementations (one JSON row each):
 - ``fused-hint``: the same with ``grad_hint`` = the loss's gradient (``logprob_gradient``,
   on-policy without KL): the gradients are taken in the forward, three GEMMs instead of four
 - ``triton``: ``fused_logprobs(impl="triton")`` -> remax_loss (CUDA only)
+- ``triton-hint``: the Triton path with ``grad_hint`` (three GEMM passes; CUDA only)
 
 Every implementation runs in its own fresh subprocess, so allocator caches and
 peaks of one cannot leak into another. Peak memory is measured ABOVE the
@@ -20,10 +21,14 @@ inputs (hidden, weight, labels, advantages already allocated):
   runs and ``VmHWM - VmRSS(baseline)`` is its peak. Large torch CPU tensors are
   mmap-backed, so RSS follows live tensors (tracemalloc cannot see them).
 Time: median of ``--repeats`` (>= 3) forward+backward runs after that first
-(warm-up) run. In the same subprocess a bare GEMM floor is timed: the three
+(warm-up) run; the first run's own time is ``first_call_ms`` (kernel compilation and, for Triton
+on a GPU, autotuning: a second invocation with the same ``TRITON_CACHE_DIR`` reads the tuned
+choice from disk). In the same subprocess a bare GEMM floor is timed: the three
 GEMMs any implementation needs (``h @ W.T``, ``dz @ W``, ``dz.T @ h``);
-``ratio_to_gemm_floor = fwd_bwd_ms / gemm_floor_ms``. ``tflops`` counts
-``8 * N * D * V`` per forward+backward (the fused path's four GEMMs).
+``ratio_to_gemm_floor = fwd_bwd_ms / gemm_floor_ms``. ``gemm_passes``: the ``[N, V, D]`` GEMMs
+the implementation runs (3 with the hint, 4 without). ``tflops`` counts
+``8 * N * D * V`` per forward+backward (four GEMMs, whatever the implementation runs: comparable
+across rows and with earlier runs). One summary line per implementation goes to stderr.
 ``--tp`` is recorded only: this tool runs a single rank.
 """
 
@@ -62,7 +67,8 @@ def _worker(args) -> dict:
     labels = torch.randint(0, v, (n,), generator=gen).to(dev)
     adv = torch.randn(1, generator=gen).to(dev)
     mask = torch.ones(1, n, device=dev)
-    hint = logprob_gradient(adv, mask, global_num_tokens=n)[0] if args.impl == "fused-hint" else None  # [N]
+    hinted = args.impl.endswith("-hint")
+    hint = logprob_gradient(adv, mask, global_num_tokens=n)[0] if hinted else None  # [N]
 
     def step():
         hidden.grad = weight.grad = None
@@ -71,7 +77,7 @@ def _worker(args) -> dict:
             logp = torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)
         else:
             logp, _ = fused_logprobs(
-                hidden, weight, labels, grad_hint=hint, impl="triton" if args.impl == "triton" else "torch"
+                hidden, weight, labels, grad_hint=hint, impl="triton" if args.impl.startswith("triton") else "torch"
             )
         loss, _ = remax_loss(logp[None], adv, mask, global_num_tokens=n)
         loss.backward()
@@ -84,14 +90,18 @@ def _worker(args) -> dict:
         sync()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
         step()
         sync()
+        first = (time.perf_counter() - t0) * 1e3
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     else:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         base = _status_kib("VmRSS")
+        t0 = time.perf_counter()
         step()
+        first = (time.perf_counter() - t0) * 1e3
         peak = (_status_kib("VmHWM") - base) / 1024
     times = []
     for _ in range(args.repeats):
@@ -122,6 +132,8 @@ def _worker(args) -> dict:
         dtype=args.dtype,
         device=args.device,
         fwd_bwd_ms=round(fwd_bwd, 2),
+        first_call_ms=round(first, 2),
+        gemm_passes=None if args.impl == "naive" else (3 if hinted else 4),
         peak_mem_mib=round(peak, 1),
         tflops=round(8 * n * d * v / (fwd_bwd * 1e-3) / 1e12, 4),
         gemm_floor_ms=round(floor_ms, 2),
@@ -131,7 +143,16 @@ def _worker(args) -> dict:
     )
 
 
-def main(argv=None) -> None:
+def summary(row: dict) -> str:
+    """One line: the median against the GEMM floor, and the first call apart from it."""
+    return (
+        f"{row['impl']}: median {row['fwd_bwd_ms']} ms = {row['ratio_to_gemm_floor']}x the GEMM floor "
+        f"({row['gemm_floor_ms']} ms, 3 GEMMs); first call {row['first_call_ms']} ms (compile/autotune, "
+        f"not in the median); {row['tflops']} TFLOP/s; peak {row['peak_mem_mib']} MiB"
+    )
+
+
+def main(argv=None) -> list | None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--tokens", type=int, default=4096)
@@ -152,7 +173,7 @@ def main(argv=None) -> None:
     impls = (
         args.impls.split(",")
         if args.impls
-        else ["naive", "fused", "fused-hint"] + (["triton"] if args.device == "cuda" else [])
+        else ["naive", "fused", "fused-hint"] + (["triton", "triton-hint"] if args.device == "cuda" else [])
     )
     rows = []
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,9 +188,11 @@ def main(argv=None) -> None:
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
         print(json.dumps(row), flush=True)
+        print(summary(row), file=sys.stderr, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

@@ -38,13 +38,13 @@ region whose backward reduce-scatters). ``grad_weight`` is this rank's shard.
 
 Gradient in the forward (``grad_hint``). When the caller's loss is linear in the log-probs
 (on-policy ReMax without KL: ``loss = sum_i c_i logprob_i``), the gradient ``c`` it will send
-back is known before the output layer runs. The torch backend then takes the gradients in the
+back is known before the output layer runs. Both backends then take the gradients in the
 forward's own pass over the logits (whole-vocab row tiles, so a tile's softmax is complete once
 its statistics are merged over TP): three GEMMs over the output weight instead of four, the
-backward's recomputation of the logit tiles is gone. The backward checks that the gradient
-that arrives is ``k * c`` for one scalar ``k`` (a loss scale) and scales the saved gradients;
-anything else (an entropy gradient, a loss that was not linear after all) recomputes as
-without the hint, so the hint can cost time, never correctness.
+backward's recomputation of the logit tiles is gone (``logprobs_triton.py`` names the three).
+The backward checks that the gradient that arrives is ``k * c`` for one scalar ``k`` (a loss
+scale) and scales the saved gradients; anything else (an entropy gradient, a loss that was not
+linear after all) recomputes as without the hint, so the hint can cost time, never correctness.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def fused_logprobs(
     chunk_elems: torch path tile budget in elements of ``[rows, vocab]``.
     grad_hint: ``[N]``, the gradient the caller's loss will send into the log-probs, up to one
     scalar factor (module docstring); the torch backend then computes the gradients in the
-    forward. Ignored by the Triton backend and when no gradient is needed.
+    forward (both backends: three GEMM passes instead of four). Ignored when no gradient is needed.
     """
     _check_tensors(hidden, weight, labels, temperature)
     start, total = vocab_layout(weight.shape[0], tp_group, weight.device)

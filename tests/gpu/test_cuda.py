@@ -1,7 +1,8 @@
 """GPU checks (collected only with CUDA; run by tools/gpu_check.sh).
 
 - compiled Triton log-prob / advantage kernels vs the fp64 oracle (the CPU interpreter's cases, on CUDA,
-  plus a bf16 case at a realistic vocab);
+  plus a bf16 case at a realistic vocab), with and without the gradient hint (autotuned blocks), and the
+  hinted backward's GEMM passes (3; 4 without the hint);
 - the actor at TP=1 in bf16 (and fp32) vs transformers on the GPU;
 - the optimizer interface: megatron's DistributedOptimizer (GPU path) and CpuAdamW (CPU path, a
   CUDA_VISIBLE_DEVICES= subprocess) give the same weights after a step on the same gradients;
@@ -46,6 +47,45 @@ def test_triton_logprobs_bf16_large_vocab():
     assert (ent.double() - rent).abs().max() < 1e-3
     assert (gh.double() - rh.grad).abs().max() < 2e-2 * rh.grad.abs().max()
     assert (gw.double() - rw.grad).abs().max() < 2e-2 * rw.grad.abs().max()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_triton_logprobs_grad_hint_fp32_on_cuda(case, monkeypatch):
+    import tests.kernels.cases as cases
+
+    monkeypatch.setattr(cases, "make_inputs", _cuda_inputs)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    check_parity(case, torch.float32, impl="triton", entropy_grad=False, grad_hint=lambda g_lp: g_lp * 0.5)
+
+
+def test_triton_logprobs_grad_hint_bf16_large_vocab():
+    """bf16 at a 50257 vocab in several whole-vocab row tiles (chunk 2^24: 333 rows each): the hinted
+    gradients match the oracle as the recomputed ones do, and each other closely."""
+    torch.manual_seed(0)
+    n, d, v = 1024, 512, 50_257
+    h = (torch.randn(n, d, device="cuda") / d**0.5).bfloat16()
+    w = torch.randn(v, d, device="cuda").bfloat16()
+    labels = torch.randint(0, v, (n,), device="cuda")
+    labels[:10] = -100
+    g_lp = torch.randn(n, device="cuda", dtype=torch.float64)
+    lp, _, gh, gw = run_fused(h, w, labels, 1.0, g_lp, None, impl="triton", grad_hint=g_lp.float(), chunk_elems=1 << 24)
+    _, _, ph, pw = run_fused(h, w, labels, 1.0, g_lp, None, impl="triton")
+    rlp, _, rh, rw, _ = oracle(h, w, labels, 1.0)
+    (rlp * g_lp).sum().backward()
+    assert (lp.double() - rlp).abs().max() < 1e-3
+    assert (gh.double() - rh.grad).abs().max() < 2e-2 * rh.grad.abs().max()
+    assert (gw.double() - rw.grad).abs().max() < 2e-2 * rw.grad.abs().max()
+    assert (gh.double() - ph.double()).abs().max() < 1e-2 * ph.double().abs().max()
+    assert (gw.double() - pw.double()).abs().max() < 1e-2 * pw.double().abs().max()
+
+
+@pytest.mark.parametrize("chunk", [None, 1 << 10])
+def test_triton_grad_hint_runs_three_gemm_passes_on_cuda(chunk):
+    from tests.kernels.gemm_count import hint_and_recompute_passes
+
+    (hinted, launches), (plain, _) = hint_and_recompute_passes("cuda", chunk_elems=chunk)
+    assert (hinted, plain) == (3.0, 4.0)
+    assert "_bwd_dlogits" not in launches
 
 
 def test_triton_advantages_on_cuda():

@@ -41,8 +41,11 @@ def results():
 def _names():
     from tests.kernels.cases import CASES
 
-    names = [f"logprobs_fp32_{c}_chunk{k}" for c in sorted(CASES) for k in (None, 32)]
-    names += ["logprobs_fp64_basic", "logprobs_bf16_basic", "logprobs_bf16_ignored_rows"]
+    names = [f"logprobs_fp32_{c}_chunk{k}{hint}" for c in sorted(CASES) for k in (None, 32) for hint in ("", "_hint")]
+    names += ["logprobs_fp64_basic", "logprobs_fp64_hint"]
+    names += [f"logprobs_bf16_{c}{hint}" for c in ("basic", "ignored_rows") for hint in ("", "_hint")]
+    names += [f"logprobs_hint_{w}_recomputes" for w in ("not_a_multiple", "entropy_grad")]
+    names += ["logprobs_gemm_passes_hint3_plain4", "logprobs_interpreter_fixed_blocks"]
     names += [
         f"advantages_kl{a}_clip{b}_block{c}"
         for a, b, c in ((0.0, None, 16), (0.1, None, 4), (0.3, 0.5, 4), (0.1, None, 16))
