@@ -100,6 +100,11 @@ class ModelArch:
     v_head_dim: int = 0
     # YaRN RoPE (rope_type "yarn"; None: another type): HF rope_parameters' factor and its knobs
     yarn: tuple[tuple[str, float], ...] | None = None  # (("factor", 40.0), ("beta_fast", 32.0), ...)
+    # gpt-oss (models/families/gpt_oss.py): a learned per-head sink logit in every attention layer, biases on
+    # every linear but the embeddings (o_proj, the router, the experts), and the clamped SwiGLU's limit
+    attention_sinks: bool = False
+    linear_bias: bool = False
+    swiglu_limit: float | None = None  # None: plain SwiGLU; else gpt-oss's (up + 1) * quick_gelu(gate), clamped
 
     @property
     def is_moe(self) -> bool:

@@ -103,7 +103,7 @@ def _gpt_kwargs(
         post_process=pp_rank == pp - 1,
         pg_collection=layout.collection if layout is not None else None,
         parallel_output=True,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if arch.yarn is not None and not arch.is_mla else "rope",
         rotary_base=int(arch.rope_theta),
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,

@@ -223,6 +223,8 @@ class NativeEngine(RolloutEngine):
         param = self._params.get(place.param) if place is not None else None
         if param is not None and place.expert is None:
             return place.param, param, 1
+        if param is not None and place.select is not None and place.expert < param.shape[0]:
+            return place.param, place.select(param), place.parts * param.shape[0]
         if param is not None and place.expert < param.shape[0]:
             rows = param.shape[1] // place.parts  # one block of [gate; up]
             block = param[place.expert, place.part * rows : (place.part + 1) * rows]
