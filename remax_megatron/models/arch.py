@@ -158,6 +158,15 @@ class LoraOptions:
         return self.alpha / self.rank
 
 
+def check_expert_bias(arch: ModelArch, etp: int, etp_name: str) -> None:
+    """megatron-core builds biased experts (gpt-oss) only unsplit: expert tensor parallelism 1 (one line)."""
+    if arch.is_moe and arch.linear_bias and etp > 1:
+        raise ValueError(
+            f"{etp_name}={etp} (default: the tp) with {arch.architecture}'s biased experts: megatron-core supports "
+            f"expert biases only at expert tensor parallel size 1; set {etp_name}=1"
+        )
+
+
 def expert_options(cfg, arch: ModelArch, this_machine: bool = True) -> ExpertOptions:
     """How the actor's (and reference's) experts run (actor.ep, actor.etp, actor.moe_*, rollout.routing_replay);
     one-line errors for what cannot run. The one owner of the expert rules: start-up and the planner call it
@@ -197,6 +206,7 @@ def expert_options(cfg, arch: ModelArch, this_machine: bool = True) -> ExpertOpt
             f"rollout.routing_replay=true with trainer.mini_batches={cfg.trainer.mini_batches}: the old "
             "log-prob pass does not replay routes yet; use trainer.mini_batches=1"
         )
+    check_expert_bias(arch, a.etp or a.tp, "actor.etp")
     # A LoRA actor runs megatron's local spec (models/gpt.build_policy): its experts are SequentialMLP.
     grouped = a.moe_experts == "grouped" or (
         a.moe_experts == "auto" and transformer_engine_usable() and not a.lora_rank

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 
 from remax_megatron.models import families
-from remax_megatron.models.arch import ExpertOptions, ModelArch
+from remax_megatron.models.arch import ExpertOptions, ModelArch, check_expert_bias
 from remax_megatron.models.families.mla import check_mla_tp, mla_config_kwargs
 from remax_megatron.sizes import round_up
 
@@ -179,6 +179,7 @@ def transformer_config(
 
     experts = experts or ExpertOptions()
     check_layout(arch, tp, pp, ep=experts.ep)
+    check_expert_bias(arch, experts.etp, "expert tensor parallel size (actor.etp, --etp)")
     cuda = torch.cuda.is_available()
     config_class = MLATransformerConfig if arch.is_mla else TransformerConfig
     attention = mla_config_kwargs(arch) if arch.is_mla else {"qk_layernorm": arch.qk_layernorm}

@@ -133,6 +133,16 @@ def test_what_megatron_cannot_express_is_refused_in_one_line(oss, tmp_path, chan
     assert message in line and "\n" not in line, line
 
 
+def test_split_biased_experts_are_refused_in_one_line(oss):
+    from remax_megatron.models.arch import ExpertOptions
+    from remax_megatron.models.hf_config import transformer_config
+
+    with pytest.raises(ValueError) as e:
+        transformer_config(read_hf_config(oss), tp=2, pp=1, experts=ExpertOptions(etp=2))
+    line = str(e.value)
+    assert "expert biases only at expert tensor parallel size 1" in line and "\n" not in line, line
+
+
 def test_flops_count_windows_and_sinks_free(oss):
     from remax_megatron.flops import forward_flops
 
@@ -245,7 +255,7 @@ def _parity_body(rank, world, model_dir, tp, pp, ep, expected, breaks=None):
     from remax_megatron.parallel import ParallelLayout
     from remax_megatron.weights import load_hf_weights
 
-    etp = 1 if ep > 1 else tp
+    etp = 1  # megatron-core builds biased experts only unsplit
     ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize(seed=0)
     arch = read_hf_config(model_dir)
     if isinstance(breaks, dict):
@@ -317,7 +327,7 @@ def _replay_body(rank, world, model_dir, tp, pp, ep):
     from remax_megatron.weights import export_hf_weights, load_hf_weights
     from tests.rollout.test_actor_parity import _actor_logprobs
 
-    etp = 1 if ep > 1 else tp
+    etp = 1  # megatron-core builds biased experts only unsplit
     ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize(seed=0)
     arch = read_hf_config(model_dir)
     experts = ExpertOptions(ep=ep, etp=etp, routing_replay=True)
@@ -377,7 +387,8 @@ def _engine_body(rank, world, model_dir):
 
 
 # (HF -> megatron layout, megatron -> HF layout) as (tp, pp, ep, etp), 4 processes
-ROUND_TRIPS = {"tp2-pp2": ((2, 2, 1, 0), (1, 1, 2, 0)), "ep2": ((1, 1, 2, 0), (2, 2, 1, 0))}
+# (etp 1: megatron-core builds biased experts only unsplit)
+ROUND_TRIPS = {"tp2-pp2": ((2, 2, 1, 1), (1, 1, 2, 1)), "ep2": ((1, 1, 2, 1), (2, 2, 1, 1))}
 # (tp, pp, ep, world)
 PARITY = {"tp1": (1, 1, 1, 1), "tp2-pp2": (2, 2, 1, 4), "ep2": (1, 1, 2, 2), "tp2-ep2": (2, 1, 2, 2)}
 # broken on purpose: a ModelArch change, or what _parity_body breaks by name
@@ -467,6 +478,7 @@ def test_native_engine_follows_a_tp2_actor_over_three_steps(oss, tmp_path):
         "logging.progress_bar=false",
         f"actor.model={oss}",
         "actor.sequence_parallel=true",
+        "actor.etp=1",
         "rollout.engine=native",
         "trainer.steps=3",
         "trainer.eval_every=0",
