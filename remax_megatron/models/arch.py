@@ -160,10 +160,10 @@ class LoraOptions:
 
 def check_expert_bias(arch: ModelArch, etp: int, etp_name: str) -> None:
     """megatron-core builds biased experts (gpt-oss) only unsplit: expert tensor parallelism 1 (one line)."""
-    if arch.is_moe and arch.linear_bias and etp > 1:
+    if arch.is_moe and getattr(arch, "linear_bias", False) and etp > 1:  # callers may pass any object
         raise ValueError(
             f"{etp_name}={etp} (default: the tp) with {arch.architecture}'s biased experts: megatron-core supports "
-            f"expert biases only at expert tensor parallel size 1; set {etp_name}=1"
+            f"expert biases only at expert tensor parallel size 1; set {etp_name}=1 (at tp > 1 with ep > 1)"
         )
 
 

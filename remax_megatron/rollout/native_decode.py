@@ -90,6 +90,16 @@ def _sdpa_with_sinks(query, key, value, attention_mask, scaling, sinks):
 
 AttentionInterface.register(ATTENTION, decode_sdpa)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+# transformers refuses an attention whose name contains "sdpa" for a model class that declares no SDPA support
+# (gpt-oss, for its sinks, which transformers' sdpa would drop): the same function under another name serves it
+SINKS_ATTENTION = "remax_decode_with_sinks"
+AttentionInterface.register(SINKS_ATTENTION, decode_sdpa)
+AttentionMaskInterface.register(SINKS_ATTENTION, sdpa_mask)
+
+
+def attention_for(model_class) -> str:
+    """The native engine's attention implementation name for a transformers model class."""
+    return ATTENTION if getattr(model_class, "_supports_sdpa", True) else SINKS_ATTENTION
 
 
 class SlotLayer(StaticLayer):

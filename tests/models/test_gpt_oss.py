@@ -261,10 +261,6 @@ def _parity_body(rank, world, model_dir, tp, pp, ep, expected, breaks=None):
     if isinstance(breaks, dict):
         arch = dataclasses.replace(arch, **breaks)
     model = build_policy(arch, tp=tp, pp=pp, sequence_parallel=tp > 1, experts=ExpertOptions(ep=ep, etp=etp))
-    if breaks == "silu":
-        for module in model.modules():
-            if getattr(module, "config", None) is not None and hasattr(module, "activation_func"):
-                module.activation_func = torch.nn.functional.silu
     if breaks == "interleaved":  # gate and up read as the fused tensor's two halves, not its even / odd columns
         gpt_oss.expert_view = _halves_view
     load_hf_weights(model, model_dir)
@@ -387,15 +383,15 @@ def _engine_body(rank, world, model_dir):
 
 
 # (HF -> megatron layout, megatron -> HF layout) as (tp, pp, ep, etp), 4 processes
-# (etp 1: megatron-core builds biased experts only unsplit)
-ROUND_TRIPS = {"tp2-pp2": ((2, 2, 1, 1), (1, 1, 2, 1)), "ep2": ((1, 1, 2, 1), (2, 2, 1, 1))}
+# (etp 1: megatron-core builds biased experts only unsplit, and whole experts at TP2 need EP > 1)
+ROUND_TRIPS = {"tp2-pp2-ep2": ((2, 2, 2, 1), (1, 1, 4, 1)), "ep2": ((1, 1, 2, 1), (2, 2, 2, 1))}
 # (tp, pp, ep, world)
-PARITY = {"tp1": (1, 1, 1, 1), "tp2-pp2": (2, 2, 1, 4), "ep2": (1, 1, 2, 2), "tp2-ep2": (2, 1, 2, 2)}
+PARITY = {"tp1": (1, 1, 1, 1), "tp2-pp2-ep2": (2, 2, 2, 4), "ep2": (1, 1, 2, 2), "tp2-ep2": (2, 1, 2, 2)}
 # broken on purpose: a ModelArch change, or what _parity_body breaks by name
 BROKEN = {
     "swap-sinks-and-biases": "swap-sinks",
     "window-shifted-by-one-layer": {"layer_windows": (None, WINDOW, None, WINDOW)},
-    "silu": "silu",
+    "silu": {"swiglu_limit": None},  # megatron's SiLU SwiGLU: no quick_gelu, no clamp, no + 1
     "gate-up-not-deinterleaved": "interleaved",
 }
 
@@ -467,7 +463,7 @@ def test_vllm_is_refused_in_one_line(oss):
 @pytest.mark.slow
 def test_native_engine_follows_a_tp2_actor_over_three_steps(oss, tmp_path):
     """Engine-vs-actor log-prob gap (fp32 CPU) at every step of a 3-step ReMax run with a TP2 (sequence
-    parallel) actor: rounding only, so the weights, sinks and biases reach the engine every sync."""
+    parallel, EP2) actor: rounding only, so the weights, sinks and biases reach the engine every sync."""
     from tests.train.test_train_e2e import assert_fp32_rounding_only
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -478,6 +474,7 @@ def test_native_engine_follows_a_tp2_actor_over_three_steps(oss, tmp_path):
         "logging.progress_bar=false",
         f"actor.model={oss}",
         "actor.sequence_parallel=true",
+        "actor.ep=2",
         "actor.etp=1",
         "rollout.engine=native",
         "trainer.steps=3",
