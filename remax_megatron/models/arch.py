@@ -208,8 +208,15 @@ def expert_options(cfg, arch: ModelArch, this_machine: bool = True) -> ExpertOpt
         )
     check_expert_bias(arch, a.etp or a.tp, "actor.etp")
     # A LoRA actor runs megatron's local spec (models/gpt.build_policy): its experts are SequentialMLP.
+    clamped = getattr(arch, "swiglu_limit", None) is not None  # gpt-oss (callers may pass any object)
+    if a.moe_experts == "grouped" and clamped:
+        raise ValueError(
+            f"actor.moe_experts=grouped with {arch.architecture}: grouped experts take no quick_gelu with "
+            "glu_linear_offset (gpt-oss's clamped SwiGLU); use actor.moe_experts=sequential or auto"
+        )
+    # gpt-oss's experts run as SequentialMLP (see above); so does a LoRA actor's (below)
     grouped = a.moe_experts == "grouped" or (
-        a.moe_experts == "auto" and transformer_engine_usable() and not a.lora_rank
+        a.moe_experts == "auto" and transformer_engine_usable() and not a.lora_rank and not clamped
     )
     if grouped and this_machine and not transformer_engine_usable():
         raise ValueError(

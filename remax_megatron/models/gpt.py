@@ -294,7 +294,11 @@ def build_policy(
         model = PolicyModel(
             config=config,
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            **_gpt_kwargs(arch, config, tp, make_vocab_size_divisible_by, local_spec=lora is not None),
+            # gpt-oss: the local spec everywhere (models/attention.py runs its sinks and per-layer windows;
+            # Transformer Engine's attention is not checked for them here)
+            **_gpt_kwargs(
+                arch, config, tp, make_vocab_size_divisible_by, local_spec=lora is not None or arch.attention_sinks
+            ),
         )
     model.arch, model.lora = arch, lora
     _mark_tensor_parallel(model)
