@@ -486,3 +486,25 @@ def test_native_engine_follows_a_tp2_actor_over_three_steps(oss, tmp_path):
         train = [json.loads(line) for line in f if '"loss"' in line]
     assert len(train) == 3 and all(r["rollout/tokens"] > 0 for r in train)
     assert_fp32_rounding_only(r["logprob/engine_vs_actor_max_diff"] for r in train)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["actor.moe_experts=grouped"], "grouped experts take no quick_gelu"),
+        (["actor.tp=2", "actor.sequence_parallel=true", "actor.ep=2"], "actor.etp=2 (default: the tp)"),
+    ],
+)
+def test_expert_settings_gpt_oss_cannot_run_are_refused_in_one_line(oss, overrides, message):
+    from remax_megatron.config import load_config
+    from remax_megatron.models.arch import expert_options
+
+    cfg = load_config(None, [f"actor.model={oss}", "reward.functions=[exact_match]", *overrides])
+    with pytest.raises(ValueError) as e:
+        expert_options(cfg, read_hf_config(oss))
+    line = str(e.value)
+    assert message in line and "\n" not in line, line
+    if "actor.ep=2" in overrides:  # with etp 1: whole experts, SequentialMLP
+        ok = load_config(None, [f"actor.model={oss}", "reward.functions=[exact_match]", *overrides, "actor.etp=1"])
+        options = expert_options(ok, read_hf_config(oss))
+        assert (options.ep, options.etp, options.grouped_gemm) == (2, 1, False)
