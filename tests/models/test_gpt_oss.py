@@ -105,6 +105,36 @@ def test_fusing_the_per_expert_stream_gives_the_checkpoint_back(oss):
     assert all(torch.equal(fused[k], stored[k]) for k in stored)
 
 
+def test_mxfp4_experts_read_per_expert(tmp_path):
+    """A published (MXFP4) checkpoint's experts read per expert: each view is the dequantized fused tensor's."""
+    from safetensors.torch import save_file
+
+    from remax_megatron.models.families import gpt_oss
+    from remax_megatron.weights.hf_io import HFCheckpointReader
+    from remax_megatron.weights.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    fused = {"gate_up_proj": torch.randn(3, 64, 2 * 32, generator=g), "down_proj": torch.randn(3, 32, 64, generator=g)}
+    tensors = {"model.layers.0.mlp.experts.gate_up_proj_bias": torch.randn(3, 64, generator=g)}
+    for name, weight in fused.items():
+        blocks, scales = quantize_mxfp4(weight)
+        tensors.update(
+            {f"model.layers.0.mlp.experts.{name}_blocks": blocks, f"model.layers.0.mlp.experts.{name}_scales": scales}
+        )
+        fused[name] = dequantize_mxfp4(blocks, scales, torch.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(
+            {"model_type": "gpt_oss", "num_local_experts": 3, "quantization_config": {"quant_method": "mxfp4"}}, f
+        )
+    reader = HFCheckpointReader(str(tmp_path))
+    assert len(reader.names()) == 3 * (2 + 1 + 2)  # gate / up / down weights, gate / up biases
+    for name in reader.names():
+        whole, expert, half = gpt_oss.split_expert_name(name)
+        source = fused.get(whole.rsplit(".", 1)[1], tensors.get(whole))
+        assert torch.equal(reader.read(name), gpt_oss.expert_view(source[expert], half)), name
+
+
 @pytest.mark.parametrize(
     "changes,message",
     [

@@ -207,7 +207,7 @@ def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def fuse_stream(tensors):
     """An export stream (name, tensor) with per-expert tensors -> the checkpoint's stream: one layer's
     per-expert tensors are held (copied: the stream's tensors are reused buffers) until the layer's last one,
-    then go out fused, in place of the first of them."""
+    then go out fused, where they stood in the stream."""
     held: dict[str, torch.Tensor] = {}
     layer = None
     for name, tensor in tensors:
