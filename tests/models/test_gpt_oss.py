@@ -2,7 +2,7 @@
 experts with the clamped SwiGLU (models/families/gpt_oss.py).
 
 A tiny random checkpoint with odd shapes: head_dim 12 (not a power of two), 6 query heads over 2 KV heads,
-vocab 300 (not a multiple of 128), 4 layers alternating a window of 5 tokens and full attention, 4 experts (2
+vocab 300 (not a multiple of 128), 4 layers: window of 5 tokens, full, full, window; 4 experts (2
 per token) of width 20, nonzero sinks and biases everywhere (o_proj, q/k/v, router, experts); YaRN factor 4.
 The parity rows are 17, 11 and 6 tokens long, longer than the window.
 
@@ -27,8 +27,10 @@ from tools.make_tiny_model import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAPE = dict(hidden=48, layers=4, heads=6, kv_heads=2, ffn=20, vocab=300, head_dim=12)
-OPTIONS = dict(experts=4, top_k=2, sliding_window=5)
 WINDOW = 5
+# not periodic in 2 layers: at PP2 the second stage's layers are windowed by their global index
+LAYER_TYPES = ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
+OPTIONS = dict(experts=4, top_k=2, sliding_window=WINDOW, layer_types=LAYER_TYPES)
 
 
 def tiny_gpt_oss(path, seed=3, **extra):
@@ -63,10 +65,10 @@ def test_config_maps_to_megatron(oss):
 
     arch = read_hf_config(oss)
     assert (arch.family, arch.qkv_bias, arch.linear_bias, arch.attention_sinks) == ("gpt_oss", True, True, True)
-    assert arch.layer_windows == (WINDOW, None, WINDOW, None) and arch.sliding_window is None
+    assert arch.layer_windows == (WINDOW, None, None, WINDOW) and arch.sliding_window is None
     assert dict(arch.yarn)["factor"] == 4.0 and arch.swiglu_limit == 7.0
     config = transformer_config(arch, tp=1, pp=1)
-    assert config.window_size == (WINDOW - 1, 0) and config.window_attn_skip_freq == [1, 0, 1, 0]
+    assert config.window_size == (WINDOW - 1, 0) and config.window_attn_skip_freq == [1, 0, 0, 1]
     assert config.softmax_type == "learnable" and config.add_bias_linear
     assert config.activation_func is quick_gelu and config.glu_linear_offset == 1.0
     assert config.activation_func_clamp_value == 7.0 and not config.moe_grouped_gemm
@@ -420,7 +422,7 @@ PARITY = {"tp1": (1, 1, 1, 1), "tp2-pp2-ep2": (2, 2, 2, 4), "ep2": (1, 1, 2, 2),
 # broken on purpose: a ModelArch change, or what _parity_body breaks by name
 BROKEN = {
     "swap-sinks-and-biases": "swap-sinks",
-    "window-shifted-by-one-layer": {"layer_windows": (None, WINDOW, None, WINDOW)},
+    "window-shifted-by-one-layer": {"layer_windows": (WINDOW, WINDOW, None, None)},
     "silu": {"swiglu_limit": None},  # megatron's SiLU SwiGLU: no quick_gelu, no clamp, no + 1
     "gate-up-not-deinterleaved": "interleaved",
 }
