@@ -6,6 +6,8 @@
     python tools/make_tiny_model.py --family mistral --out /tmp/tiny-mistral --sliding-window 256
     python tools/make_tiny_model.py --family qwen3_moe --out /tmp/tiny-moe --hidden 128 --ffn 64 --experts 4 --top-k 2
     python tools/make_tiny_model.py --family glm4_moe --out /tmp/tiny-glm --hidden 72 --head-dim 20 --layers 3
+    python tools/make_tiny_model.py --family gpt_oss --out /tmp/tiny-oss --hidden 48 --head-dim 12 --heads 6 \
+        --kv-heads 2 --ffn 20 --layers 4 --sliding-window 5 --vocab 300
     python tools/make_tiny_model.py --family llama --tie --out /tmp/tiny-llama
     python tools/make_tiny_model.py --family llama --reward --out /tmp/tiny-rm
 
@@ -41,7 +43,9 @@ def main(argv=None):
     p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
     p.add_argument("--reward", action="store_true", help="a *ForSequenceClassification reward model (1 label)")
     p.add_argument("--head-dim", type=int, default=None, help="qwen3, mistral: head_dim (default hidden / heads)")
-    p.add_argument("--sliding-window", type=int, default=None, help="mistral: an attention window (default none)")
+    p.add_argument(
+        "--sliding-window", type=int, default=None, help="mistral, gpt_oss: attention window (default none; gpt_oss 4)"
+    )
     p.add_argument("--experts", type=int, default=None, help="qwen3_moe, mixtral: experts per layer (default 4)")
     p.add_argument(
         "--top-k",

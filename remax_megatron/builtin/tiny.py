@@ -98,8 +98,10 @@ def make_tiny_model(
     model = cls(config).to(getattr(torch, dtype))
     with torch.no_grad():  # HF inits norms to 1 and biases to 0: perturb so parity tests see them
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
+            if name.endswith(("norm.weight", ".bias", "_bias")):  # gpt-oss: experts' gate_up_proj_bias, ...
                 p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith(".sinks"):  # gpt-oss's sink logits: large enough to take weight from the keys
+                p.add_(torch.randn_like(p))
         for name, b in model.named_buffers():  # a DeepSeek-style router's correction bias starts at zero
             if name.endswith("e_score_correction_bias"):  # float32 in any dtype, as published checkpoints keep it
                 b.data = b.data.float() + 0.1 * torch.randn(b.shape)

@@ -100,6 +100,11 @@ class ModelArch:
     v_head_dim: int = 0
     # YaRN RoPE (rope_type "yarn"; None: another type): HF rope_parameters' factor and its knobs
     yarn: tuple[tuple[str, float], ...] | None = None  # (("factor", 40.0), ("beta_fast", 32.0), ...)
+    # gpt-oss (models/families/gpt_oss.py): a learned per-head sink logit in every attention layer, biases on
+    # every linear but the embeddings (o_proj, the router, the experts), and the clamped SwiGLU's limit
+    attention_sinks: bool = False
+    linear_bias: bool = False
+    swiglu_limit: float | None = None  # None: plain SwiGLU; else gpt-oss's (up + 1) * quick_gelu(gate), clamped
 
     @property
     def is_moe(self) -> bool:
@@ -153,6 +158,15 @@ class LoraOptions:
         return self.alpha / self.rank
 
 
+def check_expert_bias(arch: ModelArch, etp: int, etp_name: str) -> None:
+    """megatron-core builds biased experts (gpt-oss) only unsplit: expert tensor parallelism 1 (one line)."""
+    if arch.is_moe and getattr(arch, "linear_bias", False) and etp > 1:  # callers may pass any object
+        raise ValueError(
+            f"{etp_name}={etp} (default: the tp) with {arch.architecture}'s biased experts: megatron-core supports "
+            f"expert biases only at expert tensor parallel size 1; set {etp_name}=1 (at tp > 1 with ep > 1)"
+        )
+
+
 def expert_options(cfg, arch: ModelArch, this_machine: bool = True) -> ExpertOptions:
     """How the actor's (and reference's) experts run (actor.ep, actor.etp, actor.moe_*, rollout.routing_replay);
     one-line errors for what cannot run. The one owner of the expert rules: start-up and the planner call it
@@ -192,9 +206,17 @@ def expert_options(cfg, arch: ModelArch, this_machine: bool = True) -> ExpertOpt
             f"rollout.routing_replay=true with trainer.mini_batches={cfg.trainer.mini_batches}: the old "
             "log-prob pass does not replay routes yet; use trainer.mini_batches=1"
         )
+    check_expert_bias(arch, a.etp or a.tp, "actor.etp")
     # A LoRA actor runs megatron's local spec (models/gpt.build_policy): its experts are SequentialMLP.
+    clamped = getattr(arch, "swiglu_limit", None) is not None  # gpt-oss (callers may pass any object)
+    if a.moe_experts == "grouped" and clamped:
+        raise ValueError(
+            f"actor.moe_experts=grouped with {arch.architecture}: grouped experts take no quick_gelu with "
+            "glu_linear_offset (gpt-oss's clamped SwiGLU); use actor.moe_experts=sequential or auto"
+        )
+    # gpt-oss's experts run as SequentialMLP (see above); so does a LoRA actor's (below)
     grouped = a.moe_experts == "grouped" or (
-        a.moe_experts == "auto" and transformer_engine_usable() and not a.lora_rank
+        a.moe_experts == "auto" and transformer_engine_usable() and not a.lora_rank and not clamped
     )
     if grouped and this_machine and not transformer_engine_usable():
         raise ValueError(

@@ -103,7 +103,7 @@ def _gpt_kwargs(
         post_process=pp_rank == pp - 1,
         pg_collection=layout.collection if layout is not None else None,
         parallel_output=True,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if arch.yarn is not None and not arch.is_mla else "rope",
         rotary_base=int(arch.rope_theta),
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
@@ -294,7 +294,11 @@ def build_policy(
         model = PolicyModel(
             config=config,
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            **_gpt_kwargs(arch, config, tp, make_vocab_size_divisible_by, local_spec=lora is not None),
+            # gpt-oss: the local spec everywhere (models/attention.py runs its sinks and per-layer windows;
+            # Transformer Engine's attention is not checked for them here)
+            **_gpt_kwargs(
+                arch, config, tp, make_vocab_size_divisible_by, local_spec=lora is not None or arch.attention_sinks
+            ),
         )
     model.arch, model.lora = arch, lora
     _mark_tensor_parallel(model)

@@ -2,7 +2,7 @@
 
 The model-family registry (models/families) says which architectures are served: Llama, Qwen2,
 Qwen3 and Mistral, each as *ForCausalLM and as *ForSequenceClassification with one label (a reward
-model), and the MoE families Qwen3-MoE, Mixtral and GLM-4.5 as *ForCausalLM only. Anything else is refused by
+model), and the MoE families Qwen3-MoE, Mixtral, GLM-4.5 and gpt-oss as *ForCausalLM only. Anything else is refused by
 name, with the registry's families listed, before a model is built; so is a setting a family cannot
 run exactly (its file names it).
 """
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 
 from remax_megatron.models import families
-from remax_megatron.models.arch import ExpertOptions, ModelArch
+from remax_megatron.models.arch import ExpertOptions, ModelArch, check_expert_bias
 from remax_megatron.models.families.mla import check_mla_tp, mla_config_kwargs
 from remax_megatron.sizes import round_up
 
@@ -77,8 +77,8 @@ def _common_fields(cfg, path: str) -> dict:
                     f"rope_parameters.{key}={rope[key]} in {path} is not supported (megatron uses {value})"
                 )
         scaling = float(rope["factor"])
-    elif rope_type == "yarn" and getattr(cfg, "kv_lora_rank", None):
-        pass  # multi-latent attention's own YaRN (models/families/mla.py reads it)
+    elif rope_type == "yarn" and (getattr(cfg, "kv_lora_rank", None) or cfg.model_type == "gpt_oss"):
+        pass  # the family's own YaRN (models/families/mla.py, gpt_oss.py read it)
     elif rope_type != "default":
         raise ValueError(f"rope_type {rope_type!r} in {path} is not supported: use 'default' or 'llama3'")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -179,10 +179,11 @@ def transformer_config(
 
     experts = experts or ExpertOptions()
     check_layout(arch, tp, pp, ep=experts.ep)
+    check_expert_bias(arch, experts.etp, "expert tensor parallel size (actor.etp, --etp)")
     cuda = torch.cuda.is_available()
     config_class = MLATransformerConfig if arch.is_mla else TransformerConfig
     attention = mla_config_kwargs(arch) if arch.is_mla else {"qk_layernorm": arch.qk_layernorm}
-    return config_class(
+    kwargs = dict(
         **(_moe_kwargs(arch, experts) if arch.is_moe else {}),
         **attention,
         num_layers=arch.num_layers,
@@ -220,6 +221,47 @@ def transformer_config(
         persist_layer_norm=False,
         bias_dropout_fusion=cuda,
     )
+    kwargs.update(_gpt_oss_kwargs(arch))
+    config = config_class(**kwargs)
+    if arch.yarn is not None and not arch.is_mla:
+        # GPTModel's position_embedding_type="yarn" reads these (no TransformerConfig field holds them); its
+        # attention multiplies RoPE's cos / sin by YaRN's concentration factor when yarn_rotary_scaling_factor
+        # is there (as transformers does), though GPTModel's forward drops the factor the table returns
+        yarn = dict(arch.yarn)
+        config.yarn_rotary_scaling_factor = yarn["factor"]
+        config.yarn_original_max_position_embeddings = int(yarn["original_max_position_embeddings"])
+        config.yarn_beta_fast, config.yarn_beta_slow = yarn["beta_fast"], yarn["beta_slow"]
+        config.yarn_mscale = config.yarn_mscale_all_dim = None  # the concentration factor of `factor` alone
+        config.yarn_correction_range_round_to_int = bool(yarn["truncate"])
+    return config
+
+
+def _gpt_oss_kwargs(arch: ModelArch) -> dict:
+    """TransformerConfig fields of gpt-oss's features (models/families/gpt_oss.py); {} for other models.
+
+    - windows: megatron's one `window_size` (HF W -> (W - 1, 0)) on the layers `window_attn_skip_freq` lists
+      (models/attention.py applies it); sinks: softmax_type "learnable" (the `softmax_offset` parameter).
+    - the clamped SwiGLU and biases on every linear (add_bias_linear: o_proj, router, experts)."""
+    from remax_megatron.models.families import gpt_oss
+
+    kwargs = {}
+    windows = [w for w in arch.layer_windows or () if w is not None]
+    if windows:
+        if len(set(windows)) > 1:
+            raise ValueError(
+                f"{arch.architecture}: sliding windows of {sorted(set(windows))} tokens in one model; megatron-core "
+                "has one window_size for all windowed layers"
+            )
+        kwargs.update(
+            window_size=(windows[0] - 1, 0), window_attn_skip_freq=[int(w is not None) for w in arch.layer_windows]
+        )
+    if arch.attention_sinks:
+        kwargs["softmax_type"] = "learnable"
+    if arch.swiglu_limit is not None:
+        kwargs.update(gpt_oss.activation_kwargs({"swiglu_limit": arch.swiglu_limit}))
+    if arch.linear_bias:
+        kwargs["add_bias_linear"] = True
+    return kwargs
 
 
 def _moe_kwargs(arch: ModelArch, experts: ExpertOptions) -> dict:

@@ -35,13 +35,14 @@ no-ops (there is no separate device memory to free).
 from __future__ import annotations
 
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.initialization import no_init_weights
 
 from remax_megatron.models import families
 from remax_megatron.models.families import Family
 from remax_megatron.rollout.engine import Completion, PromptRollout, RolloutEngine, SamplingParams
-from remax_megatron.rollout.native_decode import ATTENTION, decode_request
+from remax_megatron.rollout.native_decode import attention_for, decode_request
 
 
 class RouteRecorder:
@@ -125,7 +126,8 @@ class NativeEngine(RolloutEngine):
         architecture = (getattr(config, "architectures", None) or [None])[0]
         self.family = families.lookup(str(architecture), f"{hf_dir}/config.json")[0]
         with no_init_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
+            attention = attention_for(getattr(transformers, str(architecture), None))
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
         model.tie_weights()  # no_init_weights also skips tying (transformers 5)
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.eos_token_ids = _eos_ids(hf_dir, config)
@@ -223,6 +225,8 @@ class NativeEngine(RolloutEngine):
         param = self._params.get(place.param) if place is not None else None
         if param is not None and place.expert is None:
             return place.param, param, 1
+        if param is not None and place.select is not None and place.expert < param.shape[0]:
+            return place.param, place.select(param), place.parts * param.shape[0]
         if param is not None and place.expert < param.shape[0]:
             rows = param.shape[1] // place.parts  # one block of [gate; up]
             block = param[place.expert, place.part * rows : (place.part + 1) * rows]

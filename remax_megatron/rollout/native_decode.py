@@ -53,8 +53,10 @@ def decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     takes the KV heads as they are (enable_gqa) where transformers' own repeats them (repeat_kv: a copy of
     the whole static cache per layer and token, which made the CPU decode 1.5x slower). CUDA keeps
     transformers' path (a masked GQA there would fall to SDPA's math kernel)."""
+    if kwargs.get("s_aux") is not None:  # transformers' sdpa would ignore the sinks (gpt-oss), silently
+        return _sdpa_with_sinks(query, key, value, attention_mask, scaling, kwargs["s_aux"])
     groups = getattr(module, "num_key_value_groups", 1)
-    if attention_mask is None or groups == 1 or query.device.type != "cpu" or kwargs.get("s_aux") is not None:
+    if attention_mask is None or groups == 1 or query.device.type != "cpu":
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
@@ -64,8 +66,40 @@ def decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     return out.transpose(1, 2).contiguous(), None  # [B, q, heads, head_dim], no weights
 
 
+def _sdpa_with_sinks(query, key, value, attention_mask, scaling, sinks):
+    """gpt-oss's attention with sinks: one more key per head whose score is the head's sink logit and whose
+    value is zero (transformers' eager gpt-oss attention, on SDPA). query [B, heads, q, d], key / value
+    [B, kv_heads, k, d], attention_mask bool [B | 1, 1, q, >= k] (True = attend) or None (causal)."""
+    b, heads, q, _ = query.shape
+    k = key.shape[-2]
+    if attention_mask is None:
+        rows = torch.arange(q, device=query.device).view(-1, 1) + (k - q)
+        allowed = (torch.arange(k, device=query.device).view(1, -1) <= rows)[None, None]
+    else:
+        allowed = attention_mask[..., :k]
+        allowed = allowed if allowed.dtype == torch.bool else allowed == 0  # additive: 0 where attended
+    bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(~allowed, float("-inf"))
+    bias = torch.cat([bias.expand(b, heads, q, k), sinks.to(query.dtype).view(1, -1, 1, 1).expand(b, heads, q, 1)], -1)
+    key = torch.cat([key, key.new_zeros(*key.shape[:2], 1, key.shape[-1])], 2)
+    value = torch.cat([value, value.new_zeros(*value.shape[:2], 1, value.shape[-1])], 2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=bias, scale=scaling, enable_gqa=key.shape[1] != heads
+    )
+    return out.transpose(1, 2).contiguous(), None  # [B, q, heads, head_dim], no weights
+
+
 AttentionInterface.register(ATTENTION, decode_sdpa)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+# transformers refuses an attention whose name contains "sdpa" for a model class that declares no SDPA support
+# (gpt-oss, for its sinks, which transformers' sdpa would drop): the same function under another name serves it
+SINKS_ATTENTION = "remax_decode_with_sinks"
+AttentionInterface.register(SINKS_ATTENTION, decode_sdpa)
+AttentionMaskInterface.register(SINKS_ATTENTION, sdpa_mask)
+
+
+def attention_for(model_class) -> str:
+    """The native engine's attention implementation name for a transformers model class."""
+    return ATTENTION if getattr(model_class, "_supports_sdpa", True) else SINKS_ATTENTION
 
 
 class SlotLayer(StaticLayer):

@@ -341,6 +341,12 @@ class VllmEngine(RolloutEngine):
     @staticmethod
     def check_config(cfg, arch, world_size: int) -> None:
         """vLLM importable, a head size its backend runs, a KV cache that fits (one line each)."""
+        if arch is not None and arch.family == "gpt_oss":
+            raise ValueError(
+                "rollout.engine=vllm with gpt-oss is not supported yet: the weight sync sends its experts one "
+                "tensor per expert matrix (models/families/gpt_oss.py), which vLLM's gpt-oss loader does not take "
+                "(not checked against vLLM): use rollout.engine=native"
+            )
         if not vllm_available():
             raise ValueError(f"rollout.engine=vllm but vLLM is not installed: {INSTALL_HINT}")
         cuda = torch.cuda.is_available()

@@ -73,8 +73,10 @@ def save_hf_dir(
         for _ in tensors:  # every rank takes part in the gathers and broadcasts
             pass
         return
+    from remax_megatron.models.families import family_named
+
     with HFDirWriter(out_dir, overwrite=overwrite, tool=tool) as out:
-        for name, tensor in tensors:
+        for name, tensor in family_named(model.arch.family).checkpoint_stream(tensors):
             out.add(name, tensor)
         out.copy_side_files(side_files_from)
     from remax_megatron.models.families.deepseek_moe import say_mtp_not_written

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from remax_megatron.models.families import gpt_oss
 from remax_megatron.weights import fp8_blocks
 from remax_megatron.weights.mxfp4 import dequantize_mxfp4, is_mxfp4, quantized_pairs
 
@@ -68,10 +69,12 @@ class HFCheckpointReader:
         # MXFP4 (gpt-oss): each `<name>_blocks` / `<name>_scales` pair reads as `<name>`, dequantized.
         self._mxfp4: dict[str, tuple[str, str]] = {}
         config_path = os.path.join(model_dir, "config.json")
+        self._config: dict | None = None
         if os.path.isfile(config_path):
             with open(config_path) as f:
-                if is_mxfp4(json.load(f)):
-                    self._mxfp4 = quantized_pairs(weight_map)
+                self._config = json.load(f)
+            if is_mxfp4(self._config):
+                self._mxfp4 = quantized_pairs(weight_map)
         self._file_of_raw = {raw: weight_map[raw] for pair in self._mxfp4.values() for raw in pair}
         for name, (blocks, scales) in self._mxfp4.items():
             weight_map[name] = weight_map.pop(blocks)
@@ -92,6 +95,18 @@ class HFCheckpointReader:
             )
         self._scale_files = {n: weight_map[n] for n in self._scales.values()}
         self.weight_map = {k: v for k, v in weight_map.items() if k not in self._scale_files}
+        # gpt-oss: each layer's fused experts read as one tensor per expert matrix (models/families/gpt_oss.py)
+        self._views: dict[str, tuple[str, int, int | None]] = {}
+        self._names = list(self.weight_map)
+        if isinstance(self._config, dict) and self._config.get("model_type") == "gpt_oss":
+            experts = int(self._config.get("num_local_experts", 0))
+            self._names = []
+            for name in self.weight_map:
+                views = gpt_oss.per_expert_names(name, experts)
+                self._views.update({v: gpt_oss.split_expert_name(v) for v in views})
+                self._names += views or [name]
+        self._present = set(self._names)
+        self._last_expert: tuple[tuple[str, int], torch.Tensor] | None = None  # gate then up read one slice
         if self.fp8_block is not None:  # headers only: an FP8 tensor with no scales is refused before any work
             for name, file in self.weight_map.items():
                 if name not in self._scales and self._handles[file].get_slice(name).get_dtype().startswith("F8"):
@@ -101,20 +116,34 @@ class HFCheckpointReader:
                     )
 
     def names(self) -> list[str]:
-        return list(self.weight_map)
+        return list(self._names)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
+        return name in self._present
 
     def tensors(self):
         """(name, tensor) for every tensor, read one at a time (e.g. a weight-sync stream)."""
-        for name in self.weight_map:
+        for name in self._names:
             yield name, self.read(name)
 
     def read(
         self, name: str, dim: int | None = None, start: int | None = None, stop: int | None = None
     ) -> torch.Tensor:
         """The tensor `name`, or its slice [start:stop] along `dim`."""
+        if name in self._views:
+            fused, expert, half = self._views[name]
+            if self._last_expert is None or self._last_expert[0] != (fused, expert):
+                self._last_expert = ((fused, expert), self._read_stored(fused, 0, expert, expert + 1)[0])
+            view = gpt_oss.expert_view(self._last_expert[1], half)
+            if dim is not None:
+                view = view.narrow(dim, start or 0, (view.shape[dim] if stop is None else stop) - (start or 0))
+            return view.contiguous()
+        if name not in self._present:
+            raise KeyError(f"tensor {name} not found in {self.model_dir}: is this the right model family?")
+        return self._read_stored(name, dim, start, stop)
+
+    def _read_stored(self, name: str, dim: int | None, start: int | None, stop: int | None) -> torch.Tensor:
+        """A tensor as the files store it (MXFP4 and FP8 dequantized), or its slice [start:stop] along `dim`."""
         if name not in self.weight_map:
             raise KeyError(f"tensor {name} not found in {self.model_dir}: is this the right model family?")
         if name in self._mxfp4:
@@ -169,6 +198,8 @@ class HFCheckpointReader:
         return handle.get_slice(name)[start:stop]
 
     def dtype(self, name: str) -> torch.dtype:
+        if name in self._views:
+            return self.dtype(self._views[name][0])
         if name in self._mxfp4:
             return torch.float32
         return self.read(name, 0, 0, 1).dtype

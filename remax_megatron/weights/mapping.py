@@ -287,7 +287,7 @@ class WeightMapping:
         if spec.kind == VOCAB:
             return (self.padded_vocab // tp,) + full[1:]
         if spec.kind == FC1:
-            return (2 * full[0] // tp, full[1])
+            return (2 * full[0] // tp,) + full[1:]  # a weight [2f/tp, in], a bias [2f/tp]
         if spec.kind == COLUMN:
             return (full[0] // tp,) + full[1:]
         if spec.kind == QKV:

@@ -22,7 +22,6 @@ NOT_SUPPORTED = {
     "DeepseekV2ForCausalLM": "multi-latent attention and shared experts",
     "Qwen2MoeForCausalLM": "its shared expert with a sigmoid gate",
     "Qwen3NextForCausalLM": "its linear-attention (gated DeltaNet) layers and gated shared expert",
-    "GptOssForCausalLM": "its attention sinks, biased experts and clamped SwiGLU",
 }
 
 
@@ -78,6 +77,9 @@ def _register_builtin() -> None:
 
     for module in (llama, qwen2, qwen3, mistral, qwen3_moe, mixtral, glm4_moe):
         register(module.FAMILY)
+    from remax_megatron.models.families import gpt_oss
+
+    register(gpt_oss.FAMILY)
 
 
 _register_builtin()

@@ -17,8 +17,11 @@ both sides, and `engine_tensor` / `engine_routers` answer the engine from them.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+
+import torch
 
 from remax_megatron.models.arch import ModelArch
 
@@ -79,6 +82,9 @@ class EngineTensor:
     expert: int | None = None  # fused experts: the index on dim 0; None: the whole parameter
     part: int = 0  # which of `parts` equal row blocks of that expert's matrix ([gate; up]: 0, 1)
     parts: int = 1
+    # the parameter -> the view this tensor fills, where it is no row block (gpt-oss: an interleaved half,
+    # transposed); the parameter then takes `parts` tensors per expert
+    select: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class Family:
@@ -120,6 +126,11 @@ class Family:
 
     def hf_layer(self, layer: int) -> str:
         return self.hf_layer_prefix.format(layer=layer)
+
+    def checkpoint_stream(self, tensors):
+        """An export stream (name, tensor) in the mapping's names -> the stream a checkpoint of this family
+        stores (the same, except where the checkpoint fuses tensors the mapping keeps apart: gpt-oss)."""
+        return tensors
 
     # ---- the native rollout engine (transformers' model of this family) --------------------
     def engine_tensor(self, name: str) -> EngineTensor | None:
