@@ -186,6 +186,22 @@ def lora_adapter_params(arch, actor) -> int:
         "linear_fc1": r * (d + 2 * f / tp),
         "linear_fc2": r * (f / tp + d),
     }
+    if arch.is_mla:  # column parallel, the down projections too (their output rows split over TP)
+        nope, rope, v, q_lora, kv_lora = (
+            arch.qk_head_dim,
+            arch.qk_pos_emb_head_dim,
+            arch.v_head_dim,
+            arch.q_lora_rank or 0,
+            arch.kv_lora_rank,
+        )
+        per_target.update(
+            linear_proj=r * (h * v / tp + d),
+            linear_q_proj=r * (d + h * (nope + rope) / tp),
+            linear_q_down_proj=r * (d + q_lora / tp),
+            linear_q_up_proj=r * (q_lora + h * (nope + rope) / tp),
+            linear_kv_down_proj=r * (d + (kv_lora + rope) / tp),
+            linear_kv_up_proj=r * (kv_lora + h * (nope + v) / tp),
+        )
     return int(arch.num_layers * sum(per_target[t] for t in actor.lora_targets))
 
 

@@ -70,6 +70,8 @@ def layer_spec(config, pp_rank: int | None = None, local: bool = False):
     layers and the final norm. config.qk_layernorm (Qwen3) adds the per-head q/k norms.
     """
     moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
+    if config.multi_latent_attention:
+        return _mla_layer_spec(config, pp_rank, moe)
     if transformer_engine_usable() and not local:
         if has_dense_layers(config):  # megatron's own per-layer specs (its moe_layer_freq list)
             return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, pp_rank=pp_rank)
@@ -83,6 +85,34 @@ def layer_spec(config, pp_rank: int | None = None, local: bool = False):
         # megatron's WrappedTorchNorm refuses sequence parallel and builds fp32 weights.
         spec.submodules.self_attention.submodules.q_layernorm = HeadRMSNorm
         spec.submodules.self_attention.submodules.k_layernorm = HeadRMSNorm
+    return TransformerBlockSubmodules(layer_specs=stage_layer_specs(config, spec, pp_rank), layer_norm=RMSNorm)
+
+
+def _mla_layer_spec(config, pp_rank: int | None, moe: dict):
+    """Multi-latent attention (DeepSeek-V3): megatron-core's local spec with multi_latent_attention=True
+    whatever is installed, SDPA core attention, and the q / kv latents' RMSNorms as RMSNorm above.
+
+    Those norms run on the whole latent (the down projections are gathered over TP first), or on this rank's
+    tokens under sequence parallelism: their weight gradient needs a sum over TP exactly when sequence
+    parallel is on, which RMSNorm's `sequence_parallel` mark gives. The config leaves qk_layernorm off
+    (mla.mla_config_kwargs) because megatron-core 0.16.1's finalize_model_grads sums every parameter named
+    `q_layernorm` over TP under qk_layernorm, which would double MLA's q-latent norm gradient at TP2
+    without sequence parallel."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from remax_megatron.models.families.mla import patch_mla_for_cpu
+
+    patch_mla_for_cpu()
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        normalization="RMSNorm", qk_layernorm=True, multi_latent_attention=True, **moe
+    )
+    assert spec.submodules.self_attention.module is MLASelfAttention
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = TorchDotProductAttention
+    attention.q_layernorm = RMSNorm
+    attention.kv_layernorm = RMSNorm
     return TransformerBlockSubmodules(layer_specs=stage_layer_specs(config, spec, pp_rank), layer_norm=RMSNorm)
 
 

@@ -340,7 +340,14 @@ class VllmEngine(RolloutEngine):
 
     @staticmethod
     def check_config(cfg, arch, world_size: int) -> None:
-        """vLLM importable, a head size its backend runs, a KV cache that fits (one line each)."""
+        """Not multi-latent attention; vLLM importable, a head size its backend runs, a KV cache that fits (one
+        line each)."""
+        if arch is not None and getattr(arch, "is_mla", False):
+            raise ValueError(
+                f"rollout.engine=vllm with {arch.architecture} (multi-latent attention) is not supported: syncing "
+                "weights into vLLM's MLA (its fused q_a / kv_a projections and the kv_b it splits at load) in place "
+                "is unchecked here: use rollout.engine=native"
+            )
         if not vllm_available():
             raise ValueError(f"rollout.engine=vllm but vLLM is not installed: {INSTALL_HINT}")
         cuda = torch.cuda.is_available()
