@@ -10,7 +10,8 @@ Fast lane: the config mapping, the mapping names every checkpoint tensor once, t
 the planner on DeepSeek-V3's published shapes, LoRA's MLA targets, vLLM's refusal.
 Slow (multi-process, gloo): megatron's fp32 log-probs over padded rows vs transformers' DeepseekV3ForCausalLM
 (q_lora set and null, TP2 x PP2, EP2, group-limited top-k); HF -> megatron -> HF bitwise through both converters
-at TP2 x PP2 and EP2; broken on purpose (no correction bias, no YaRN) the parity fails; routing replay; LoRA on
+at TP2 x PP2 and EP2; broken on purpose (the rope / nope split forgotten, no correction bias, no group limit)
+the parity fails; routing replay; LoRA on
 MLA; the native engine's gap to a TP2 actor over a 3-step run.
 """
 
@@ -251,6 +252,29 @@ def _with_mtp_layer(model_dir, dst):
     return str(dst)
 
 
+def _split_forgotten_body(rank, world, model_dir, expected):
+    """The latent's rope rows read first (kv_a_proj_with_mqa is [kv_lora; rope]): the rope / nope split forgotten
+    after an otherwise right load must fail the parity."""
+    import remax_megatron.weights as weights
+
+    load = weights.load_hf_weights
+
+    def load_then_swap(model, *args, **kwargs):
+        out = load(model, *args, **kwargs)
+        kv_lora = model.arch.kv_lora_rank
+        for name, p in model.named_parameters():
+            if name.endswith("linear_kv_down_proj.weight"):
+                with torch.no_grad():
+                    p.copy_(torch.cat([p[kv_lora:], p[:kv_lora]]))
+        return out
+
+    weights.load_hf_weights = load_then_swap
+    try:  # `breaks` sets a field to its own value: the break is the swap above
+        _parity_body(rank, world, model_dir, 1, 1, 1, expected, {"mtp_layers": 0})
+    finally:
+        weights.load_hf_weights = load
+
+
 # (HF -> megatron layout, megatron -> HF layout) as (tp, pp, ep, etp), 4 processes
 ROUND_TRIPS = {
     "tp2-pp2": ("q", (2, 2, 1, 0), (1, 1, 2, 0)),
@@ -270,7 +294,6 @@ PARITY = {
 # broken on purpose: (the model, ModelArch fields changed)
 BROKEN = {
     "no-expert-bias": ("q", {"moe_expert_bias": False}),
-    "no-yarn": ("q", {"yarn": None}),
     "no-group-limit": ("grouped", {"moe_num_groups": None, "moe_group_topk": None}),
 }
 
@@ -295,6 +318,7 @@ def launched(dsv3, tmp_path_factory):
         cases[world][f"parity-{name}"] = (_parity_body, (models[model][0], tp, pp, ep, models[model][1]))
     for name, (model, breaks) in BROKEN.items():
         cases[1][f"broken-{name}"] = (_parity_body, (*models[model][:1], 1, 1, 1, models[model][1], breaks))
+    cases[1]["broken-rope-nope-split"] = (_split_forgotten_body, models["q"])
     cases[1]["lora"] = (_lora_body, (dsv3,))
     cases[1]["mtp"] = (_mtp_body, (_with_mtp_layer(dsv3, top / "mtp"), str(top / "mtp-out")))
     cases[2]["replay-tp2-ep2"] = (_replay_body, (dsv3, 2, 1, 2))
@@ -309,7 +333,7 @@ def test_logprobs_match_transformers(launched, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(BROKEN))
+@pytest.mark.parametrize("name", [*sorted(BROKEN), "rope-nope-split"])
 def test_a_broken_mapping_fails_parity(launched, name):
     launched.check(f"broken-{name}")
 
