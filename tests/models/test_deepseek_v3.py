@@ -275,6 +275,63 @@ def _split_forgotten_body(rank, world, model_dir, expected):
         weights.load_hf_weights = load
 
 
+def _update_body(rank, world, model_dir, tp, sp, out_path):
+    """One update (tests/train/test_update.py's MoE update: Adam, load-balancing loss) at TP `tp`, sequence
+    parallel `sp`: its stats and exported weights saved by rank 0."""
+    import remax_megatron.models as models
+    from tests.train.test_update import _moe_update_body
+
+    build = models.build_policy
+
+    def build_with_sp(*args, **kwargs):
+        return build(*args, **{**kwargs, "sequence_parallel": sp})
+
+    models.build_policy = build_with_sp
+    try:
+        _moe_update_body(rank, world, model_dir, tp, 1, 1, "aux", 2, out_path)
+    finally:
+        models.build_policy = build
+
+
+def _grad_body(rank, world, model_dir, tp, sp, hook, out_path):
+    """d(sum of the labelled log-probs)/d(linear_kv_down_proj's weight) of every layer, whole (TP shards gathered),
+    in eval mode (megatron's MoE layer refuses to train at TP > 1 without sequence parallel, not to backward);
+    `hook` False: without gpt.reduce_mla_rope_key_grad (megatron-core's own gradient)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    import remax_megatron.models.gpt as gpt
+    from remax_megatron.models import build_policy
+    from remax_megatron.models.arch import ExpertOptions
+    from remax_megatron.parallel import ParallelLayout
+    from remax_megatron.weights import load_hf_weights
+    from tests.models.test_glm4_moe import _rows
+
+    ParallelLayout(tp=tp, pp=1, world_size=world, ep=1, etp=tp).initialize(seed=0)
+    arch = read_hf_config(model_dir)
+    reduce = gpt.reduce_mla_rope_key_grad
+    if not hook:
+        gpt.reduce_mla_rope_key_grad = lambda model: None
+    try:
+        model = build_policy(arch, tp=tp, pp=1, sequence_parallel=sp, experts=ExpertOptions(ep=1, etp=tp))
+    finally:
+        gpt.reduce_mla_rope_key_grad = reduce
+    load_hf_weights(model, model_dir)
+    model.eval()
+    ids, labels = _rows(arch.vocab_size)
+    ids, labels = ids[:2], labels[:2]  # 2 rows of 18: a multiple of tp for sequence parallel
+    hidden = model.run(ids)
+    model.token_logprobs(hidden, labels)[0].sum().backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if name.endswith("linear_kv_down_proj.weight"):
+            parts = [torch.empty_like(p.grad) for _ in range(tp)]
+            dist.all_gather(parts, p.grad.contiguous(), group=ps.get_tensor_model_parallel_group())
+            grads[name] = torch.cat(parts)
+    if rank == 0:
+        torch.save(grads, out_path)
+
+
 # (HF -> megatron layout, megatron -> HF layout) as (tp, pp, ep, etp), 4 processes
 ROUND_TRIPS = {
     "tp2-pp2": ("q", (2, 2, 1, 0), (1, 1, 2, 0)),
@@ -322,7 +379,14 @@ def launched(dsv3, tmp_path_factory):
     cases[1]["lora"] = (_lora_body, (dsv3,))
     cases[1]["mtp"] = (_mtp_body, (_with_mtp_layer(dsv3, top / "mtp"), str(top / "mtp-out")))
     cases[2]["replay-tp2-ep2"] = (_replay_body, (dsv3, 2, 1, 2))
-    return SharedLaunches(cases, str(top / "launches"))
+    for tp, sp, hook in GRADS:
+        name = f"grad-tp{tp}-sp{int(sp)}-hook{int(hook)}"
+        cases[tp][name] = (_grad_body, (dsv3, tp, sp, hook, str(top / f"{name}.pt")))
+    for tp, sp in UPDATES:
+        cases[tp][f"update-tp{tp}-sp{int(sp)}"] = (_update_body, (dsv3, tp, sp, str(top / f"update-{tp}-{sp}.pt")))
+    launches = SharedLaunches(cases, str(top / "launches"))
+    launches.top = top
+    return launches
 
 
 @pytest.mark.slow
@@ -357,6 +421,54 @@ def test_mtp_layers_are_skipped_on_import_and_not_exported(launched):
 @pytest.mark.slow
 def test_routing_replay(launched):
     launched.check("replay-tp2-ep2")
+
+
+# (tp, sequence parallel, gpt.reduce_mla_rope_key_grad on) of the gradient test
+GRADS = ((1, False, True), (2, False, True), (2, True, True), (2, False, False), (2, True, False))
+
+
+@pytest.mark.slow
+def test_rope_key_gradient_is_whole_at_tp2(launched):
+    """The down projection's gradient at TP2, with and without sequence parallel, is world 1's (1e-6, fp32);
+    without gpt.reduce_mla_rope_key_grad (megatron-core 0.16.1's own local-spec MLA) its rope rows are not
+    (in the last layer only they differ)."""
+    grads = {}
+    for tp, sp, hook in GRADS:
+        name = f"grad-tp{tp}-sp{int(sp)}-hook{int(hook)}"
+        launched.check(name)
+        grads[tp, sp, hook] = torch.load(launched.top / f"{name}.pt")
+    base, kv_lora = grads[1, False, True], 18
+    assert len(base) == 4 and all(g.abs().max() > 0 for g in base.values())
+    for (tp, sp, hook), got in grads.items():
+        for name, expected in base.items():
+            gap = (got[name] - expected).abs()
+            if hook:
+                assert gap.max() <= 1e-6 * expected.abs().max(), (tp, sp, name, gap.max())
+                continue
+            assert gap[kv_lora:].max() > 1e-3 * expected[kv_lora:].abs().max(), (tp, sp, name)
+            if ".3." in name:  # the last layer: its rope rows only (lower layers get the error from above)
+                assert gap[:kv_lora].max() <= 1e-6 * expected.abs().max(), (tp, sp, name)
+
+
+# (tp, sequence parallel) of the update test
+UPDATES = ((1, False), (2, True))
+
+
+@pytest.mark.slow
+def test_tp2_sequence_parallel_update_equals_one_rank(launched):
+    """One update at TP2 with sequence parallel (megatron's MoE layer refuses TP training without it) equals
+    world 1's: loss, grad norm and the updated weights within 1e-6 (fp32); the latents' RMSNorm gradients
+    (q_layernorm, kv_layernorm: each rank normalises its own tokens) are summed over TP."""
+    results = {}
+    for tp, sp in UPDATES:
+        launched.check(f"update-tp{tp}-sp{int(sp)}")
+        results[tp, sp] = torch.load(launched.top / f"update-{tp}-{sp}.pt")
+    base = results[1, False]
+    for key, got in results.items():
+        for stat in ("loss", "grad_norm"):
+            assert abs(got["stats"][stat] - base["stats"][stat]) < 1e-6, (key, stat, got["stats"], base["stats"])
+        worst = max((got["weights"][k] - base["weights"][k]).abs().max().item() for k in base["weights"])
+        assert worst < 1e-6, (key, worst)
 
 
 @pytest.mark.slow
