@@ -293,8 +293,14 @@ def _update_body(rank, world, model_dir, tp, sp, out_path):
         models.build_policy = build
 
 
+COLUMN_PROJECTIONS = tuple(
+    f"{p}.weight" for p in ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+)
+
+
 def _grad_body(rank, world, model_dir, tp, sp, hook, out_path):
-    """d(sum of the labelled log-probs)/d(linear_kv_down_proj's weight) of every layer, whole (TP shards gathered),
+    """d(sum of the labelled log-probs)/d(MLA's column-parallel projections) of every layer, whole (TP shards
+    gathered), and without sequence parallel d/d(the latents' norms),
     in eval mode (megatron's MoE layer refuses to train at TP > 1 without sequence parallel, not to backward);
     `hook` False: without gpt.reduce_mla_rope_key_grad (megatron-core's own gradient)."""
     import torch.distributed as dist
@@ -324,7 +330,9 @@ def _grad_body(rank, world, model_dir, tp, sp, hook, out_path):
     model.token_logprobs(hidden, labels)[0].sum().backward()
     grads = {}
     for name, p in model.named_parameters():
-        if name.endswith("linear_kv_down_proj.weight"):
+        if not sp and name.endswith(("q_layernorm.weight", "kv_layernorm.weight")):  # whole latent on every rank
+            grads[name] = p.grad.clone()
+        if name.endswith(COLUMN_PROJECTIONS):
             parts = [torch.empty_like(p.grad) for _ in range(tp)]
             dist.all_gather(parts, p.grad.contiguous(), group=ps.get_tensor_model_parallel_group())
             grads[name] = torch.cat(parts)
@@ -429,19 +437,25 @@ GRADS = ((1, False, True), (2, False, True), (2, True, True), (2, False, False),
 
 @pytest.mark.slow
 def test_rope_key_gradient_is_whole_at_tp2(launched):
-    """The down projection's gradient at TP2, with and without sequence parallel, is world 1's (1e-6, fp32);
-    without gpt.reduce_mla_rope_key_grad (megatron-core 0.16.1's own local-spec MLA) its rope rows are not
-    (in the last layer only they differ)."""
+    """MLA's gradients at TP2, with and without sequence parallel, are world 1's (1e-6, fp32);
+    without gpt.reduce_mla_rope_key_grad (megatron-core 0.16.1's own local-spec MLA) the kv down projection's
+    rope rows are not (in the last layer only they differ)."""
     grads = {}
     for tp, sp, hook in GRADS:
         name = f"grad-tp{tp}-sp{int(sp)}-hook{int(hook)}"
         launched.check(name)
         grads[tp, sp, hook] = torch.load(launched.top / f"{name}.pt")
     base, kv_lora = grads[1, False, True], 18
-    assert len(base) == 4 and all(g.abs().max() > 0 for g in base.values())
+    assert len(base) == 4 * 6 and all(g.abs().max() > 0 for g in base.values())
     for (tp, sp, hook), got in grads.items():
         for name, expected in base.items():
+            if name not in got:  # the norms under sequence parallel: each rank's tokens' part (the update test)
+                continue
             gap = (got[name] - expected).abs()
+            if "linear_kv_down_proj" not in name:
+                assert hook or ".3." not in name or gap.max() <= 1e-6 * expected.abs().max(), (tp, sp, name)
+                assert not hook or gap.max() <= 1e-6 * expected.abs().max(), (tp, sp, name, gap.max())
+                continue
             if hook:
                 assert gap.max() <= 1e-6 * expected.abs().max(), (tp, sp, name, gap.max())
                 continue
