@@ -177,7 +177,8 @@ class ActorConfig:
     lora_alpha: float = knob(16.0, "LoRA scale numerator: the adapter adds (lora_alpha / lora_rank) * B A x")
     lora_targets: list[LoraTarget] = knob(
         list(DEFAULT_LORA_TARGETS),
-        "linears that get adapters (megatron names, in every decoder layer; MoE experts are refused)",
+        "linears that get adapters (megatron names, in every decoder layer; MoE experts are refused; "
+        "multi-latent attention has linear_q*/linear_kv* in place of linear_qkv)",
     )
     lora_dropout: float = knob(0.0, "dropout on the adapters' input (training forward only)")
 
