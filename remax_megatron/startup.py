@@ -282,15 +282,14 @@ def check_lora(cfg, arch: ModelArch) -> None:
     if not cfg.actor.lora_rank:
         return
     experts = [t for t in cfg.actor.lora_targets if t in ("linear_fc1", "linear_fc2")]
+    mla = getattr(arch, "is_mla", False)  # callers may pass any object with the MoE facts
     if arch.is_moe and experts:
-        attention = (
-            "linear_q_down_proj,linear_q_up_proj,linear_kv_down_proj,linear_kv_up_proj" if arch.is_mla else "linear_qkv"
-        )
+        attention = "linear_q_down_proj,linear_q_up_proj,linear_kv_down_proj,linear_kv_up_proj" if mla else "linear_qkv"
         raise ValueError(
             f"actor.lora_targets holds {experts}, which are MoE experts in {arch.architecture}: LoRA on "
             f"experts is not supported; use actor.lora_targets=[{attention},linear_proj]"
         )
-    check_lora_targets(cfg.actor.lora_targets, arch.is_mla, arch.architecture)
+    check_lora_targets(cfg.actor.lora_targets, mla, getattr(arch, "architecture", "the model"))
     if arch.is_moe and cfg.actor.moe_experts == "grouped":
         raise ValueError(
             f"actor.moe_experts=grouped with actor.lora_rank={cfg.actor.lora_rank}: the LoRA actor runs "
