@@ -340,6 +340,32 @@ def _grad_body(rank, world, model_dir, tp, sp, hook, out_path):
         torch.save(grads, out_path)
 
 
+def _fp8_checkpoint(model_dir, fp8_dir, reference_dir, block=(16, 16)):
+    """`model_dir` as DeepSeek-V3 is published: every projection FP8 e4m3 with a float32 `weight_scale_inv` per
+    16 x 16 block (odd shapes: partial last blocks); embeddings, norms, routers and the correction bias as they
+    were. `reference_dir`: the same model with those weights dequantized (what transformers compares against)."""
+    from safetensors.torch import load_file, save_file
+
+    from remax_megatron.weights import fp8_blocks
+
+    qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
+    _edit_config(model_dir, fp8_dir, quantization_config=qc)
+    _edit_config(model_dir, reference_dir)
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    quantized, reference = {}, {}
+    for name, tensor in tensors.items():
+        if name.endswith(("_proj.weight", "_proj_with_mqa.weight")) and name.startswith("model.layers."):
+            q, scale_inv = fp8_blocks.quantize(tensor, block)
+            quantized[name], quantized[name.removesuffix("weight") + "weight_scale_inv"] = q, scale_inv
+            reference[name] = fp8_blocks.dequantize(q, scale_inv, block)
+        else:
+            quantized[name] = reference[name] = tensor
+    assert sum(t.dtype == torch.float8_e4m3fn for t in quantized.values()) > 50
+    save_file(quantized, os.path.join(fp8_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_file(reference, os.path.join(reference_dir, "model.safetensors"), metadata={"format": "pt"})
+    return str(fp8_dir), str(reference_dir)
+
+
 # (HF -> megatron layout, megatron -> HF layout) as (tp, pp, ep, etp), 4 processes
 ROUND_TRIPS = {
     "tp2-pp2": ("q", (2, 2, 1, 0), (1, 1, 2, 0)),
@@ -355,6 +381,10 @@ PARITY = {
     "q-null-tp2-pp2": ("q-null", (2, 2, 1, 4)),
     "ep2": ("q", (1, 1, 2, 2)),
     "tp2-ep2": ("q", (2, 1, 2, 2)),
+    # an FP8 block-quantized checkpoint, dequantized on import (sliced over TP / PP) vs transformers on the
+    # dequantized weights
+    "fp8": ("fp8", (1, 1, 1, 1)),
+    "fp8-tp2-pp2": ("fp8", (2, 2, 1, 4)),
 }
 # broken on purpose: (the model, ModelArch fields changed)
 BROKEN = {
@@ -374,6 +404,8 @@ def launched(dsv3, tmp_path_factory):
         "grouped": tiny_dsv3(top / "grouped", experts=8, top_k=4, groups=4, group_topk=2),
     }
     models = {name: (path, _hf_logprobs(path)) for name, path in paths.items()}
+    fp8, dequantized = _fp8_checkpoint(dsv3, top / "fp8", top / "fp8-reference")
+    models["fp8"] = (fp8, _hf_logprobs(dequantized))
     cases = {1: {}, 2: {}, 4: {}}
     for name, (model, to_megatron, to_hf) in ROUND_TRIPS.items():
         (top / name).mkdir()
