@@ -97,8 +97,9 @@ def _mla_layer_spec(config, pp_rank: int | None, moe: dict):
     parallel is on, which RMSNorm's `sequence_parallel` mark gives. The config leaves qk_layernorm off
     (mla.mla_config_kwargs): under it megatron-core 0.16.1's finalize_model_grads sums every parameter named
     `q_layernorm` over TP, sequence parallel or not, which would double the q-latent norm's (whole, already
-    TP-reduced) gradient at TP > 1 without sequence parallel (read in its code; a MoE model cannot reach it:
-    megatron's MoE layer refuses TP training without sequence parallel)."""
+    TP-reduced) gradient at TP > 1 without sequence parallel (that the raw gradient is whole there is
+    tests/models/test_deepseek_v3.py's; a MoE model cannot train there: megatron's MoE layer refuses TP
+    training without sequence parallel)."""
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     from remax_megatron.models.families.mla import patch_mla_for_cpu

@@ -275,11 +275,12 @@ def _split_forgotten_body(rank, world, model_dir, expected):
         weights.load_hf_weights = load
 
 
-def _update_body(rank, world, model_dir, tp, sp, out_path):
-    """One update (tests/train/test_update.py's MoE update: Adam, load-balancing loss) at TP `tp`, sequence
-    parallel `sp`: its stats and exported weights saved by rank 0."""
+def _update_body(rank, world, model_dir, tp, sp, overrides, out_path):
+    """One update (tests/train/test_update.py's MoE update: Adam, per-sequence load-balancing loss, rows of
+    several lengths) at TP `tp`, sequence parallel `sp`, config `overrides` (packed rows): stats and exported
+    weights saved by rank 0."""
     import remax_megatron.models as models
-    from tests.train.test_update import _moe_update_body
+    from tests.train.test_update import _moe_update_body, _var_batch
 
     build = models.build_policy
 
@@ -288,7 +289,7 @@ def _update_body(rank, world, model_dir, tp, sp, out_path):
 
     models.build_policy = build_with_sp
     try:
-        _moe_update_body(rank, world, model_dir, tp, 1, 1, "aux", 2, out_path)
+        _moe_update_body(rank, world, model_dir, tp, 1, 1, "seq_aux", 2, out_path, overrides, _var_batch)
     finally:
         models.build_policy = build
 
@@ -422,8 +423,8 @@ def launched(dsv3, tmp_path_factory):
     for tp, sp, hook in GRADS:
         name = f"grad-tp{tp}-sp{int(sp)}-hook{int(hook)}"
         cases[tp][name] = (_grad_body, (dsv3, tp, sp, hook, str(top / f"{name}.pt")))
-    for tp, sp in UPDATES:
-        cases[tp][f"update-tp{tp}-sp{int(sp)}"] = (_update_body, (dsv3, tp, sp, str(top / f"update-{tp}-{sp}.pt")))
+    for name, (tp, sp, overrides) in UPDATES.items():
+        cases[tp][f"update-{name}"] = (_update_body, (dsv3, tp, sp, overrides, str(top / f"update-{name}.pt")))
     launches = SharedLaunches(cases, str(top / "launches"))
     launches.top = top
     return launches
@@ -496,20 +497,27 @@ def test_rope_key_gradient_is_whole_at_tp2(launched):
                 assert gap[:kv_lora].max() <= 1e-6 * expected.abs().max(), (tp, sp, name)
 
 
-# (tp, sequence parallel) of the update test
-UPDATES = ((1, False), (2, True))
+# the update test: (tp, sequence parallel, config overrides); packed: several sequences per row, MLA's
+# attention fed megatron's THD packed_seq_params (models/attention.py)
+PACKED = ["trainer.micro_batch_tokens=24", "trainer.pack_sequences=true", "data.max_prompt_tokens=4"]
+UPDATES = {
+    "tp1": (1, False, ["trainer.micro_batch_size=2"]),
+    "tp2-sp": (2, True, ["trainer.micro_batch_size=2"]),
+    "tp1-packed": (1, False, [*PACKED, "rollout.max_new_tokens=8"]),
+    "tp2-sp-packed": (2, True, [*PACKED, "rollout.max_new_tokens=8"]),
+}
 
 
 @pytest.mark.slow
-def test_tp2_sequence_parallel_update_equals_one_rank(launched):
-    """One update at TP2 with sequence parallel (megatron's MoE layer refuses TP training without it) equals
-    world 1's: loss, grad norm and the updated weights within 1e-6 (fp32); the latents' RMSNorm gradients
-    (q_layernorm, kv_layernorm: each rank normalises its own tokens) are summed over TP."""
+def test_tp2_and_packed_updates_equal_one_rank(launched):
+    """One update at TP2 with sequence parallel (megatron's MoE layer refuses TP training without it), and with
+    packed rows at TP1 and TP2, equals world 1's padded update: loss, grad norm and the updated weights within
+    1e-6 (fp32); the latents' RMSNorm gradients (each rank normalises its own tokens) are summed over TP."""
     results = {}
-    for tp, sp in UPDATES:
-        launched.check(f"update-tp{tp}-sp{int(sp)}")
-        results[tp, sp] = torch.load(launched.top / f"update-{tp}-{sp}.pt")
-    base = results[1, False]
+    for name in UPDATES:
+        launched.check(f"update-{name}")
+        results[name] = torch.load(launched.top / f"update-{name}.pt")
+    base = results["tp1"]
     for key, got in results.items():
         for stat in ("loss", "grad_norm"):
             assert abs(got["stats"][stat] - base["stats"][stat]) < 1e-6, (key, stat, got["stats"], base["stats"])
