@@ -238,12 +238,11 @@ def rollout_memory(cfg, arch, sizes: dict, seq: int, nbytes: int) -> tuple[int, 
 
 def _kv_cache_per_token(cfg, arch) -> float:
     """KV-cache elements one token keeps per layer on one rollout rank: k and v of its KV heads; with
-    multi-latent attention vLLM caches the latent and the shared rope key (kv_lora + rope, on every TP
-    rank) where transformers' model (the native engine) caches every head's k (nope + rope) and v."""
+    multi-latent attention the latent and the shared rope key (kv_lora + rope, on every TP rank), which
+    vLLM and transformers 5's model (the native engine: keys [B, 1, s, kv_lora], values [B, 1, s, rope])
+    both cache."""
     if getattr(arch, "is_mla", False):
-        if cfg.rollout.engine == "vllm":
-            return arch.kv_lora_rank + arch.qk_pos_emb_head_dim
-        return arch.num_heads / cfg.rollout.tp * (arch.qk_head_dim + arch.qk_pos_emb_head_dim + arch.v_head_dim)
+        return arch.kv_lora_rank + arch.qk_pos_emb_head_dim
     return 2 * arch.num_kv_heads / cfg.rollout.tp * arch.head_dim
 
 
