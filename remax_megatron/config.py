@@ -41,7 +41,20 @@ RolloutCorrection = Literal["none", "token-tis", "seq-mis"]  # algo/rollout_corr
 Placement = Literal["colocated", "separate"]  # parallel/split.py, rollout/remote.py
 SkipMode = Literal["auto", "on", "off"]  # algo/zero_advantage.py
 # megatron's names of the linears LoRA may adapt: attention q/k/v (fused) and output, MLP fc1 (gate; up) and fc2
-LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+# megatron's linear names; the linear_q*/linear_kv* ones are multi-latent attention's (DeepSeek-V3), which has no
+# linear_qkv (linear_q_proj where q_lora_rank is null, else linear_q_down_proj / linear_q_up_proj)
+LoraTarget = Literal[
+    "linear_qkv",
+    "linear_proj",
+    "linear_fc1",
+    "linear_fc2",
+    "linear_q_proj",
+    "linear_q_down_proj",
+    "linear_q_up_proj",
+    "linear_kv_down_proj",
+    "linear_kv_up_proj",
+]
+DEFAULT_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
 def knob(default, doc: str):
@@ -163,8 +176,9 @@ class ActorConfig:
     )
     lora_alpha: float = knob(16.0, "LoRA scale numerator: the adapter adds (lora_alpha / lora_rank) * B A x")
     lora_targets: list[LoraTarget] = knob(
-        list(typing.get_args(LoraTarget)),
-        "linears that get adapters (megatron names, in every decoder layer; MoE experts are refused)",
+        list(DEFAULT_LORA_TARGETS),
+        "linears that get adapters (megatron names, in every decoder layer; MoE experts are refused; "
+        "multi-latent attention has linear_q*/linear_kv* in place of linear_qkv)",
     )
     lora_dropout: float = knob(0.0, "dropout on the adapters' input (training forward only)")
 

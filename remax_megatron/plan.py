@@ -186,6 +186,22 @@ def lora_adapter_params(arch, actor) -> int:
         "linear_fc1": r * (d + 2 * f / tp),
         "linear_fc2": r * (f / tp + d),
     }
+    if arch.is_mla:  # column parallel, the down projections too (their output rows split over TP)
+        nope, rope, v, q_lora, kv_lora = (
+            arch.qk_head_dim,
+            arch.qk_pos_emb_head_dim,
+            arch.v_head_dim,
+            arch.q_lora_rank or 0,
+            arch.kv_lora_rank,
+        )
+        per_target.update(
+            linear_proj=r * (h * v / tp + d),
+            linear_q_proj=r * (d + h * (nope + rope) / tp),
+            linear_q_down_proj=r * (d + q_lora / tp),
+            linear_q_up_proj=r * (q_lora + h * (nope + rope) / tp),
+            linear_kv_down_proj=r * (d + (kv_lora + rope) / tp),
+            linear_kv_up_proj=r * (kv_lora + h * (nope + v) / tp),
+        )
     return int(arch.num_layers * sum(per_target[t] for t in actor.lora_targets))
 
 
@@ -222,12 +238,11 @@ def rollout_memory(cfg, arch, sizes: dict, seq: int, nbytes: int) -> tuple[int, 
 
 def _kv_cache_per_token(cfg, arch) -> float:
     """KV-cache elements one token keeps per layer on one rollout rank: k and v of its KV heads; with
-    multi-latent attention vLLM caches the latent and the shared rope key (kv_lora + rope, on every TP
-    rank) where transformers' model (the native engine) caches every head's k (nope + rope) and v."""
+    multi-latent attention the latent and the shared rope key (kv_lora + rope, on every TP rank), which
+    vLLM and transformers 5's model (the native engine: keys [B, 1, s, kv_lora], values [B, 1, s, rope])
+    both cache."""
     if getattr(arch, "is_mla", False):
-        if cfg.rollout.engine == "vllm":
-            return arch.kv_lora_rank + arch.qk_pos_emb_head_dim
-        return arch.num_heads / cfg.rollout.tp * (arch.qk_head_dim + arch.qk_pos_emb_head_dim + arch.v_head_dim)
+        return arch.kv_lora_rank + arch.qk_pos_emb_head_dim
     return 2 * arch.num_kv_heads / cfg.rollout.tp * arch.head_dim
 
 

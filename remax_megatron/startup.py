@@ -24,7 +24,15 @@ from remax_megatron.algo.zero_advantage import skips_zero_advantage
 from remax_megatron.builtin.models import resolve_model
 from remax_megatron.startup_times import StartupClock
 from remax_megatron.data.prompts import Prompt, load_prompts
-from remax_megatron.models.arch import DTYPES, ExpertOptions, LoraOptions, ModelArch, check_packing, expert_options
+from remax_megatron.models.arch import (
+    DTYPES,
+    ExpertOptions,
+    LoraOptions,
+    ModelArch,
+    check_lora_targets,
+    check_packing,
+    expert_options,
+)
 from remax_megatron.models.hf_config import check_layout, check_run_length, read_hf_config
 from remax_megatron.reward.functions import PLACEHOLDER, RewardBatch, RewardFunctions
 from remax_megatron.reward.rm_inputs import RewardModelInputs, load_rm_tokenizer
@@ -274,11 +282,14 @@ def check_lora(cfg, arch: ModelArch) -> None:
     if not cfg.actor.lora_rank:
         return
     experts = [t for t in cfg.actor.lora_targets if t in ("linear_fc1", "linear_fc2")]
+    mla = getattr(arch, "is_mla", False)  # callers may pass any object with the MoE facts
     if arch.is_moe and experts:
+        attention = "linear_q_down_proj,linear_q_up_proj,linear_kv_down_proj,linear_kv_up_proj" if mla else "linear_qkv"
         raise ValueError(
             f"actor.lora_targets holds {experts}, which are MoE experts in {arch.architecture}: LoRA on "
-            "experts is not supported; use actor.lora_targets=[linear_qkv,linear_proj]"
+            f"experts is not supported; use actor.lora_targets=[{attention},linear_proj]"
         )
+    check_lora_targets(cfg.actor.lora_targets, mla, getattr(arch, "architecture", "the model"))
     if arch.is_moe and cfg.actor.moe_experts == "grouped":
         raise ValueError(
             f"actor.moe_experts=grouped with actor.lora_rank={cfg.actor.lora_rank}: the LoRA actor runs "

@@ -8,6 +8,9 @@
     python tools/make_tiny_model.py --family glm4_moe --out /tmp/tiny-glm --hidden 72 --head-dim 20 --layers 3
     python tools/make_tiny_model.py --family gpt_oss --out /tmp/tiny-oss --hidden 48 --head-dim 12 --heads 6 \
         --kv-heads 2 --ffn 20 --layers 4 --sliding-window 5 --vocab 300
+    python tools/make_tiny_model.py --family deepseek_v3 --out /tmp/tiny-dsv3 --hidden 48 --heads 4 --layers 4 \
+        --vocab 300 --yarn                      # MLA: q latent 20, kv latent 18, nope 10 + rope 6, v 14
+    python tools/make_tiny_model.py --family deepseek_v3 --out /tmp/tiny-dsv3-lite --q-lora-rank 0  # one q proj
     python tools/make_tiny_model.py --family llama --tie --out /tmp/tiny-llama
     python tools/make_tiny_model.py --family llama --reward --out /tmp/tiny-rm
 
@@ -53,9 +56,24 @@ def main(argv=None):
         default=None,
         help="qwen3_moe, mixtral: experts per token (default 2); --ffn is each expert's width",
     )
-    p.add_argument("--first-dense", type=int, default=None, help="glm4_moe: dense first layers (default 1)")
-    p.add_argument("--shared-experts", type=int, default=None, help="glm4_moe: shared experts (default 1)")
-    p.add_argument("--moe-ffn", type=int, default=None, help="glm4_moe: each expert's width (default --ffn / 2)")
+    p.add_argument(
+        "--first-dense", type=int, default=None, help="glm4_moe, deepseek_v3: dense first layers (default 1)"
+    )
+    p.add_argument("--shared-experts", type=int, default=None, help="glm4_moe, deepseek_v3: shared experts (default 1)")
+    p.add_argument(
+        "--moe-ffn", type=int, default=None, help="glm4_moe, deepseek_v3: each expert's width (default --ffn / 2)"
+    )
+    p.add_argument(
+        "--q-lora-rank", type=int, default=None, help="deepseek_v3: the q latent (default 20; 0: null, one q_proj)"
+    )
+    p.add_argument("--kv-lora-rank", type=int, default=None, help="deepseek_v3: the kv latent (default 18)")
+    p.add_argument("--qk-nope-dim", type=int, default=None, help="deepseek_v3: per-head q/k dims without RoPE (10)")
+    p.add_argument("--qk-rope-dim", type=int, default=None, help="deepseek_v3: per-head RoPE dims (default 6)")
+    p.add_argument("--v-head-dim", type=int, default=None, help="deepseek_v3: per-head value dims (default 14)")
+    p.add_argument("--yarn", action="store_true", default=None, help="deepseek_v3: YaRN RoPE (factor 4)")
+    p.add_argument(
+        "--routed-scaling-factor", type=float, default=None, help="glm4_moe, deepseek_v3: routed weights x this"
+    )
     p.add_argument("--qk-norm", action="store_true", default=None, help="glm4_moe: q/k RMSNorm (use_qk_norm)")
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--max-positions", type=int, default=512)
@@ -76,9 +94,17 @@ def main(argv=None):
                 ("shared_experts", a.shared_experts),
                 ("moe_ffn", a.moe_ffn),
                 ("qk_norm", a.qk_norm),
+                ("kv_lora_rank", a.kv_lora_rank),
+                ("qk_nope_head_dim", a.qk_nope_dim),
+                ("qk_rope_head_dim", a.qk_rope_dim),
+                ("v_head_dim", a.v_head_dim),
+                ("yarn", a.yarn),
+                ("routed_scaling_factor", a.routed_scaling_factor),
             )
             if v is not None
         }
+        if a.q_lora_rank is not None:  # 0 stands for null (DeepSeek-V2-Lite's one q projection)
+            options["q_lora_rank"] = a.q_lora_rank or None
         out = make_tiny_model(
             a.out,
             a.family,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from remax_megatron.config import LoraTarget
+from remax_megatron.config import DEFAULT_LORA_TARGETS, LoraTarget
 
 DTYPES = {
     "float32": torch.float32,
@@ -138,6 +138,32 @@ LORA_TARGETS = typing.get_args(LoraTarget)
 LORA_ADAPTERS = ("lora_A", "lora_B")  # an adapted linear's extra parameters
 
 
+MLA_LORA_TARGETS = (
+    "linear_q_proj",
+    "linear_q_down_proj",
+    "linear_q_up_proj",
+    "linear_kv_down_proj",
+    "linear_kv_up_proj",
+)
+
+
+def check_lora_targets(targets, mla: bool, architecture: str) -> None:
+    """LoRA targets name the attention the model has (one line): multi-latent attention has no linear_qkv,
+    grouped-query attention none of MLA's projections."""
+    if mla and "linear_qkv" in targets:
+        raise ValueError(
+            f"actor.lora_targets holds linear_qkv, which {architecture}'s multi-latent attention does not have: "
+            "name its projections, e.g. actor.lora_targets=[linear_q_down_proj,linear_q_up_proj,"
+            "linear_kv_down_proj,linear_kv_up_proj,linear_proj] (linear_q_proj where q_lora_rank is null)"
+        )
+    wrong = [t for t in targets if t in MLA_LORA_TARGETS]
+    if not mla and wrong:
+        raise ValueError(
+            f"actor.lora_targets holds {wrong}, multi-latent attention's projections, which {architecture} does "
+            "not have: use linear_qkv"
+        )
+
+
 def is_adapter(name: str) -> bool:
     """Whether a parameter / state-dict name is a LoRA adapter tensor."""
     return name.rsplit(".", 1)[-1] in LORA_ADAPTERS
@@ -149,7 +175,7 @@ class LoraOptions:
 
     rank: int
     alpha: float
-    targets: tuple[str, ...] = LORA_TARGETS
+    targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
     dropout: float = 0.0
     seed: int = 0  # A's init: the same on every rank and layout (B starts at zero)
 

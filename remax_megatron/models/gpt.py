@@ -70,6 +70,8 @@ def layer_spec(config, pp_rank: int | None = None, local: bool = False):
     layers and the final norm. config.qk_layernorm (Qwen3) adds the per-head q/k norms.
     """
     moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
+    if config.multi_latent_attention:
+        return _mla_layer_spec(config, pp_rank, moe)
     if transformer_engine_usable() and not local:
         if has_dense_layers(config):  # megatron's own per-layer specs (its moe_layer_freq list)
             return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, pp_rank=pp_rank)
@@ -84,6 +86,87 @@ def layer_spec(config, pp_rank: int | None = None, local: bool = False):
         spec.submodules.self_attention.submodules.q_layernorm = HeadRMSNorm
         spec.submodules.self_attention.submodules.k_layernorm = HeadRMSNorm
     return TransformerBlockSubmodules(layer_specs=stage_layer_specs(config, spec, pp_rank), layer_norm=RMSNorm)
+
+
+def _mla_layer_spec(config, pp_rank: int | None, moe: dict):
+    """Multi-latent attention (DeepSeek-V3): megatron-core's local spec with multi_latent_attention=True
+    whatever is installed, SDPA core attention, and the q / kv latents' RMSNorms as RMSNorm above.
+
+    Those norms run on the whole latent (the down projections are gathered over TP first), or on this rank's
+    tokens under sequence parallelism: their weight gradient needs a sum over TP exactly when sequence
+    parallel is on, which RMSNorm's `sequence_parallel` mark gives. The config leaves qk_layernorm off
+    (mla.mla_config_kwargs): under it megatron-core 0.16.1's finalize_model_grads sums every parameter named
+    `q_layernorm` over TP, sequence parallel or not, which would double the q-latent norm's (whole, already
+    TP-reduced) gradient at TP > 1 without sequence parallel (that the raw gradient is whole there is
+    tests/models/test_deepseek_v3.py's; a MoE model cannot train there: megatron's MoE layer refuses TP
+    training without sequence parallel)."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from remax_megatron.models.families.mla import patch_mla_for_cpu
+
+    patch_mla_for_cpu()
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        normalization="RMSNorm", qk_layernorm=True, multi_latent_attention=True, **moe
+    )
+    assert spec.submodules.self_attention.module is MLASelfAttention
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = TorchDotProductAttention
+    attention.q_layernorm = RMSNorm
+    attention.kv_layernorm = RMSNorm
+    return TransformerBlockSubmodules(layer_specs=stage_layer_specs(config, spec, pp_rank), layer_norm=RMSNorm)
+
+
+def reduce_mla_rope_key_grad(model) -> None:
+    """Make the gradient of MLA's shared rope key whole over TP (megatron-core 0.16.1, local spec, TP > 1).
+
+    The local spec's linear_kv_down_proj is column parallel; megatron all-gathers its [latent; rope key]
+    output over TP and splits it, and the rope key then meets this rank's heads only. The gather's backward
+    keeps this rank's columns of the gradient, so the rope columns' owner gets its own heads' part of the rope
+    key's gradient, never the other ranks' (the latent's part is whole: linear_kv_up_proj's backward reduces
+    it). Found by a TP2 update that differed from world 1's in kv_a_proj_with_mqa only.
+
+    A forward hook on each linear_kv_down_proj hands megatron the whole output (the else branch of
+    get_query_key_value_tensors, which TE's duplicated linear takes): gathered over TP, then under sequence
+    parallelism split over the sequence again, where megatron's own sequence gather of the rope key
+    reduce-scatters its gradient over TP; without sequence parallelism the rope key passes through
+    _SumGradOverTP, whose backward all-reduces it. Values are unchanged."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    for attention in (m for m in model.modules() if isinstance(m, MLASelfAttention)):
+        proj = attention.linear_kv_down_proj
+        if proj.tp_group.size() > 1:
+            proj.register_forward_hook(_whole_kv_down_output(attention.config.kv_lora_rank))
+
+
+def _whole_kv_down_output(kv_lora_rank: int):
+    def hook(module, _args, output):
+        out, bias = output  # [s, b, (kv_lora + rope) / tp]
+        out = tensor_parallel.gather_from_tensor_model_parallel_region(out, group=module.tp_group)
+        if module.sequence_parallel:
+            return tensor_parallel.scatter_to_sequence_parallel_region(out, group=module.tp_group), bias
+        latent, rope = out.split([kv_lora_rank, out.shape[-1] - kv_lora_rank], dim=-1)
+        return torch.cat([latent, _SumGradOverTP.apply(rope, module.tp_group)], dim=-1), bias  # [s, b, kv_lora + rope]
+
+    return hook
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over `group`. megatron-core 0.16.1's
+    copy_to_tensor_model_parallel_region would do it, but its _reduce all-reduces `grad.contiguous()` and
+    returns `grad`: a non-contiguous gradient (here a slice of torch.cat's) comes back unreduced, silently."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def _gpt_kwargs(
@@ -302,6 +385,8 @@ def build_policy(
         )
     model.arch, model.lora = arch, lora
     _mark_tensor_parallel(model)
+    if config.multi_latent_attention:
+        reduce_mla_rope_key_grad(model)
     freeze_expert_bias(model)
     if model.post_process:
         # Same parameters, no logits GEMM (see HiddenStatesOutputLayer).

@@ -2,9 +2,9 @@
 
 The model-family registry (models/families) says which architectures are served: Llama, Qwen2,
 Qwen3 and Mistral, each as *ForCausalLM and as *ForSequenceClassification with one label (a reward
-model), and the MoE families Qwen3-MoE, Mixtral, GLM-4.5 and gpt-oss as *ForCausalLM only. Anything else is refused by
-name, with the registry's families listed, before a model is built; so is a setting a family cannot
-run exactly (its file names it).
+model), and the MoE families Qwen3-MoE, Mixtral, GLM-4.5, gpt-oss and DeepSeek-V3 as *ForCausalLM only.
+Anything else is refused by name, with the registry's families listed, before a model is built; so is
+a setting a family cannot run exactly (its file names it).
 """
 
 from __future__ import annotations

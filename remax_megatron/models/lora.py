@@ -42,7 +42,12 @@ from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import nn
 
-from remax_megatron.models.arch import LORA_TARGETS, LoraOptions, is_adapter  # noqa: F401  (is_adapter: re-export)
+from remax_megatron.models.arch import (  # noqa: F401  (is_adapter: re-export)
+    LORA_TARGETS,
+    LoraOptions,
+    check_lora_targets,
+    is_adapter,
+)
 
 
 class _LoraLinear:
@@ -176,6 +181,8 @@ def apply_lora(model, options: LoraOptions) -> list[str]:
     unknown = sorted(set(options.targets) - set(LORA_TARGETS))
     if unknown:
         raise ValueError(f"actor.lora_targets: unknown {unknown}; choose from {list(LORA_TARGETS)}")
+    mla = bool(getattr(model.config, "multi_latent_attention", False))
+    check_lora_targets(options.targets, mla, getattr(getattr(model, "arch", None), "architecture", "this model"))
     model.requires_grad_(False)
     adapted = []
     for i, layer in enumerate(model.decoder.layers):

@@ -150,7 +150,11 @@ def next_check(produced: int) -> int:
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token takes in the cache of every layer."""
+    """Bytes of K and V one token takes in the cache of every layer (multi-latent attention: its latent and
+    the shared rope key, what transformers caches)."""
+    if getattr(config, "kv_lora_rank", None):
+        per_layer = config.kv_lora_rank + config.qk_rope_head_dim
+        return config.num_hidden_layers * per_layer * torch.empty((), dtype=dtype).element_size()
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -279,11 +283,13 @@ class WaveDecoder:
         self.length = width + self.longest  # cache slots: the padded prompt, then one per new token
         self.slot = torch.full((1,), width, dtype=torch.long, device=self.device)  # the fed token's cache slot
         self.cache = Cache(layers=[SlotLayer(self.length, self.slot) for _ in prefill_cache.layers])
-        first = prefill_cache.layers[0].keys
-        shape = (self.rows, first.shape[1], self.length, first.shape[3])  # [B, kv_heads, length, head_dim]
-        storage = self._kv_storage(2 * len(prefill_cache.layers), shape, first.dtype)
+        first = prefill_cache.layers[0]
+        # [B, kv_heads, length, head_dim] for K and V apart: their widths may differ (transformers' multi-latent
+        # attention caches its latent [B, 1, length, kv_lora] as "keys" and the shared rope key as "values")
+        shapes = [(self.rows, t.shape[1], self.length, t.shape[3]) for t in (first.keys, first.values)]
+        keys, values = self._kv_storage(len(prefill_cache.layers), shapes, first.keys.dtype)
         for k, (static, dynamic) in enumerate(zip(self.cache.layers, prefill_cache.layers)):
-            static.attach(storage[2 * k], storage[2 * k + 1])
+            static.attach(keys[k], values[k])
             static.keys[:, :, :width].copy_(dynamic.keys.index_select(0, index))
             static.values[:, :, :width].copy_(dynamic.values.index_select(0, index))
         self.position = (pos[:, -1] + 1).index_select(0, index).view(-1, 1)  # [B, 1]
@@ -306,18 +312,19 @@ class WaveDecoder:
             self.routes = torch.zeros(self.rows, self.longest, layers, top_k, dtype=torch.int16, device=self.device)
         return out.logits[:, -1].float().index_select(0, index)
 
-    def _kv_storage(self, count: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """[count, *shape] K / V storage. CPU: a view of one buffer the engine keeps between requests (fresh
-        zeroed pages for every request's cache were a fifth of a short CPU request); what it holds from an
-        earlier request is finite and lies only in slots the mask hides (weight exactly 0). CUDA: fresh
-        zeros (the caching allocator reuses blocks, and sleep() empties it)."""
-        numel = count * torch.Size(shape).numel()
+    def _kv_storage(self, count: int, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+        """[count, *shape] storage for each of `shapes` (K's, V's). CPU: views of one buffer the engine keeps
+        between requests (fresh zeroed pages for every request's cache were a fifth of a short CPU request);
+        what it holds from an earlier request is finite and lies only in slots the mask hides (weight exactly
+        0). CUDA: fresh zeros (the caching allocator reuses blocks, and sleep() empties it)."""
+        sizes = [count * torch.Size(shape).numel() for shape in shapes]
         if self.device.type != "cpu":
-            return torch.zeros(count, *shape, dtype=dtype, device=self.device)
+            return [torch.zeros(count, *shape, dtype=dtype, device=self.device) for shape in shapes]
         pool = self.engine.decode_pool
-        if pool is None or pool.dtype != dtype or pool.numel() < numel:
-            pool = self.engine.decode_pool = torch.zeros(numel, dtype=dtype)
-        return pool[:numel].view(count, *shape)
+        if pool is None or pool.dtype != dtype or pool.numel() < sum(sizes):
+            pool = self.engine.decode_pool = torch.zeros(sum(sizes), dtype=dtype)
+        parts = pool[: sum(sizes)].split(sizes)
+        return [part.view(count, *shape) for part, shape in zip(parts, shapes)]
 
     # ---- one step, all on the device -----------------------------------------------------
     def _attention_mask(self):

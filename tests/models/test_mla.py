@@ -234,14 +234,14 @@ def test_tp2_shards_merge_back_bitwise():
 
 
 def test_planner_kv_cache_of_mla():
-    """vLLM caches the latent and the shared rope key per layer and token (18 + 6), on every TP rank;
-    transformers' model every head's k and v (3 heads x (10 + 6 + 14), split over rollout.tp)."""
+    """vLLM and transformers 5's model (the native engine) cache the latent and the shared rope key per layer
+    and token (18 + 6), on every TP rank."""
     from types import SimpleNamespace
 
     from remax_megatron.plan import _kv_cache_per_token
 
     arch = _arch(_hf_config(20))
-    for engine, tp, expected in (("vllm", 1, 24), ("vllm", 3, 24), ("native", 1, 90), ("native", 3, 30)):
+    for engine, tp, expected in (("vllm", 1, 24), ("vllm", 3, 24), ("native", 1, 24), ("native", 3, 24)):
         cfg = SimpleNamespace(rollout=SimpleNamespace(engine=engine, tp=tp))
         assert _kv_cache_per_token(cfg, arch) == expected
     dense = dataclasses.replace(arch, kv_lora_rank=0, num_kv_heads=1, head_dim=8)

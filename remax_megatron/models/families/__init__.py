@@ -18,8 +18,7 @@ _BY_NAME: dict[str, Family] = {}
 _BY_ARCHITECTURE: dict[str, Family] = {}
 # Architectures people ask for that no family can run exactly: refused with the reason, never approximated.
 NOT_SUPPORTED = {
-    "DeepseekV3ForCausalLM": "its sigmoid router with a per-expert bias, multi-latent attention and shared experts",
-    "DeepseekV2ForCausalLM": "multi-latent attention and shared experts",
+    "DeepseekV2ForCausalLM": "its softmax router with group-limited greedy top-k",
     "Qwen2MoeForCausalLM": "its shared expert with a sigmoid gate",
     "Qwen3NextForCausalLM": "its linear-attention (gated DeltaNet) layers and gated shared expert",
 }
@@ -73,9 +72,9 @@ def lookup(architecture: str, where: str) -> tuple[Family, str]:
 
 
 def _register_builtin() -> None:
-    from remax_megatron.models.families import glm4_moe, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+    from remax_megatron.models.families import deepseek_v3, glm4_moe, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 
-    for module in (llama, qwen2, qwen3, mistral, qwen3_moe, mixtral, glm4_moe):
+    for module in (llama, qwen2, qwen3, mistral, qwen3_moe, mixtral, glm4_moe, deepseek_v3):
         register(module.FAMILY)
     from remax_megatron.models.families import gpt_oss
 

@@ -148,8 +148,8 @@ def mla_config_kwargs(arch: ModelArch) -> dict:
         qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim,
         v_head_dim=arch.v_head_dim,
         rotary_base=arch.rope_theta,
-        # the q / kv latents' RMSNorms: the local spec builds them only with qk_layernorm
-        qk_layernorm=True,
+        # the q / kv latents' RMSNorms are put in the layer spec (gpt._mla_layer_spec says why this stays off)
+        qk_layernorm=False,
     )
     if arch.yarn is None:
         return dict(kwargs, rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
