@@ -190,6 +190,13 @@ def default_steps(py: str, work: str) -> list[Step]:
             90,
             results={"noise_floor": w("bench_noise_floor.json")},
         ),
+        Step(  # issue 50: the update's MFU and where its time goes, 0.89B shape, 144- and 2048-token rows
+            "update_profile",
+            [py, "tools/bench_update_profile.py", "--json", w("bench_update_profile.json")],
+            60,
+            120,
+            results={"update_profile": w("bench_update_profile.json")},
+        ),
     ]
 
 
