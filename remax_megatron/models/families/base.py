@@ -74,6 +74,20 @@ class MoeNames:
     model_down: str  # transformers' model: every expert's down, fused
 
 
+# The names Qwen3-MoE, GLM-4.5 and DeepSeek-V3 share: per-expert checkpoint tensors, transformers 5's fused
+# experts and its top-k router module `mlp.gate`
+MLP_GATE_MOE = MoeNames(
+    router="mlp.gate.weight",
+    expert="mlp.experts.{}.",
+    gate="gate_proj.weight",
+    up="up_proj.weight",
+    down="down_proj.weight",
+    model_router="mlp.gate",
+    model_gate_up="mlp.experts.gate_up_proj",
+    model_down="mlp.experts.down_proj",
+)
+
+
 @dataclass(frozen=True)
 class EngineTensor:
     """Where one checkpoint tensor lies in the transformers model the native rollout engine runs."""

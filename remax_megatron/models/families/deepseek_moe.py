@@ -25,24 +25,13 @@ from remax_megatron.models.families.base import (
     REPLICATED,
     ROW,
     Family,
-    MoeNames,
+    MLP_GATE_MOE,
     TensorRule,
     dense_mlp_rules,
     moe_mlp_rules,
 )
 
-# transformers' names (checkpoint and model) of a DeepSeek-style routed MLP: the checkpoint's per-expert
-# tensors, transformers 5's fused experts and its top-k router module `mlp.gate`
-MOE_NAMES = MoeNames(
-    router="mlp.gate.weight",
-    expert="mlp.experts.{}.",
-    gate="gate_proj.weight",
-    up="up_proj.weight",
-    down="down_proj.weight",
-    model_router="mlp.gate",
-    model_gate_up="mlp.experts.gate_up_proj",
-    model_down="mlp.experts.down_proj",
-)
+MOE_NAMES = MLP_GATE_MOE  # a DeepSeek-style routed MLP's names (models/families/base.py)
 EXPERT_BIAS = "mlp.gate.e_score_correction_bias"  # [experts], fp32 in both checkpoint and model
 SHARED = "mlp.shared_experts."
 

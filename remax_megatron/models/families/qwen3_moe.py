@@ -10,7 +10,7 @@ layers between the MoE ones (`decoder_sparse_step` > 1, `mlp_only_layers`) are r
 from remax_megatron.models.families.base import (
     CAUSAL_LM,
     Family,
-    MoeNames,
+    MLP_GATE_MOE,
     attention_rules,
     check_routing,
     moe_mlp_rules,
@@ -22,17 +22,7 @@ class Qwen3Moe(Family):
     name = "qwen3_moe"
     architectures = {"Qwen3MoeForCausalLM": CAUSAL_LM}
     hf_config_class = "Qwen3MoeConfig"
-    # transformers' model keeps the checkpoint's router name and fuses the experts
-    moe = MoeNames(
-        router="mlp.gate.weight",
-        expert="mlp.experts.{}.",
-        gate="gate_proj.weight",
-        up="up_proj.weight",
-        down="down_proj.weight",
-        model_router="mlp.gate",
-        model_gate_up="mlp.experts.gate_up_proj",
-        model_down="mlp.experts.down_proj",
-    )
+    moe = MLP_GATE_MOE
 
     def features(self, cfg, path: str) -> dict:
         super().features(cfg, path)  # attention_bias refused
