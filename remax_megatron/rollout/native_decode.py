@@ -12,7 +12,7 @@ of as many rows as `rollout.kv_cache_gib` holds (one wave when it is 0); each wa
   records token, log-prob, length and the EOS / stop-token / per-row-limit ends on the device. The
   attention mask is the preallocated [rows, cache length] prompt mask AND'ed with "column <= the step's
   slot" on the device (a 4D mask transformers takes as is); positions advance in place.
-- host checks: after tokens 1, 2, 3, 4, 6, 8, 12 and then every 16 (and at the end) one device-to-host copy brings
+- host checks: after each of tokens 1 to 8, after 12 and then every 16 (and at the end) one device-to-host copy brings
   the new tokens, log-probs, lengths and stop flags; stop strings are matched there (a row that hit one
   is cut at the token that completed it and marked done on the device); the wave ends when every row has.
 
@@ -39,7 +39,7 @@ from remax_megatron.rollout.engine import Completion, SamplingParams
 from remax_megatron.rollout.sampling import row_keys, sample_tokens
 from remax_megatron.rollout.sequences import left_pad
 
-FIRST_CHECKS = (1, 2, 3, 4, 6, 8, 12)  # tokens per row after which the host looks; then every CHECK_EVERY
+FIRST_CHECKS = (1, 2, 3, 4, 5, 6, 7, 8, 12)  # tokens per row after which the host looks; then every CHECK_EVERY
 CHECK_EVERY = 16
 GRAPH_AFTER = 2  # eager steps (the warm-up) before the CUDA graph is captured
 CUDA_GRAPHS = True  # capture the decode step on CUDA (False: eager, the graph's reference in tests/gpu)
@@ -106,11 +106,14 @@ class SlotLayer(StaticLayer):
     """transformers' StaticLayer (K and V of every slot preallocated, [B, kv_heads, length, head_dim]) written
     at the decoder's shared slot tensor ([1], advanced once per step) rather than at its own running length
     (an arange, an add and an add_ per layer and token: the CPU decode felt them). Its get_seq_length is
-    not kept: the decoder always passes positions and a 4D mask."""
+    not kept: the decoder always passes positions and a 4D mask. `visible` (a host int, eager steps only):
+    attention reads the first `visible` slots, not the whole storage (a captured graph needs fixed shapes,
+    so it reads all of them, masked)."""
 
     def __init__(self, length: int, slot: torch.Tensor):
         super().__init__(length)
         self.slot = slot
+        self.visible: int | None = None
 
     def attach(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Take keys / values [B, kv_heads, length, head_dim] as the layer's storage (what transformers'
@@ -121,28 +124,18 @@ class SlotLayer(StaticLayer):
         self.v_head_dim = values.shape[-1]
         self.is_initialized = True
 
-    def keep_rows(self, keep: list[int]) -> None:
-        """Only the batch rows `keep` (ascending) go on. CPU: moved to the front of the same storage (a
-        fresh copy of the cache costs page faults there); CUDA: a fresh copy (the allocator reuses blocks)."""
-        if self.keys.device.type == "cpu":
-            for i, b in enumerate(keep):
-                if i != b:
-                    self.keys[i].copy_(self.keys[b])
-                    self.values[i].copy_(self.values[b])
-            self.attach(self.keys[: len(keep)], self.values[: len(keep)])
-        else:
-            index = torch.tensor(keep, device=self.keys.device)
-            self.attach(self.keys.index_select(0, index), self.values.index_select(0, index))
-
     def update(self, key_states, value_states, *_args, **_kwargs):  # transformers' signature
         self.keys.index_copy_(2, self.slot, key_states)
         self.values.index_copy_(2, self.slot, value_states)
-        return self.keys, self.values
+        if self.visible is None:
+            return self.keys, self.values
+        return self.keys[:, :, : self.visible], self.values[:, :, : self.visible]
 
 
 def next_check(produced: int) -> int:
-    """The token count of the host check after `produced` tokens: 1, 2, 3, 4, 6, 8, 12, 16, 32, 48, ...
-    (dense early, where short answers end: each check saves the steps a finished batch would run on)"""
+    """The token count of the host check after `produced` tokens: 1, 2, ..., 8, 12, 16, 32, 48, ...
+    (dense early, where short answers end: each check saves the steps a finished batch would run on; on
+    CPU a short-answer request ran 1.06x the old per-token loop's time with checks at 5 and 7 left out)"""
     for k in FIRST_CHECKS:
         if produced < k:
             return k
@@ -279,7 +272,7 @@ class WaveDecoder:
             logits_to_keep=1,
         )
         index = torch.tensor(self.row_prompt, device=self.device)  # row -> prompt
-        width = ids.shape[1]
+        width = self.width = ids.shape[1]
         self.length = width + self.longest  # cache slots: the padded prompt, then one per new token
         self.slot = torch.full((1,), width, dtype=torch.long, device=self.device)  # the fed token's cache slot
         self.cache = Cache(layers=[SlotLayer(self.length, self.slot) for _ in prefill_cache.layers])
@@ -287,9 +280,9 @@ class WaveDecoder:
         # [B, kv_heads, length, head_dim] for K and V apart: their widths may differ (transformers' multi-latent
         # attention caches its latent [B, 1, length, kv_lora] as "keys" and the shared rope key as "values")
         shapes = [(self.rows, t.shape[1], self.length, t.shape[3]) for t in (first.keys, first.values)]
-        keys, values = self._kv_storage(len(prefill_cache.layers), shapes, first.keys.dtype)
+        self.kv = self._kv_storage(len(prefill_cache.layers), shapes, first.keys.dtype)  # K's, V's: [layers, B, ...]
         for k, (static, dynamic) in enumerate(zip(self.cache.layers, prefill_cache.layers)):
-            static.attach(keys[k], values[k])
+            static.attach(self.kv[0][k], self.kv[1][k])
             static.keys[:, :, :width].copy_(dynamic.keys.index_select(0, index))
             static.values[:, :, :width].copy_(dynamic.values.index_select(0, index))
         self.position = (pos[:, -1] + 1).index_select(0, index).view(-1, 1)  # [B, 1]
@@ -327,16 +320,17 @@ class WaveDecoder:
         return [part.view(count, *shape) for part, shape in zip(parts, shapes)]
 
     # ---- one step, all on the device -----------------------------------------------------
-    def _attention_mask(self):
-        """[B, 1, 1, cache length]: the row's prompt tokens and every new token up to this step's slot (as
-        transformers' SDPA takes it: True = attend; eager attention takes it additive); a dict per layer
-        kind for models with sliding layers."""
-        seen = self.prompt_mask & (self.columns <= self.slot)
+    def _attention_mask(self, length: int):
+        """[B, 1, 1, length] over the first `length` cache slots: the row's prompt tokens and every new token
+        up to this step's slot (as transformers' SDPA takes it: True = attend; eager attention takes it
+        additive); a dict per layer kind for models with sliding layers."""
+        columns = self.columns[:length]
+        seen = self.prompt_mask[:, :length] & (columns <= self.slot)
         masks = {}
         for kind, window in self.windows.items():
-            mask = (seen if window is None else seen & (self.columns > self.slot - window))[:, None, None, :]
+            mask = (seen if window is None else seen & (columns > self.slot - window))[:, None, None, :]
             if self.additive_mask is not None:  # eager attention: 0 where seen, the dtype's min elsewhere
-                mask = self.additive_mask.masked_fill(mask, 0.0)
+                mask = self.additive_mask[..., :length].masked_fill(mask, 0.0)
             masks[kind] = mask
         return masks if len(masks) > 1 or "full_attention" not in masks else masks["full_attention"]
 
@@ -359,12 +353,15 @@ class WaveDecoder:
         self.fed.copy_(tok.unsqueeze(-1))
         self.step.add_(1)
 
-    def _forward_and_sample(self) -> None:
-        """Feed every row's last token, sample the next."""
+    def _forward_and_sample(self, visible: int | None = None) -> None:
+        """Feed every row's last token, sample the next; attention over the first `visible` cache slots (a
+        host int: eager steps) or all of them (None: what a captured graph replays)."""
+        for layer in self.cache.layers:
+            layer.visible = visible
         logits = (
             self.model(
                 input_ids=self.fed,
-                attention_mask=self._attention_mask(),
+                attention_mask=self._attention_mask(visible or self.length),
                 position_ids=self.position,
                 past_key_values=self.cache,
                 use_cache=True,
@@ -379,11 +376,12 @@ class WaveDecoder:
         self._sample(logits)
 
     def decode_step(self) -> None:
-        """One token for every row: the CUDA graph's replay once captured, else eager."""
+        """One token for every row: the CUDA graph's replay once captured, else eager (attention over the
+        slots written so far and the fed token's: the prompt width + the tokens produced)."""
         if self.graph is not None:
             self.graph.replay()
         else:
-            self._forward_and_sample()
+            self._forward_and_sample(self.width + self.produced)
             self.eager_steps += 1
 
     def _capture(self) -> None:
@@ -444,28 +442,42 @@ class WaveDecoder:
             setattr(self, name, getattr(self, name).index_select(0, index))
         self.fed, self.position = self.fed.index_select(0, index), self.position.index_select(0, index)
         self.prompt_mask = self.prompt_mask.index_select(0, index)
-        for layer in self.cache.layers:
-            layer.keep_rows(keep)
+        self._keep_cache_rows(index)
         if self.additive_mask is not None:  # every row the same
             self.additive_mask = self.additive_mask[: len(keep)]
         self.active = [self.active[b] for b in keep]
         if self.graph is not None:  # captured again after eager warm-up steps at the new batch size
             self.graph, self.eager_steps = None, 0
 
+    def _keep_cache_rows(self, index: torch.Tensor) -> None:
+        """The static cache of every layer keeps only the batch rows `index` (ascending): one gather for all
+        layers' K and one for their V. CPU: the slots written so far (the prompt and every fed token; the rest
+        stays hidden by the mask until written) moved to the front of the same storage (a fresh copy of the
+        cache costs page faults there); CUDA: a fresh copy (the caching allocator reuses blocks)."""
+        if self.device.type == "cpu":
+            rows, written = index.numel(), self.width + self.produced - 1
+            for storage in self.kv:  # [layers, B, heads, length, head_dim]
+                storage[:, :rows, :, :written] = storage[:, index, :, :written]
+            self.kv = [storage[:, :rows] for storage in self.kv]
+        else:
+            self.kv = [storage.index_select(1, index) for storage in self.kv]
+        for k, layer in enumerate(self.cache.layers):
+            layer.attach(self.kv[0][k], self.kv[1][k])
+
     # ---- the wave ------------------------------------------------------------------------
     def run(self) -> list[Completion]:
         self._sample(self._prefill())
-        produced = 1
+        self.produced = 1  # tokens sampled per row (the host's count: no sync)
         check = next_check(0)
         while True:
-            if produced in (check, self.longest):
-                if self.host_check(produced) or produced == self.longest:
+            if self.produced in (check, self.longest):
+                if self.host_check(self.produced) or self.produced == self.longest:
                     break
-                check = next_check(produced)
+                check = next_check(self.produced)
             if self.use_graph and self.graph is None and self.eager_steps >= GRAPH_AFTER:
                 self._capture()  # once per wave and batch size (it synchronises: torch.cuda.graph does)
             self.decode_step()
-            produced += 1
+            self.produced += 1
         return self._completions()
 
     def _completions(self) -> list[Completion]:
