@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from remax_megatron.kernels.logprobs_torch import compute_dtype
+from remax_megatron.parallel.layout import SumGrad
 
 IGNORE_INDEX = -100
 _IMPL_ENV = "REMAX_KERNEL_IMPL"
@@ -156,7 +157,7 @@ def fused_logprobs_reference(
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     x = hidden.to(dtype)
     if tp_group is not None:
-        x = _CopyToTP.apply(x, tp_group)
+        x = SumGrad.apply(x, tp_group)  # replicated input: its gradient summed over TP
     logits = x @ weight.to(dtype).T / temperature  # [N, V_local]
     if tp_group is not None:
         logits = _GatherVocab.apply(logits, tp_group)  # [N, V]
@@ -323,21 +324,6 @@ def vocab_layout(v_local: int, group, device) -> tuple[int, int]:
         sizes = [int(x.item()) for x in sizes]
         _LAYOUT_CACHE[key] = (sum(sizes[:rank]), sum(sizes))
     return _LAYOUT_CACHE[key]
-
-
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward, all-reduce of the gradient backward (replicated input)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class _GatherVocab(torch.autograd.Function):

@@ -31,6 +31,7 @@ from remax_megatron.models.hf_config import padded_vocab_size, transformer_confi
 from remax_megatron.models.lora import apply_lora
 from remax_megatron.models.moe import freeze_expert_bias, has_dense_layers, stage_layer_specs
 from remax_megatron.parallel import cpu_compat
+from remax_megatron.parallel.layout import SumGrad
 from remax_megatron.parallel.nested import NestedGroups, nested_groups
 
 
@@ -131,7 +132,7 @@ def reduce_mla_rope_key_grad(model) -> None:
     get_query_key_value_tensors, which TE's duplicated linear takes): gathered over TP, then under sequence
     parallelism split over the sequence again, where megatron's own sequence gather of the rope key
     reduce-scatters its gradient over TP; without sequence parallelism the rope key passes through
-    _SumGradOverTP, whose backward all-reduces it. Values are unchanged."""
+    parallel.layout.SumGrad, whose backward all-reduces it. Values are unchanged."""
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     for attention in (m for m in model.modules() if isinstance(m, MLASelfAttention)):
@@ -147,26 +148,9 @@ def _whole_kv_down_output(kv_lora_rank: int):
         if module.sequence_parallel:
             return tensor_parallel.scatter_to_sequence_parallel_region(out, group=module.tp_group), bias
         latent, rope = out.split([kv_lora_rank, out.shape[-1] - kv_lora_rank], dim=-1)
-        return torch.cat([latent, _SumGradOverTP.apply(rope, module.tp_group)], dim=-1), bias  # [s, b, kv_lora + rope]
+        return torch.cat([latent, SumGrad.apply(rope, module.tp_group)], dim=-1), bias  # [s, b, kv_lora + rope]
 
     return hook
-
-
-class _SumGradOverTP(torch.autograd.Function):
-    """Identity forward; backward all-reduces the gradient over `group`. megatron-core 0.16.1's
-    copy_to_tensor_model_parallel_region would do it, but its _reduce all-reduces `grad.contiguous()` and
-    returns `grad`: a non-contiguous gradient (here a slice of torch.cat's) comes back unreduced, silently."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 def _gpt_kwargs(

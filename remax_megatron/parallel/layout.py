@@ -241,3 +241,21 @@ def all_reduce_cpu(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> to
     out = tensor.to(comm_device(group), copy=True)
     dist.all_reduce(out, op=op, group=group)
     return out.cpu()
+
+
+class SumGrad(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over `group` (an input every rank of the group
+    holds whole). `SumGrad.apply(x, group)`. megatron-core 0.16.1's copy_to_tensor_model_parallel_region would
+    do it, but its _reduce all-reduces `grad.contiguous()` and returns `grad`: a non-contiguous gradient (a
+    slice of torch.cat's) comes back unreduced, silently."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
