@@ -23,19 +23,13 @@ import contextlib
 import json
 import statistics
 import subprocess
+import os
 import sys
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the workers import tools.measure
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 IMPLS = ("sdpa", "megatron")
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _module(args, impl: str):
@@ -98,6 +92,8 @@ def _module(args, impl: str):
 def _worker(args) -> dict:
     import torch
 
+    from tools.measure import first_call, repeat_ms
+
     dev = torch.device(args.device)
     dtype = getattr(torch, _DTYPES[args.dtype])
     module = _module(args, args.impl)
@@ -113,31 +109,9 @@ def _worker(args) -> dict:
             x.grad = None
         module(q, k, v, None).backward(grad)
 
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-
-    if dev.type == "cuda":
-        sync()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        sync()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = _status_kib("VmRSS")
-        step()
-        peak = (_status_kib("VmHWM") - base) * 1024
-    times = []
-    for _ in range(args.repeats):
-        sync()
-        start = time.perf_counter()
-        step()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return {"impl": args.impl, "fwd_bwd_ms": round(statistics.median(times), 3), "peak_mib": round(peak / 2**20, 2)}
+    _, peak = first_call(step, dev)
+    times = repeat_ms(step, dev, args.repeats)
+    return {"impl": args.impl, "fwd_bwd_ms": round(statistics.median(times), 3), "peak_mib": round(peak, 2)}
 
 
 def _parse(argv=None):

@@ -45,18 +45,11 @@ import time
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _worker(args) -> dict:
     import torch
 
     from remax_megatron.kernels import fused_logprobs, logprob_gradient, remax_loss
+    from tools.measure import first_call, repeat_ms, synchronize
 
     dev = torch.device(args.device)
     dtype = getattr(torch, _DTYPES[args.dtype])
@@ -82,45 +75,19 @@ def _worker(args) -> dict:
         loss, _ = remax_loss(logp[None], adv, mask, global_num_tokens=n)
         loss.backward()
 
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-
-    if dev.type == "cuda":
-        sync()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        t0 = time.perf_counter()
-        step()
-        sync()
-        first = (time.perf_counter() - t0) * 1e3
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = _status_kib("VmRSS")
-        t0 = time.perf_counter()
-        step()
-        first = (time.perf_counter() - t0) * 1e3
-        peak = (_status_kib("VmHWM") - base) / 1024
-    times = []
-    for _ in range(args.repeats):
-        sync()
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
+    first, peak = first_call(step, dev)
+    times = repeat_ms(step, dev, args.repeats)
     fwd_bwd = statistics.median(times)
     with torch.no_grad():
         dz = torch.randn(n, v, device=dev, dtype=dtype)
         floor = []
         for _ in range(max(3, args.repeats // 2)):
-            sync()
+            synchronize(dev)
             t0 = time.perf_counter()
             torch.matmul(hidden, weight.T)
             torch.matmul(dz, weight)
             torch.matmul(dz.T, hidden)
-            sync()
+            synchronize(dev)
             floor.append((time.perf_counter() - t0) * 1e3)
     floor_ms = statistics.median(floor)
     return dict(
