@@ -72,8 +72,8 @@ class ModelArch:
     # Family features (models/families/<family>.py sets them)
     qkv_bias: bool = False  # biases on q, k, v (Qwen2)
     qk_layernorm: bool = False  # RMSNorm over each head's queries and keys (Qwen3)
-    sliding_window: int | None = None  # attention window of some layer; None: full attention everywhere
-    # per layer: the keys a query keeps (q - k < W, HF's sliding_window) or None for full causal (gpt-oss)
+    # per layer: the keys a query keeps (q - k < W, HF's sliding_window) or None for full causal; None: no
+    # layer slides (Mistral: every layer; Qwen2 / Qwen3: the layers past max_window_layers; gpt-oss: every other)
     layer_windows: tuple[int | None, ...] | None = None
     # Mixture of experts (Qwen3-MoE, Mixtral): every decoder layer's MLP is routed; 0 experts: dense
     num_experts: int = 0

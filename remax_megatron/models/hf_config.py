@@ -101,19 +101,12 @@ def _common_fields(cfg, path: str) -> dict:
 
 
 def check_run_length(arch: ModelArch, longest: int, what: str, how: str) -> None:
-    """One-line errors when the run's longest sequence (`longest` tokens, spelled out in `how`) is more
-    than the model `what` can attend over exactly: its positions, or a sliding window (megatron's
-    attention here is full causal, which equals the window only when every sequence fits in it)."""
+    """A one-line error when the run's longest sequence (`longest` tokens, spelled out in `how`) is longer
+    than the model `what` has positions for (a sliding window is no limit: the attention applies it)."""
     if longest > arch.max_position_embeddings:
         raise ValueError(
             f"{how} = {longest} exceeds {what}'s max_position_embeddings="
             f"{arch.max_position_embeddings}: lower one of them"
-        )
-    if arch.sliding_window is not None and longest > arch.sliding_window:
-        raise ValueError(
-            f"{how} = {longest} is longer than {what}'s sliding_window={arch.sliding_window}, "
-            f"which remax-megatron does not implement (attention is full causal): lower them to at "
-            f"most {arch.sliding_window} tokens, or use a model without a sliding window"
         )
 
 
@@ -221,7 +214,7 @@ def transformer_config(
         persist_layer_norm=False,
         bias_dropout_fusion=cuda,
     )
-    kwargs.update(_gpt_oss_kwargs(arch))
+    kwargs.update(_window_kwargs(arch), **_gpt_oss_kwargs(arch))
     config = config_class(**kwargs)
     if arch.yarn is not None and not arch.is_mla:
         # GPTModel's position_embedding_type="yarn" reads these (no TransformerConfig field holds them); its
@@ -236,25 +229,28 @@ def transformer_config(
     return config
 
 
-def _gpt_oss_kwargs(arch: ModelArch) -> dict:
-    """TransformerConfig fields of gpt-oss's features (models/families/gpt_oss.py); {} for other models.
+def _window_kwargs(arch: ModelArch) -> dict:
+    """Sliding windows: megatron's one `window_size` (HF W -> (W - 1, 0): a query sees itself and W - 1 keys
+    before it) on the layers `window_attn_skip_freq` lists (1 = windowed; megatron's is_layer_window_attention),
+    which models/attention.py and Transformer Engine's attention apply; {} when no layer slides."""
+    windows = [w for w in arch.layer_windows or () if w is not None]
+    if not windows:
+        return {}
+    if len(set(windows)) > 1:
+        raise ValueError(
+            f"{arch.architecture}: sliding windows of {sorted(set(windows))} tokens in one model; megatron-core "
+            "has one window_size for all windowed layers"
+        )
+    return dict(window_size=(windows[0] - 1, 0), window_attn_skip_freq=[int(w is not None) for w in arch.layer_windows])
 
-    - windows: megatron's one `window_size` (HF W -> (W - 1, 0)) on the layers `window_attn_skip_freq` lists
-      (models/attention.py applies it); sinks: softmax_type "learnable" (the `softmax_offset` parameter).
-    - the clamped SwiGLU and biases on every linear (add_bias_linear: o_proj, router, experts)."""
+
+def _gpt_oss_kwargs(arch: ModelArch) -> dict:
+    """TransformerConfig fields of gpt-oss's features (models/families/gpt_oss.py); {} for other models:
+    sinks as softmax_type "learnable" (the `softmax_offset` parameter), the clamped SwiGLU and biases on every
+    linear (add_bias_linear: o_proj, router, experts). Its windows are _window_kwargs'."""
     from remax_megatron.models.families import gpt_oss
 
     kwargs = {}
-    windows = [w for w in arch.layer_windows or () if w is not None]
-    if windows:
-        if len(set(windows)) > 1:
-            raise ValueError(
-                f"{arch.architecture}: sliding windows of {sorted(set(windows))} tokens in one model; megatron-core "
-                "has one window_size for all windowed layers"
-            )
-        kwargs.update(
-            window_size=(windows[0] - 1, 0), window_attn_skip_freq=[int(w is not None) for w in arch.layer_windows]
-        )
     if arch.attention_sinks:
         kwargs["softmax_type"] = "learnable"
     if arch.swiglu_limit is not None:

@@ -107,11 +107,11 @@ def test_parameter_count_matches_transformers(tmp_path, family, options, tie, re
 
 def test_qwen3_and_mistral_read_their_features(tmp_path):
     qwen3 = read_hf_config(make_tiny_model(str(tmp_path / "q"), "qwen3", hidden=64, heads=4, kv_heads=2, head_dim=32))
-    assert (qwen3.qk_layernorm, qwen3.head_dim, qwen3.qkv_bias, qwen3.sliding_window) == (True, 32, False, None)
+    assert (qwen3.qk_layernorm, qwen3.head_dim, qwen3.qkv_bias, qwen3.layer_windows) == (True, 32, False, None)
     mistral = read_hf_config(
         make_tiny_model(str(tmp_path / "m"), "mistral", hidden=64, heads=4, kv_heads=2, sliding_window=96)
     )
-    assert (mistral.qk_layernorm, mistral.head_dim, mistral.sliding_window) == (False, 16, 96)
+    assert (mistral.qk_layernorm, mistral.head_dim, mistral.layer_windows) == (False, 16, (96, 96))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
@@ -126,23 +126,30 @@ def test_attention_bias_is_refused(tmp_path, family):
         read_hf_config(path)
 
 
-def test_sliding_window_shorter_than_the_run_is_refused(tmp_path):
-    arch = read_hf_config(
+WINDOW_AFTER_1 = dict(sliding_window=8, max_window_layers=1)
+
+
+def test_sliding_windows_are_read_per_layer_and_runs_may_outgrow_them(tmp_path):
+    """Mistral windows every layer, Qwen2 the layers from max_window_layers on; a window is applied by the
+    attention (tests/models/test_parity.py), so a run longer than it is no error. A window configured with
+    use_sliding_window=false (Qwen-style) is full attention."""
+    from remax_megatron.models.hf_config import transformer_config
+
+    mistral = read_hf_config(
         make_tiny_model(str(tmp_path / "m"), "mistral", hidden=32, heads=2, kv_heads=1, sliding_window=96)
     )
-    check_run_length(arch, 96, "actor.model m", "prompt + response")  # every sequence inside the window: runs
-    with pytest.raises(ValueError) as refused:
-        check_run_length(arch, 97, "actor.model m", "data.max_prompt_tokens(33) + rollout.max_new_tokens(64)")
-    line = str(refused.value)
-    assert line.startswith(
-        "data.max_prompt_tokens(33) + rollout.max_new_tokens(64) = 97 is longer than actor.model m's sliding_window=96"
-    ), line
-    # Qwen-style: a window configured but no layer using it (use_sliding_window=false) is full attention.
+    check_run_length(mistral, 97, "actor.model m", "data.max_prompt_tokens(33) + rollout.max_new_tokens(64)")
+    qwen2 = read_hf_config(
+        make_tiny_model(str(tmp_path / "q2"), "qwen2", hidden=32, heads=2, layers=3, kv_heads=1, **WINDOW_AFTER_1)
+    )
+    assert qwen2.layer_windows == (None, 8, 8)
+    config = transformer_config(qwen2, tp=1, pp=1)
+    assert (config.window_size, config.window_attn_skip_freq) == ((7, 0), [0, 1, 1])
     path = make_tiny_model(str(tmp_path / "q"), "qwen3", hidden=32, heads=2, kv_heads=1)
     config = json.load(open(f"{path}/config.json"))
     config.update(use_sliding_window=False, sliding_window=8)
     json.dump(config, open(f"{path}/config.json", "w"))
-    assert read_hf_config(path).sliding_window is None
+    assert read_hf_config(path).layer_windows is None
 
 
 def test_make_tiny_model_cli_builds_every_family(tmp_path, capsys):

@@ -65,7 +65,7 @@ def test_config_maps_to_megatron(oss):
 
     arch = read_hf_config(oss)
     assert (arch.family, arch.qkv_bias, arch.linear_bias, arch.attention_sinks) == ("gpt_oss", True, True, True)
-    assert arch.layer_windows == (WINDOW, None, None, WINDOW) and arch.sliding_window is None
+    assert arch.layer_windows == (WINDOW, None, None, WINDOW)
     assert dict(arch.yarn)["factor"] == 4.0 and arch.swiglu_limit == 7.0
     config = transformer_config(arch, tp=1, pp=1)
     assert config.window_size == (WINDOW - 1, 0) and config.window_attn_skip_freq == [1, 0, 0, 1]

@@ -1,7 +1,8 @@
 """Megatron actor logits and reward-model scores vs transformers, at several TP x PP layouts (gloo),
 with and without sequence parallel, for every registered dense family (Llama tied, Qwen2, Qwen3 tied
-and untied with head_dim != hidden / heads, Mistral), reward models of Qwen2, Qwen3 and Mistral, and the
-MoE families (Qwen3-MoE, Mixtral) at expert-parallel layouts with both token dispatchers."""
+and untied with head_dim != hidden / heads, Mistral and Qwen2 with sliding windows shorter than the rows),
+reward models of Qwen2, Qwen3 and Mistral, and the MoE families (Qwen3-MoE, Mixtral with a window) at
+expert-parallel layouts with both token dispatchers."""
 
 import pytest
 import torch
@@ -10,9 +11,16 @@ from tests._dist import SharedLaunches
 from tools.make_tiny_model import make_tiny_model
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
-ACTORS = ["llama", "qwen2", "qwen3", "qwen3-tied", "mistral"]
+ACTORS = ["llama", "qwen2", "qwen3", "qwen3-tied", "mistral", "qwen2-window"]
 # model, tp, pp with sequence parallel
-SP_CASES = [("llama", 2, 1), ("qwen2", 2, 2), ("qwen3", 2, 1), ("qwen3-tied", 2, 2), ("mistral", 2, 1)]
+SP_CASES = [
+    ("llama", 2, 1),
+    ("qwen2", 2, 2),
+    ("qwen3", 2, 1),
+    ("qwen3-tied", 2, 2),
+    ("mistral", 2, 1),
+    ("qwen2-window", 2, 2),
+]
 REWARD_MODELS = ["rm", "rm-qwen3", "rm-mistral"]
 # MoE: (tp, pp, ep) on (world) processes; TP=2 with sequence parallel (what MoE training needs) and whole
 # experts split over EP; both of megatron's token dispatchers
@@ -59,7 +67,8 @@ def models(tmp_path_factory):
         "qwen3-tied": make_tiny_model(
             str(root / "qwen3-tied"), "qwen3", hidden=64, layers=4, heads=4, kv_heads=2, ffn=96, tie=True, seed=6
         ),
-        # Mistral: a sliding window longer than every sequence here (the same as full attention).
+        # Mistral: a sliding window of 6 on every layer, shorter than the 17-token rows (and than the packed
+        # documents: the window applies inside each).
         "mistral": make_tiny_model(
             str(root / "mistral"),
             "mistral",
@@ -70,8 +79,23 @@ def models(tmp_path_factory):
             ffn=96,
             vocab=300,
             head_dim=32,
-            sliding_window=64,
+            sliding_window=6,
+            max_positions=2048,
             seed=7,
+        ),
+        # Qwen2 with use_sliding_window: layers 0-1 full, 2-3 a window of 5 (max_window_layers=2)
+        "qwen2-window": make_tiny_model(
+            str(root / "qwen2-window"),
+            "qwen2",
+            hidden=64,
+            layers=4,
+            heads=4,
+            kv_heads=2,
+            ffn=96,
+            vocab=300,
+            sliding_window=5,
+            max_window_layers=2,
+            seed=12,
         ),
         "rm": make_tiny_model(
             str(root / "rm"), "qwen2", hidden=64, layers=4, heads=4, kv_heads=2, ffn=96, vocab=300, reward=True, seed=3
@@ -101,6 +125,7 @@ def models(tmp_path_factory):
             vocab=300,
             experts=4,
             top_k=2,
+            sliding_window=7,  # every layer: shorter than the rows
             seed=11,
         ),
         "rm-qwen3": make_tiny_model(
@@ -157,7 +182,7 @@ def launched(models, tmp_path_factory):
         cases[2][f"{name}-sp"] = (_rm_body, (models[name], 2, 1, scores[name], True))
     rope_path, ids, expected, moved = _llama3_rope_case(tmp_path_factory.mktemp("rope"))
     cases[2]["rope"] = (_rope_body, (rope_path, ids, expected))
-    for variant, path in (("llama3", rope_path), ("default", rope_path + "-plain")):
+    for variant, path in (("llama3", rope_path), ("default", rope_path + "-plain"), ("window", models["mistral"])):
         cases[1][f"packed-{variant}"] = (_packed_body, (path, *_packed_case(path)))
     top = str(tmp_path_factory.mktemp("launches"))
     return SharedLaunches(cases, top), moved
@@ -473,8 +498,9 @@ def _packed_body(rank, world, model_dir, sequences, expected):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["default", "llama3"])
+@pytest.mark.parametrize("variant", ["default", "llama3", "window"])
 def test_packed_row_matches_each_sequence_alone(launched, variant):
     """Issue 29: packed rows keep attention inside each sequence, and RoPE at the row's positions (megatron
-    ignores position ids) gives each sequence its own logits, plain and llama3-scaled, 1900+ positions in."""
+    ignores position ids) gives each sequence its own logits, plain and llama3-scaled, 1900+ positions in;
+    with a sliding window (Mistral, 6 tokens) inside each sequence."""
     launched[0].check(f"packed-{variant}")

@@ -474,3 +474,30 @@ def test_the_cuda_graph_path_recaptures_after_compaction(engine, monkeypatch):
             assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-5  # other batch sizes
     assert len(captures) >= 2 and captures == sorted(captures, reverse=True) and captures[-1] < captures[0], captures
     assert sum(replays) > len(replays) // 2, replays
+
+
+@pytest.mark.parametrize(
+    "family,options", [("mistral", dict(sliding_window=5)), ("qwen2", dict(sliding_window=5, max_window_layers=1))]
+)
+def test_windowed_decodes_score_as_a_fresh_transformers_forward(family, options, tmp_path):
+    """Sliding windows of 5 keys over rows of up to 31 tokens (Mistral: every layer; Qwen2: the layers past
+    max_window_layers): the cached decode's greedy rows are transformers' argmax and every row's log-probs are
+    its full forward's, within 1e-5. A decode blind to the window misses both."""
+    from transformers import AutoModelForCausalLM
+
+    from remax_megatron.builtin.tiny import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path / family), family, hidden=64, heads=4, kv_heads=2, seed=7, **options)
+    engine = native_engine(path, seed=1)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = _prompts(engine, ("hello world", "ab"))
+    sampling = SamplingParams(max_new_tokens=20, temperature=0.9)
+    out = engine.generate(prompts, n=2, sampling=sampling, seeds=[4, 5])
+    for prompt, ro in zip(prompts, out):
+        for c, temperature in [(c, 0.9) for c in ro.sampled] + [(ro.greedy, 1.0)]:
+            ids = torch.tensor([prompt + c.token_ids])
+            with torch.no_grad():
+                logits = hf(ids).logits[0, len(prompt) - 1 : -1] / temperature
+            want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            assert (torch.tensor(c.logprobs) - want).abs().max() < 1e-5
+        assert ro.greedy.token_ids == logits.argmax(-1).tolist()

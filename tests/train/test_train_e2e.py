@@ -541,12 +541,6 @@ BAD_INPUT = [
         "would not know which packed sequence",
     ),
     (["rollout.stop_token_ids=[5,100000]"], 1, "rollout.stop_token_ids: [100000] are not tokens of actor.model"),
-    # Mistral with a 16-token sliding window, sequences up to 16 + 4: full causal attention is not the model's
-    (
-        ["actor.model={tmp}/mistral-window16", "rollout.engine=native"],
-        1,
-        "'s sliding_window=16, which remax-megatron does not implement",
-    ),
     # weights as a PyTorch pickle only; a tokenizer with a token the model has no embedding for
     (
         ["actor.model={tmp}/pickled", "rollout.engine=native"],
@@ -594,10 +588,6 @@ def test_bad_input_is_refused_by_the_checks(tmp_path_factory, monkeypatch, overr
         from remax_megatron.builtin.tiny import make_tiny_model
 
         make_tiny_model(str(tmp / "head16"), "llama", hidden=64, heads=4, kv_heads=2)
-    if "mistral-window16" in " ".join(overrides):
-        from remax_megatron.builtin.tiny import make_tiny_model
-
-        make_tiny_model(str(tmp / "mistral-window16"), "mistral", hidden=64, heads=2, kv_heads=2, sliding_window=16)
     if "pickled" in " ".join(overrides) or "bigtok" in " ".join(overrides):
         import safetensors.torch
         import torch

@@ -292,16 +292,20 @@ def _template(template: str, field: str, group: str) -> str:
     return re.escape(head) + group + re.escape(tail)
 
 
-def sliding_window_of(cfg) -> int | None:
-    """The attention window an HF config applies to any layer, None for full attention everywhere.
+def layer_windows_of(cfg) -> tuple[int | None, ...] | None:
+    """Each layer's attention window as an HF config sets it: W (a query sees itself and the W - 1 keys
+    before it) or None for full causal; None when no layer slides.
 
-    transformers 5 lists each layer's attention in `layer_types` ("sliding_attention" where the
-    window applies); configs without it (Mistral) window every layer when `sliding_window` is set.
+    transformers 5 lists each layer's attention in `layer_types` ("sliding_attention" where the window
+    applies: Qwen2 / Qwen3 from use_sliding_window and max_window_layers); configs without it (Mistral,
+    Mixtral, Qwen3-MoE) window every layer when `sliding_window` is set.
     """
     window = getattr(cfg, "sliding_window", None)
     if not window:
         return None
     layer_types = getattr(cfg, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
+    if layer_types is None:
+        return (int(window),) * cfg.num_hidden_layers
+    if "sliding_attention" not in layer_types:
         return None
-    return int(window)
+    return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)

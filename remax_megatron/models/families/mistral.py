@@ -1,9 +1,8 @@
 """Mistral (7B v0.1-v0.3, Nemo and Small dense models): Llama-shaped, with an explicit head_dim on the
-larger ones and an optional sliding window. The window is refused at start-up when it is shorter than
-the run's longest sequence (hf_config.check_run_length): megatron's attention here is full causal, and
-with every sequence inside the window the two are the same."""
+larger ones and an optional sliding window (every layer's: megatron's window_size, run by models/attention.py
+or Transformer Engine's attention)."""
 
-from remax_megatron.models.families.base import CAUSAL_LM, REWARD, Family, sliding_window_of
+from remax_megatron.models.families.base import CAUSAL_LM, REWARD, Family, layer_windows_of
 
 
 class Mistral(Family):
@@ -13,7 +12,7 @@ class Mistral(Family):
 
     def features(self, cfg, path: str) -> dict:
         super().features(cfg, path)  # attention_bias refused
-        return {"sliding_window": sliding_window_of(cfg)}
+        return {"layer_windows": layer_windows_of(cfg)}
 
     def tiny_config(self, common: dict, head_dim: int | None = None, sliding_window: int | None = None, **options):
         config = super().tiny_config(common, **options)

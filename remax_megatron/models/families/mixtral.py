@@ -13,7 +13,7 @@ from remax_megatron.models.families.base import (
     attention_rules,
     check_routing,
     moe_mlp_rules,
-    sliding_window_of,
+    layer_windows_of,
 )
 
 
@@ -39,7 +39,7 @@ class Mixtral(Family):
             raise ValueError(f"router_jitter_noise={cfg.router_jitter_noise} in {path} is not supported: set it to 0")
         check_routing(cfg.num_experts_per_tok, True, path)
         return {
-            "sliding_window": sliding_window_of(cfg),
+            "layer_windows": layer_windows_of(cfg),
             "num_experts": cfg.num_local_experts,
             "moe_ffn_hidden_size": cfg.intermediate_size,
             "moe_top_k": cfg.num_experts_per_tok,
@@ -49,12 +49,21 @@ class Mixtral(Family):
     def layer_rules(self, arch, layer):  # noqa: ARG002 - Family.layer_rules' signature
         return attention_rules(arch, qkv_bias=False, qk_norm=False) + moe_mlp_rules(arch, self.moe)
 
-    def tiny_config(self, common: dict, head_dim: int | None = None, experts: int = 4, top_k: int = 2, **options):
-        """`intermediate_size` of `common` is each expert's width (Mixtral has no dense MLP)."""
+    def tiny_config(
+        self,
+        common: dict,
+        head_dim: int | None = None,
+        experts: int = 4,
+        top_k: int = 2,
+        sliding_window: int | None = None,
+        **options,
+    ):
+        """`intermediate_size` of `common` is each expert's width (Mixtral has no dense MLP); a sliding window
+        on every layer when given (HF's default is 4096)."""
         config = super().tiny_config(common, **options)
         config.head_dim = head_dim or common["hidden_size"] // common["num_attention_heads"]
         config.num_local_experts, config.num_experts_per_tok = experts, top_k
-        config.sliding_window = None
+        config.sliding_window = sliding_window
         return config
 
 

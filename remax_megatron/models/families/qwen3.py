@@ -2,7 +2,7 @@
 (`self_attn.q_norm` / `k_norm` -> megatron's `q_layernorm` / `k_layernorm`), and a `head_dim` of its
 own that need not be hidden_size / heads (Qwen3-4B and larger: 128 with hidden 2560 / 32 heads)."""
 
-from remax_megatron.models.families.base import CAUSAL_LM, REWARD, Family, sliding_window_of
+from remax_megatron.models.families.base import CAUSAL_LM, REWARD, Family, layer_windows_of
 
 
 class Qwen3(Family):
@@ -12,7 +12,7 @@ class Qwen3(Family):
 
     def features(self, cfg, path: str) -> dict:
         super().features(cfg, path)  # attention_bias refused
-        return {"qk_layernorm": True, "sliding_window": sliding_window_of(cfg)}
+        return {"qk_layernorm": True, "layer_windows": layer_windows_of(cfg)}
 
     def tiny_config(self, common: dict, head_dim: int | None = None, **options):
         config = super().tiny_config(common, **options)

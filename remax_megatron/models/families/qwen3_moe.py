@@ -14,7 +14,7 @@ from remax_megatron.models.families.base import (
     attention_rules,
     check_routing,
     moe_mlp_rules,
-    sliding_window_of,
+    layer_windows_of,
 )
 
 
@@ -34,7 +34,7 @@ class Qwen3Moe(Family):
         check_routing(cfg.num_experts_per_tok, cfg.norm_topk_prob, path)
         return {
             "qk_layernorm": True,
-            "sliding_window": sliding_window_of(cfg),
+            "layer_windows": layer_windows_of(cfg),
             "num_experts": cfg.num_experts,
             "moe_ffn_hidden_size": cfg.moe_intermediate_size,
             "moe_top_k": cfg.num_experts_per_tok,
