@@ -24,15 +24,8 @@ from safetensors import safe_open
 
 from remax_megatron.models import read_hf_config
 from tests._dist import SharedLaunches
-from tests.models.test_glm4_moe import (
-    _edit_config,
-    _hf_logprobs,
-    _mtp_body,
-    _parity_body,
-    _replay_body,
-    _round_trip_body,
-    _three_steps,
-)
+from tests.models.family_helpers import edit_config, hf_logprobs, rows, three_steps, with_mtp_layer
+from tests.models.test_glm4_moe import _mtp_body, _parity_body, _replay_body, _round_trip_body
 from tools.make_tiny_model import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -106,7 +99,7 @@ def test_mapping_makes_every_checkpoint_tensor_once(tmp_path, q_lora):
 )
 def test_what_megatron_cannot_express_is_refused_in_one_line(dsv3, tmp_path, changes, message):
     with pytest.raises(ValueError) as e:
-        read_hf_config(_edit_config(dsv3, tmp_path / "bad", **changes))
+        read_hf_config(edit_config(dsv3, tmp_path / "bad", **changes))
     line = str(e.value)
     assert message in line and "\n" not in line, line
 
@@ -114,19 +107,19 @@ def test_what_megatron_cannot_express_is_refused_in_one_line(dsv3, tmp_path, cha
 def test_group_limited_top_k_where_megatron_scores_groups_as_transformers(dsv3, tmp_path):
     """DeepSeek-V3's own routing: 8 per token from 4 of 8 groups (8 / 4 = 2 experts score a group on both sides)."""
     changes = {"n_routed_experts": 16, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8}
-    arch = read_hf_config(_edit_config(dsv3, tmp_path / "ok", **changes))
+    arch = read_hf_config(edit_config(dsv3, tmp_path / "ok", **changes))
     assert (arch.moe_num_groups, arch.moe_group_topk, arch.moe_top_k) == (8, 4, 8)
 
 
 def test_unknown_model_type_names_the_supported_families(dsv3, tmp_path):
     with pytest.raises(ValueError) as e:
-        read_hf_config(_edit_config(dsv3, tmp_path / "v2", architectures=["DeepseekV2ForCausalLM"]))
+        read_hf_config(edit_config(dsv3, tmp_path / "v2", architectures=["DeepseekV2ForCausalLM"]))
     line = str(e.value)
     assert "DeepseekV2ForCausalLM" in line and "deepseek_v3 (DeepseekV3ForCausalLM)" in line and "\n" not in line
 
 
 def test_mtp_layers_are_read_and_not_built(dsv3, tmp_path):
-    arch = read_hf_config(_edit_config(dsv3, tmp_path / "mtp", num_nextn_predict_layers=1))
+    arch = read_hf_config(edit_config(dsv3, tmp_path / "mtp", num_nextn_predict_layers=1))
     assert arch.mtp_layers == 1 and arch.num_layers == 4
 
 
@@ -239,19 +232,6 @@ def _lora_body(rank, world, model_dir):
         assert torch.equal(tensor, source[name]), name
 
 
-def _with_mtp_layer(model_dir, dst):
-    """`model_dir` as a published checkpoint stores it: num_nextn_predict_layers 1 and that layer's tensors after
-    the decoder layers (model.layers.4.*)."""
-    from safetensors.torch import load_file, save_file
-
-    _edit_config(model_dir, dst, num_nextn_predict_layers=1)
-    tensors = load_file(os.path.join(dst, "model.safetensors"))
-    tensors["model.layers.4.eh_proj.weight"] = torch.randn(48, 96)
-    tensors["model.layers.4.self_attn.kv_b_proj.weight"] = torch.randn(96, 18)
-    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    return str(dst)
-
-
 def _split_forgotten_body(rank, world, model_dir, expected):
     """The latent's rope rows read first (kv_a_proj_with_mqa is [kv_lora; rope]): the rope / nope split forgotten
     after an otherwise right load must fail the parity."""
@@ -312,7 +292,6 @@ def _grad_body(rank, world, model_dir, tp, sp, hook, out_path):
     from remax_megatron.models.arch import ExpertOptions
     from remax_megatron.parallel import ParallelLayout
     from remax_megatron.weights import load_hf_weights
-    from tests.models.test_glm4_moe import _rows
 
     ParallelLayout(tp=tp, pp=1, world_size=world, ep=1, etp=tp).initialize(seed=0)
     arch = read_hf_config(model_dir)
@@ -325,7 +304,7 @@ def _grad_body(rank, world, model_dir, tp, sp, hook, out_path):
         gpt.reduce_mla_rope_key_grad = reduce
     load_hf_weights(model, model_dir)
     model.eval()
-    ids, labels = _rows(arch.vocab_size)
+    ids, labels = rows(arch.vocab_size)
     ids, labels = ids[:2], labels[:2]  # 2 rows of 18: a multiple of tp for sequence parallel
     hidden = model.run(ids)
     model.token_logprobs(hidden, labels)[0].sum().backward()
@@ -350,8 +329,8 @@ def _fp8_checkpoint(model_dir, fp8_dir, reference_dir, block=(16, 16)):
     from remax_megatron.weights import fp8_blocks
 
     qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
-    _edit_config(model_dir, fp8_dir, quantization_config=qc)
-    _edit_config(model_dir, reference_dir)
+    edit_config(model_dir, fp8_dir, quantization_config=qc)
+    edit_config(model_dir, reference_dir)
     tensors = load_file(os.path.join(model_dir, "model.safetensors"))
     quantized, reference = {}, {}
     for name, tensor in tensors.items():
@@ -404,9 +383,9 @@ def launched(dsv3, tmp_path_factory):
         "q-null": tiny_dsv3(top / "q-null", q_lora_rank=None),
         "grouped": tiny_dsv3(top / "grouped", experts=8, top_k=4, groups=4, group_topk=2),
     }
-    models = {name: (path, _hf_logprobs(path)) for name, path in paths.items()}
+    models = {name: (path, hf_logprobs(path)) for name, path in paths.items()}
     fp8, dequantized = _fp8_checkpoint(dsv3, top / "fp8", top / "fp8-reference")
-    models["fp8"] = (fp8, _hf_logprobs(dequantized))
+    models["fp8"] = (fp8, hf_logprobs(dequantized))
     cases = {1: {}, 2: {}, 4: {}}
     for name, (model, to_megatron, to_hf) in ROUND_TRIPS.items():
         (top / name).mkdir()
@@ -418,7 +397,11 @@ def launched(dsv3, tmp_path_factory):
         cases[1][f"broken-{name}"] = (_parity_body, (*models[model][:1], 1, 1, 1, models[model][1], breaks))
     cases[1]["broken-rope-nope-split"] = (_split_forgotten_body, models["q"])
     cases[1]["lora"] = (_lora_body, (dsv3,))
-    cases[1]["mtp"] = (_mtp_body, (_with_mtp_layer(dsv3, top / "mtp"), str(top / "mtp-out")))
+    mtp = {  # a published checkpoint's MTP layer, after the decoder layers
+        "model.layers.4.eh_proj.weight": torch.randn(48, 96),
+        "model.layers.4.self_attn.kv_b_proj.weight": torch.randn(96, 18),
+    }
+    cases[1]["mtp"] = (_mtp_body, (with_mtp_layer(dsv3, top / "mtp", mtp), str(top / "mtp-out")))
     cases[2]["replay-tp2-ep2"] = (_replay_body, (dsv3, 2, 1, 2))
     for tp, sp, hook in GRADS:
         name = f"grad-tp{tp}-sp{int(sp)}-hook{int(hook)}"
@@ -532,6 +515,6 @@ def test_native_engine_follows_a_tp2_actor_over_three_steps(dsv3, tmp_path):
     Measured: 4.8e-7 at each step (native engine, which caches transformers' MLA latent)."""
     from tests.train.test_train_e2e import assert_fp32_rounding_only
 
-    train = _three_steps(dsv3, tmp_path / "run", "native", "checkpoint.save_every=0")
+    train = three_steps(dsv3, tmp_path / "run", "native", "checkpoint.save_every=0")
     assert len(train) == 3 and all(r["rollout/tokens"] > 0 and r["grad_norm"] > 0 for r in train)
     assert_fp32_rounding_only(r["logprob/engine_vs_actor_max_diff"] for r in train)

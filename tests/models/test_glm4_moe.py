@@ -23,8 +23,18 @@ import torch
 from safetensors import safe_open
 
 from remax_megatron.models import read_hf_config
-from tests._dist import SharedLaunches, run_main
+from tests._dist import SharedLaunches
 from tests._needs import needs_vllm
+from tests.models.family_helpers import (
+    assert_parity,
+    attention_lora_model,
+    edit_config,
+    hf_logprobs,
+    replay_body,
+    round_trip_body,
+    three_steps,
+    with_mtp_layer,
+)
 from tools.make_tiny_model import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,19 +49,6 @@ def tiny_glm(path, seed=3, **extra):
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory):
     return tiny_glm(tmp_path_factory.mktemp("glm") / "tiny")
-
-
-def _edit_config(src, dst, **changes):
-    """A copy of the model directory `src` with config.json fields changed."""
-    import shutil
-
-    shutil.copytree(src, dst)
-    with open(os.path.join(dst, "config.json")) as f:
-        config = json.load(f)
-    config.update(changes)
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f)
-    return str(dst)
 
 
 # ---- fast lane ---------------------------------------------------------------------------------------------------
@@ -107,11 +104,11 @@ def test_mapping_makes_every_checkpoint_tensor_once(glm):
 )
 def test_routing_megatron_cannot_express_is_refused_in_one_line(glm, tmp_path, changes, message):
     if changes.get("n_group") == 2:  # 2 per token over groups of 2, one group chosen: top 2 == top 2, runs
-        arch = read_hf_config(_edit_config(glm, tmp_path / "ok", **changes))
+        arch = read_hf_config(edit_config(glm, tmp_path / "ok", **changes))
         assert (arch.moe_num_groups, arch.moe_group_topk) == (2, 1)
         return
     with pytest.raises(ValueError) as e:
-        read_hf_config(_edit_config(glm, tmp_path / "bad", **changes))
+        read_hf_config(edit_config(glm, tmp_path / "bad", **changes))
     line = str(e.value)
     assert message in line and "\n" not in line, line
 
@@ -119,7 +116,7 @@ def test_routing_megatron_cannot_express_is_refused_in_one_line(glm, tmp_path, c
 def test_mtp_layers_are_skipped_with_one_line(glm, tmp_path, capsys):
     from remax_megatron.models.families.deepseek_moe import say_mtp_dropped, say_mtp_not_written
 
-    arch = read_hf_config(_edit_config(glm, tmp_path / "mtp", num_nextn_predict_layers=1))
+    arch = read_hf_config(edit_config(glm, tmp_path / "mtp", num_nextn_predict_layers=1))
     assert arch.mtp_layers == 1 and arch.num_layers == 4  # not built
     say_mtp_dropped(arch, "src")
     say_mtp_not_written(arch, "out")
@@ -160,52 +157,15 @@ def test_planner_counts_glm_4_5_air(tmp_path, capsys):
 # ---- multi-process (gloo) ----------------------------------------------------------------------------------------
 
 
+def _one_dtype_but_fp32_bias(tensors):
+    """A checkpoint's tensors share one dtype, but the correction bias is float32 (as published)."""
+    dtypes = {t.dtype for n, t in tensors.items() if not n.endswith("e_score_correction_bias")}
+    biases = {t.dtype for n, t in tensors.items() if n.endswith("e_score_correction_bias")}
+    assert len(dtypes) == 1 and biases == {torch.float32}, (dtypes, biases)
+
+
 def _round_trip_body(rank, world, hf, ckpt, out, to_megatron, to_hf):
-    import torch.distributed as dist
-    from safetensors.torch import load_file
-
-    from tools import convert_hf_to_megatron, convert_megatron_to_hf
-
-    tp, pp, ep, etp = to_megatron
-    convert_hf_to_megatron.convert(hf, ckpt, tp=tp, pp=pp, ep=ep, etp=etp)
-    tp, pp, ep, etp = to_hf
-    convert_megatron_to_hf.convert(ckpt, out, tp=tp, pp=pp, ep=ep, etp=etp)
-    if rank == 0:
-        before, after = (load_file(os.path.join(d, "model.safetensors")) for d in (hf, out))
-        assert sorted(before) == sorted(after)
-        dtypes = {t.dtype for n, t in before.items() if not n.endswith("e_score_correction_bias")}
-        biases = {t.dtype for n, t in before.items() if n.endswith("e_score_correction_bias")}
-        assert len(dtypes) == 1 and biases == {torch.float32}, (dtypes, biases)
-        bad = [n for n, t in before.items() if after[n].dtype != t.dtype or not torch.equal(after[n], t)]
-        assert not bad, bad[:5]
-    dist.barrier()
-
-
-def _rows(vocab):
-    """Three right-padded rows of lengths 17, 11, 6 (pad id 0) and their labels (-100: no label)."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, vocab, (3, 18), generator=g)
-    lengths = torch.tensor([17, 11, 6])
-    valid = torch.arange(18)[None, :] < lengths[:, None]
-    ids = ids.masked_fill(~valid, 0)
-    labels = torch.roll(ids, -1, 1).masked_fill(~(torch.arange(18)[None, :] < (lengths - 1)[:, None]), -100)
-    return ids, labels
-
-
-def _hf_logprobs(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids, labels = _rows(model.config.vocab_size)
-    with torch.no_grad():  # right padding: a causal model's earlier positions never see it
-        logits = model(ids, attention_mask=(labels >= 0) | (torch.arange(18) == 0)).logits.double()
-    lp = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
-    return lp.masked_fill(labels < 0, 0)
-
-
-def tie_rule(gaps: torch.Tensor) -> tuple[float, float]:
-    """(max, median) |gap| over the labelled tokens; the MoE tie rule: max <= 1e-4, median <= 1e-5."""
-    return gaps.max().item(), gaps.median().item()
+    round_trip_body(rank, world, hf, ckpt, out, to_megatron, to_hf, _one_dtype_but_fp32_bias)
 
 
 def _parity_body(rank, world, model_dir, tp, pp, ep, expected, breaks=None, bf16_export=False):
@@ -213,7 +173,6 @@ def _parity_body(rank, world, model_dir, tp, pp, ep, expected, breaks=None, bf16
     on purpose (the mapping broken), the parity must then fail."""
     from remax_megatron.models import build_policy
     from remax_megatron.models.arch import ExpertOptions
-    from remax_megatron.models.forward import broadcast_from_last_stage, forward_only
     from remax_megatron.parallel import ParallelLayout
     from remax_megatron.weights import export_hf_weights, load_hf_weights
 
@@ -224,19 +183,7 @@ def _parity_body(rank, world, model_dir, tp, pp, ep, expected, breaks=None, bf16
         arch = dataclasses.replace(arch, **breaks)
     model = build_policy(arch, tp=tp, pp=pp, sequence_parallel=tp > 1, experts=ExpertOptions(ep=ep, etp=etp))
     load_hf_weights(model, model_dir)
-    ids, labels = _rows(arch.vocab_size)
-    out = forward_only(
-        model,
-        [{"input_ids": ids, "labels": labels}],
-        lambda m, hidden, batch: m.token_logprobs(hidden, batch["labels"])[0],
-    )
-    lp = broadcast_from_last_stage(out[0] if out else None, ids.shape, torch.float32)
-    gaps = (lp.double() - expected).abs()[labels >= 0]
-    worst, median = tie_rule(gaps)
-    if breaks:
-        assert worst > 1e-3, f"broken mapping {breaks} still matches transformers: max {worst}"
-    else:
-        assert worst <= 1e-4 and median <= 1e-5, f"tp={tp} pp={pp} ep={ep}: max {worst}, median {median}"
+    assert_parity(model, arch.vocab_size, expected, breaks, tp, pp, ep)
     if bf16_export:  # the correction bias stays float32 in a bfloat16 export (its own broadcast at PP2)
         from safetensors.torch import load_file
 
@@ -251,66 +198,19 @@ def _parity_body(rank, world, model_dir, tp, pp, ep, expected, breaks=None, bf16
 def _lora_body(rank, world, model_dir):
     """LoRA targets that exist in GLM-4.5: attention's fused qkv and output projection in every layer; MoE
     experts refused in one line (shared experts and the dense layer's MLP are plain linears)."""
-    from remax_megatron.models import build_policy
-    from remax_megatron.models.arch import ExpertOptions, LoraOptions
-    from remax_megatron.parallel import ParallelLayout
-    from remax_megatron.weights import export_hf_weights, load_hf_weights
-
-    ParallelLayout(tp=1, pp=1, world_size=world).initialize(seed=0)
-    arch = read_hf_config(model_dir)
-    with pytest.raises(ValueError, match="is a MoE expert; LoRA on experts is not supported"):
-        build_policy(arch, tp=1, pp=1, experts=ExpertOptions(), lora=LoraOptions(rank=4, alpha=8.0))
-    lora = LoraOptions(rank=4, alpha=8.0, targets=("linear_qkv", "linear_proj"))
-    model = build_policy(arch, tp=1, pp=1, experts=ExpertOptions(), lora=lora)
-    adapted = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert len(adapted) == 4 * 2 * 2, adapted  # 4 layers x (qkv, proj) x (A, B)
-    load_hf_weights(model, model_dir)
     from safetensors.torch import load_file
 
+    from remax_megatron.weights import export_hf_weights
+
+    model = attention_lora_model(world, model_dir)
     source = load_file(os.path.join(model_dir, "model.safetensors"))
     for name, tensor in export_hf_weights(model):  # B = 0: the merged export is the checkpoint
         assert torch.equal(tensor, source[name]), name
 
 
 def _replay_body(rank, world, model_dir, tp, pp, ep):
-    """Routing replay past the dense first layer: the native engine's routes (by global layer, none at the
-    dense one) are where the actor routes every fed token, and replaying them gives the actor's own log-probs."""
-    import torch.distributed as dist
-
-    from remax_megatron.batching import pad_sequences
-    from remax_megatron.config import RolloutConfig
-    from remax_megatron.models import build_policy
-    from remax_megatron.models.arch import ExpertOptions
-    from remax_megatron.models.moe import end_replay, own_routes, replay_routes
-    from remax_megatron.parallel import ParallelLayout
-    from remax_megatron.rollout import SamplingParams, build_engine, flatten_rollouts, sync_weights
-    from remax_megatron.weights import export_hf_weights, load_hf_weights
-    from tests.rollout.test_actor_parity import _actor_logprobs
-
-    etp = 1 if ep > 1 else tp
-    ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize(seed=0)
-    arch = read_hf_config(model_dir)
-    experts = ExpertOptions(ep=ep, etp=etp, routing_replay=True)
-    actor = build_policy(arch, tp=tp, pp=pp, trainable=False, experts=experts, sequence_parallel=tp > 1)
-    load_hf_weights(actor, model_dir)
-    engine = build_engine(
-        RolloutConfig(engine="native", routing_replay=True), hf_dir=model_dir, arch=arch, seed=0, dtype=torch.float32
-    )
-    sync_weights(engine, export_hf_weights(actor, bucket_mb=0.05), bucket_mb=0.05)
-    prompts = [[5, 17, 40, 41, 42], [9, 10], [60, 61, 62, 63, 64, 65, 66, 67]]
-    results = [engine.generate(prompts, n=2, sampling=SamplingParams(temperature=0.7, max_new_tokens=8, seed=3))]
-    dist.broadcast_object_list(results, src=0)  # rank 0's rollout: the whole group scores one batch
-    rows_p, rows_c = flatten_rollouts(prompts, results[0])
-    batch = pad_sequences(rows_p, rows_c, pad_id=engine.pad_token_id, pad_to_multiple=tp, routes=True)
-    given = batch["routed_experts"]  # [B, S, layers, top_k] by global layer (vLLM's layout), -1 at the dense one
-    assert given.shape[2] == arch.num_layers == 4 and (given[:, :, 0] == -1).all() and (given >= 0).sum() > 50
-    assert torch.equal(given.sort(-1).values, own_routes(actor, batch).sort(-1).values)
-    live = _actor_logprobs(actor, batch, 0.7)
-    replay_routes(actor, given.to(torch.long))
-    replayed = _actor_logprobs(actor, batch, 0.7)
-    end_replay(actor)
-    gap = ((replayed - live).abs() * batch["response_mask"]).max().item()
-    assert gap <= 1e-6, f"replaying the engine's routes moved the actor's log-probs by {gap}"
+    """Routing replay past the dense first layer (no route there); experts split over TP where there is no EP."""
+    replay_body(rank, world, model_dir, tp, pp, ep, etp=1 if ep > 1 else tp, dense_layers=1)
 
 
 def _aux_body(rank, world, model_dir, out_path):
@@ -322,19 +222,6 @@ def _aux_body(rank, world, model_dir, out_path):
     # is megatron's own, layer by layer; megatron's tracker has a slot for the dense layer too
     assert out["ours"].shape == (3,) and out["megatron"].shape == (4,) and out["megatron"][0] == 0, out
     assert torch.allclose(out["ours"].float(), out["megatron"][1:].float(), rtol=1e-5, atol=1e-6), out
-
-
-def _with_mtp_layer(glm, dst):
-    """`glm` as a published checkpoint stores it: num_nextn_predict_layers 1 and that layer's tensors after
-    the decoder layers (model.layers.4.*)."""
-    from safetensors.torch import load_file, save_file
-
-    _edit_config(glm, dst, num_nextn_predict_layers=1)
-    tensors = load_file(os.path.join(dst, "model.safetensors"))
-    tensors["model.layers.4.eh_proj.weight"] = torch.randn(72, 144)
-    tensors["model.layers.4.self_attn.q_proj.weight"] = torch.randn(120, 72)
-    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    return str(dst)
 
 
 def _mtp_body(rank, world, model_dir, out):
@@ -383,7 +270,7 @@ BROKEN = {
 @pytest.fixture(scope="module")
 def launched(glm, tmp_path_factory):
     top = tmp_path_factory.mktemp("glm-launches")
-    expected = _hf_logprobs(glm)
+    expected = hf_logprobs(glm)
     cases = {1: {}, 2: {}, 4: {}}
     bf16 = tiny_glm(top / "bf16", dtype="bfloat16")
     for name, (to_megatron, to_hf) in ROUND_TRIPS.items():
@@ -398,12 +285,16 @@ def launched(glm, tmp_path_factory):
     # group-limited top-k: 8 experts in 4 groups, 2 groups per token, 4 experts per token (4 / 2 = 2: megatron's
     # group score is transformers')
     grouped = tiny_glm(top / "grouped", experts=8, top_k=4, groups=4, group_topk=2)
-    models = {"glm": (glm, expected), "grouped": (grouped, _hf_logprobs(grouped))}
+    models = {"glm": (glm, expected), "grouped": (grouped, hf_logprobs(grouped))}
     cases[1]["parity-grouped"] = (_parity_body, (grouped, 1, 1, 1, models["grouped"][1]))
     for name, (model, breaks) in BROKEN.items():
         cases[1][f"broken-{name}"] = (_parity_body, (*models[model][:1], 1, 1, 1, models[model][1], breaks))
     cases[1]["lora"] = (_lora_body, (glm,))
-    cases[1]["mtp"] = (_mtp_body, (_with_mtp_layer(glm, top / "mtp"), str(top / "mtp-out")))
+    mtp = {  # a published checkpoint's MTP layer, after the decoder layers
+        "model.layers.4.eh_proj.weight": torch.randn(72, 144),
+        "model.layers.4.self_attn.q_proj.weight": torch.randn(120, 72),
+    }
+    cases[1]["mtp"] = (_mtp_body, (with_mtp_layer(glm, top / "mtp", mtp), str(top / "mtp-out")))
     cases[1]["aux-vs-megatron"] = (_aux_body, (glm, str(top / "aux.pt")))
     cases[2]["replay-tp2-ep2"] = (_replay_body, (glm, 2, 1, 2))
     cases[2]["replay-pp2"] = (_replay_body, (glm, 1, 2, 1))
@@ -463,38 +354,17 @@ def test_engine_follows_a_tp2_actor_over_three_steps(glm, tmp_path, engine):
     from tests.train.test_train_e2e import assert_fp32_rounding_only
 
     model = glm if engine == "native" else tiny_glm(tmp_path / "vllm-shaped", **VLLM_SHAPE)
-    train = _three_steps(model, tmp_path / "run", engine, "checkpoint.save_every=2")
+    train = three_steps(model, tmp_path / "run", engine, "checkpoint.save_every=2")
     assert len(train) == 3 and all(r["rollout/tokens"] > 0 for r in train)
     assert_fp32_rounding_only(r["logprob/engine_vs_actor_max_diff"] for r in train)
     if engine == "native":  # resumed from step 2 (weights, the frozen bias, Adam), step 3 is the same step
         resume = f"checkpoint.resume={tmp_path / 'run' / 'checkpoints' / 'step_000002'}"
-        (again,) = _three_steps(model, tmp_path / "resumed", engine, "checkpoint.save_every=0", resume)
+        (again,) = three_steps(model, tmp_path / "resumed", engine, "checkpoint.save_every=0", resume)
         timeless = [
             {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "memory/", "perf/"))}
             for r in (train[2], again)
         ]
         assert timeless[0] == timeless[1]
-
-
-def _three_steps(model, out, engine, *overrides) -> list[dict]:
-    """The training records of a 3-step ReMax run of `model` (the tiny CPU config, TP2 actor)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    argv = [
-        "--config",
-        "configs/tiny_cpu.yaml",
-        f"trainer.output_dir={out}",
-        "logging.progress_bar=false",
-        f"actor.model={model}",
-        "actor.sequence_parallel=true",
-        f"rollout.engine={engine}",
-        "trainer.steps=3",
-        "trainer.eval_every=0",
-        *overrides,
-    ]
-    r = run_main("remax_megatron.train", argv, 2, env=env)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    with open(out / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f if '"loss"' in line]
 
 
 @needs_vllm

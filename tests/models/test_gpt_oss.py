@@ -22,12 +22,21 @@ import torch
 from safetensors import safe_open
 
 from remax_megatron.models import read_hf_config
-from tests._dist import SharedLaunches, run_main
+from tests._dist import SharedLaunches
+from tests.models.family_helpers import (
+    assert_parity,
+    attention_lora_model,
+    edit_config,
+    hf_logprobs,
+    replay_body,
+    round_trip_body,
+    three_steps,
+)
 from tools.make_tiny_model import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAPE = dict(hidden=48, layers=4, heads=6, kv_heads=2, ffn=20, vocab=300, head_dim=12)
-WINDOW = 5
+WINDOW = 5  # < the parity rows (family_helpers.rows, 18 long): the windowed layers drop keys
 # not periodic in 2 layers: at PP2 the second stage's layers are windowed by their global index
 LAYER_TYPES = ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
 OPTIONS = dict(experts=4, top_k=2, sliding_window=WINDOW, layer_types=LAYER_TYPES)
@@ -40,19 +49,6 @@ def tiny_gpt_oss(path, seed=3, **extra):
 @pytest.fixture(scope="module")
 def oss(tmp_path_factory):
     return tiny_gpt_oss(tmp_path_factory.mktemp("oss") / "tiny")
-
-
-def _edit_config(src, dst, **changes):
-    """A copy of the model directory `src` with config.json fields changed."""
-    import shutil
-
-    shutil.copytree(src, dst)
-    with open(os.path.join(dst, "config.json")) as f:
-        config = json.load(f)
-    config.update(changes)
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f)
-    return str(dst)
 
 
 # ---- fast lane ---------------------------------------------------------------------------------------------------
@@ -160,7 +156,7 @@ def test_mxfp4_experts_read_per_expert(tmp_path):
 )
 def test_what_megatron_cannot_express_is_refused_in_one_line(oss, tmp_path, changes, message):
     with pytest.raises(ValueError) as e:
-        read_hf_config(_edit_config(oss, tmp_path / "bad", **changes))
+        read_hf_config(edit_config(oss, tmp_path / "bad", **changes))
     line = str(e.value)
     assert message in line and "\n" not in line, line
 
@@ -210,54 +206,6 @@ def test_planner_counts_published_shapes(tmp_path, capsys, name, params, nodes, 
 # ---- multi-process (gloo) ----------------------------------------------------------------------------------------
 
 
-def _round_trip_body(rank, world, hf, ckpt, out, to_megatron, to_hf):
-    import torch.distributed as dist
-    from safetensors.torch import load_file
-
-    from tools import convert_hf_to_megatron, convert_megatron_to_hf
-
-    tp, pp, ep, etp = to_megatron
-    convert_hf_to_megatron.convert(hf, ckpt, tp=tp, pp=pp, ep=ep, etp=etp)
-    tp, pp, ep, etp = to_hf
-    convert_megatron_to_hf.convert(ckpt, out, tp=tp, pp=pp, ep=ep, etp=etp)
-    if rank == 0:
-        before, after = (load_file(os.path.join(d, "model.safetensors")) for d in (hf, out))
-        assert sorted(before) == sorted(after)
-        bad = [n for n, t in before.items() if after[n].dtype != t.dtype or not torch.equal(after[n], t)]
-        assert not bad, bad[:5]
-    dist.barrier()
-
-
-LENGTH = 18  # > WINDOW: the windowed layers drop keys
-
-
-def _rows(vocab):
-    """Three right-padded rows of lengths 17, 11, 6 (pad id 0) and their labels (-100: no label)."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, vocab, (3, LENGTH), generator=g)
-    lengths = torch.tensor([17, 11, 6])
-    valid = torch.arange(LENGTH)[None, :] < lengths[:, None]
-    ids = ids.masked_fill(~valid, 0)
-    labels = torch.roll(ids, -1, 1).masked_fill(~(torch.arange(LENGTH)[None, :] < (lengths - 1)[:, None]), -100)
-    return ids, labels
-
-
-def _hf_logprobs(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    ids, labels = _rows(model.config.vocab_size)
-    with torch.no_grad():  # right padding: a causal model's earlier positions never see it
-        logits = model(ids, attention_mask=(labels >= 0) | (torch.arange(LENGTH) == 0)).logits.double()
-    lp = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
-    return lp.masked_fill(labels < 0, 0)
-
-
-def tie_rule(gaps: torch.Tensor) -> tuple[float, float]:
-    """(max, median) |gap| over the labelled tokens; the MoE rule: max <= 1e-4, median <= 1e-5."""
-    return gaps.max().item(), gaps.median().item()
-
-
 def _swap_sinks_and_biases(model):
     """Break on purpose: each layer's sink logits and the first heads' o_proj bias entries trade places."""
     for name, param in model.named_parameters():
@@ -278,12 +226,11 @@ def _halves_view(fused_expert, half):
 
 
 def _parity_body(rank, world, model_dir, tp, pp, ep, expected, breaks=None):
-    """megatron's fp32 log-probs vs transformers' (expected [3, LENGTH]); `breaks`: what is broken on purpose
+    """megatron's fp32 log-probs vs transformers' (expected [3, 18]); `breaks`: what is broken on purpose
     (a ModelArch change, or "swap-sinks" / "interleaved"), the parity must then fail."""
     from remax_megatron.models import build_policy
     from remax_megatron.models.arch import ExpertOptions
     from remax_megatron.models.families import gpt_oss
-    from remax_megatron.models.forward import broadcast_from_last_stage, forward_only
     from remax_megatron.parallel import ParallelLayout
     from remax_megatron.weights import load_hf_weights
 
@@ -298,19 +245,7 @@ def _parity_body(rank, world, model_dir, tp, pp, ep, expected, breaks=None):
     load_hf_weights(model, model_dir)
     if breaks == "swap-sinks":
         _swap_sinks_and_biases(model)
-    ids, labels = _rows(arch.vocab_size)
-    out = forward_only(
-        model,
-        [{"input_ids": ids, "labels": labels}],
-        lambda m, hidden, batch: m.token_logprobs(hidden, batch["labels"])[0],
-    )
-    lp = broadcast_from_last_stage(out[0] if out else None, ids.shape, torch.float32)
-    gaps = (lp.double() - expected).abs()[labels >= 0]
-    worst, median = tie_rule(gaps)
-    if breaks:
-        assert worst > 1e-3, f"broken mapping {breaks} still matches transformers: max {worst}"
-    else:
-        assert worst <= 1e-4 and median <= 1e-5, f"tp={tp} pp={pp} ep={ep}: max {worst}, median {median}"
+    assert_parity(model, arch.vocab_size, expected, breaks, tp, pp, ep)
 
 
 def _lora_body(rank, world, model_dir):
@@ -318,67 +253,15 @@ def _lora_body(rank, world, model_dir):
     the experts are refused in one line."""
     from safetensors.torch import load_file
 
-    from remax_megatron.models import build_policy
-    from remax_megatron.models.arch import ExpertOptions, LoraOptions
     from remax_megatron.models.families import gpt_oss
-    from remax_megatron.parallel import ParallelLayout
-    from remax_megatron.weights import export_hf_weights, load_hf_weights
+    from remax_megatron.weights import export_hf_weights
 
-    ParallelLayout(tp=1, pp=1, world_size=world).initialize(seed=0)
-    arch = read_hf_config(model_dir)
-    with pytest.raises(ValueError, match="is a MoE expert; LoRA on experts is not supported"):
-        build_policy(arch, tp=1, pp=1, experts=ExpertOptions(), lora=LoraOptions(rank=4, alpha=8.0))
-    lora = LoraOptions(rank=4, alpha=8.0, targets=("linear_qkv", "linear_proj"))
-    model = build_policy(arch, tp=1, pp=1, experts=ExpertOptions(), lora=lora)
-    adapted = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert len(adapted) == 4 * 2 * 2, adapted  # 4 layers x (qkv, proj) x (A, B)
-    load_hf_weights(model, model_dir)
+    model = attention_lora_model(world, model_dir)
     source = load_file(os.path.join(model_dir, "model.safetensors"))
     exported = dict(gpt_oss.fuse_stream(export_hf_weights(model)))  # B = 0: the merged export is the checkpoint
     assert sorted(exported) == sorted(source)
     for name, tensor in exported.items():
         assert torch.equal(tensor, source[name]), name
-
-
-def _replay_body(rank, world, model_dir, tp, pp, ep):
-    """Routing replay: the native engine's routes (transformers' GptOssTopKRouter, recorded by global layer)
-    are where the actor routes every fed token, and replaying them gives the actor's own log-probs."""
-    import torch.distributed as dist
-
-    from remax_megatron.batching import pad_sequences
-    from remax_megatron.config import RolloutConfig
-    from remax_megatron.models import build_policy
-    from remax_megatron.models.arch import ExpertOptions
-    from remax_megatron.models.moe import end_replay, own_routes, replay_routes
-    from remax_megatron.parallel import ParallelLayout
-    from remax_megatron.rollout import SamplingParams, build_engine, flatten_rollouts, sync_weights
-    from remax_megatron.weights import export_hf_weights, load_hf_weights
-    from tests.rollout.test_actor_parity import _actor_logprobs
-
-    etp = 1  # megatron-core builds biased experts only unsplit
-    ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize(seed=0)
-    arch = read_hf_config(model_dir)
-    experts = ExpertOptions(ep=ep, etp=etp, routing_replay=True)
-    actor = build_policy(arch, tp=tp, pp=pp, trainable=False, experts=experts, sequence_parallel=tp > 1)
-    load_hf_weights(actor, model_dir)
-    engine = build_engine(
-        RolloutConfig(engine="native", routing_replay=True), hf_dir=model_dir, arch=arch, seed=0, dtype=torch.float32
-    )
-    sync_weights(engine, export_hf_weights(actor, bucket_mb=0.05), bucket_mb=0.05)
-    prompts = [[5, 17, 40, 41, 42], [9, 10], [60, 61, 62, 63, 64, 65, 66, 67]]
-    results = [engine.generate(prompts, n=2, sampling=SamplingParams(temperature=0.7, max_new_tokens=8, seed=3))]
-    dist.broadcast_object_list(results, src=0)  # rank 0's rollout: the whole group scores one batch
-    rows_p, rows_c = flatten_rollouts(prompts, results[0])
-    batch = pad_sequences(rows_p, rows_c, pad_id=engine.pad_token_id, pad_to_multiple=tp, routes=True)
-    given = batch["routed_experts"]  # [B, S, layers, top_k] by global layer
-    assert given.shape[2] == arch.num_layers == 4 and (given >= 0).sum() > 50
-    assert torch.equal(given.sort(-1).values, own_routes(actor, batch).sort(-1).values)
-    live = _actor_logprobs(actor, batch, 0.7)
-    replay_routes(actor, given.to(torch.long))
-    replayed = _actor_logprobs(actor, batch, 0.7)
-    end_replay(actor)
-    gap = ((replayed - live).abs() * batch["response_mask"]).max().item()
-    assert gap <= 1e-6, f"replaying the engine's routes moved the actor's log-probs by {gap}"
 
 
 def _engine_body(rank, world, model_dir):
@@ -431,12 +314,12 @@ BROKEN = {
 @pytest.fixture(scope="module")
 def launched(oss, tmp_path_factory):
     top = tmp_path_factory.mktemp("oss-launches")
-    expected = _hf_logprobs(oss)
+    expected = hf_logprobs(oss, attn_implementation="eager")
     cases = {1: {}, 2: {}, 4: {}}
     for name, (to_megatron, to_hf) in ROUND_TRIPS.items():
         (top / name).mkdir()
         cases[4][f"round-trip-{name}"] = (
-            _round_trip_body,
+            round_trip_body,
             (oss, str(top / name / "ckpt"), str(top / name / "out"), to_megatron, to_hf),
         )
     for name, (tp, pp, ep, world) in PARITY.items():
@@ -445,7 +328,9 @@ def launched(oss, tmp_path_factory):
         cases[1][f"broken-{name}"] = (_parity_body, (oss, 1, 1, 1, expected, breaks))
     cases[1]["lora"] = (_lora_body, (oss,))
     cases[1]["engine"] = (_engine_body, (oss,))
-    cases[2]["replay-tp2-ep2"] = (_replay_body, (oss, 2, 1, 2))
+    # the native engine's routes come from transformers' GptOssTopKRouter; etp 1: megatron-core builds biased
+    # experts only unsplit; no dense layers
+    cases[2]["replay-tp2-ep2"] = (replay_body, (oss, 2, 1, 2, 1, 0))
     return SharedLaunches(cases, str(top / "launches"))
 
 
@@ -498,24 +383,7 @@ def test_native_engine_follows_a_tp2_actor_over_three_steps(oss, tmp_path):
     parallel, EP2) actor: rounding only, so the weights, sinks and biases reach the engine every sync."""
     from tests.train.test_train_e2e import assert_fp32_rounding_only
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    argv = [
-        "--config",
-        "configs/tiny_cpu.yaml",
-        f"trainer.output_dir={tmp_path / 'run'}",
-        "logging.progress_bar=false",
-        f"actor.model={oss}",
-        "actor.sequence_parallel=true",
-        "actor.ep=2",
-        "actor.etp=1",
-        "rollout.engine=native",
-        "trainer.steps=3",
-        "trainer.eval_every=0",
-    ]
-    r = run_main("remax_megatron.train", argv, 2, env=env)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    with open(tmp_path / "run" / "metrics.jsonl") as f:
-        train = [json.loads(line) for line in f if '"loss"' in line]
+    train = three_steps(oss, tmp_path / "run", "native", "actor.ep=2", "actor.etp=1")
     assert len(train) == 3 and all(r["rollout/tokens"] > 0 for r in train)
     assert_fp32_rounding_only(r["logprob/engine_vs_actor_max_diff"] for r in train)
 

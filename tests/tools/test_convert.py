@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.models.family_helpers import round_trip_body
 from tools.make_tiny_model import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -77,23 +78,6 @@ FAMILY_ROUND_TRIPS = {
 }
 
 
-def _round_trip_body(rank, world, hf, ckpt, out, to_megatron, to_hf):
-    import torch.distributed as dist
-
-    from tools import convert_hf_to_megatron, convert_megatron_to_hf
-
-    tp, pp, ep, etp = to_megatron
-    convert_hf_to_megatron.convert(hf, ckpt, tp=tp, pp=pp, ep=ep, etp=etp)
-    tp, pp, ep, etp = to_hf
-    convert_megatron_to_hf.convert(ckpt, out, tp=tp, pp=pp, ep=ep, etp=etp)
-    if rank == 0:
-        before, after = _tensors(hf), _tensors(out)
-        assert sorted(before) == sorted(after)
-        bad = [n for n, t in before.items() if after[n].dtype != t.dtype or not torch.equal(after[n], t)]
-        assert not bad, bad[:5]
-    dist.barrier()
-
-
 @pytest.fixture(scope="module")
 def round_trips(tmp_path_factory):
     from tests._dist import SharedLaunches
@@ -115,7 +99,7 @@ def round_trips(tmp_path_factory):
             seed=5,
             **options,
         )
-        cases[name] = (_round_trip_body, (hf, str(top / name / "ckpt"), str(top / name / "out"), to_megatron, to_hf))
+        cases[name] = (round_trip_body, (hf, str(top / name / "ckpt"), str(top / name / "out"), to_megatron, to_hf))
     return SharedLaunches({4: cases}, str(top / "launches"))
 
 
