@@ -291,15 +291,19 @@ def family_models(tmp_path_factory):
         # per-head q/k norms, head_dim 64 != hidden / heads (32), untied
         "qwen3": make_tiny_model(
             str(root / "qwen3"), "qwen3", hidden=128, layers=2, heads=4, kv_heads=2, ffn=96, head_dim=64, seed=12
-        )
+        ),
+        # a sliding window of 6 keys, shorter than most rows (prompts of 2-8 tokens, 8 new ones)
+        "mistral-window": make_tiny_model(
+            str(root / "mistral"), "mistral", hidden=128, layers=2, heads=4, kv_heads=2, ffn=96, sliding_window=6
+        ),
     }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,rollout_tp", [("qwen3", 1), ("qwen3", 2)])
+@pytest.mark.parametrize("family,rollout_tp", [("qwen3", 1), ("qwen3", 2), ("mistral-window", 1)])
 def test_vllm_matches_the_actor_of_each_family(family, rollout_tp, family_models):
-    """Actor TP=2 on two processes; engines of rollout.tp 1 (one per rank) and 2. (Mistral, Llama-shaped in
-    vLLM, ran here once at rollout.tp=1 with a sliding window as long as max_model_len: passed, 2026-12-02.)"""
+    """Actor TP=2 on two processes; engines of rollout.tp 1 (one per rank) and 2. Mistral with a window of 6:
+    vLLM applies the HF config's window as the actor does (an actor blind to it: sampled rows 0.61 apart)."""
     run_distributed(_body, world_size=2, args=(family_models[family], 2, 1, rollout_tp))
 
 
