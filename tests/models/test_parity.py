@@ -32,127 +32,34 @@ DISPATCHERS = ["alltoall", "allgather"]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
+    # 4 layers of hidden 64, GQA 4 heads / 2 kv heads, MLP 96 (MoE: 4 experts of 32, 2 per token); vocab 300
+    # (not a multiple of 128 * tp) unless chars only
+    dense = dict(hidden=64, layers=4, heads=4, kv_heads=2, ffn=96)
+    wide = dict(dense, vocab=300)
+    moe = dict(wide, ffn=32, experts=4, top_k=2)
+
+    def model(name, family, **options):
+        return make_tiny_model(str(root / name), family, **options)
+
     return {
-        # Llama: tied embeddings, GQA 4 heads / 2 kv heads, vocab 104 (chars only).
-        "llama": make_tiny_model(
-            str(root / "llama"), "llama", hidden=64, layers=4, heads=4, kv_heads=2, ffn=96, tie=True, seed=1
-        ),
-        # Qwen2: untied, qkv bias, GQA, vocab 300 (not a multiple of 128 * tp).
-        "qwen2": make_tiny_model(
-            str(root / "qwen2"),
-            "qwen2",
-            hidden=64,
-            layers=4,
-            heads=4,
-            kv_heads=2,
-            ffn=96,
-            vocab=300,
-            rope_theta=1e6,
-            seed=2,
-        ),
+        # Llama: tied embeddings, vocab 104 (chars only).
+        "llama": model("llama", "llama", **dense, tie=True, seed=1),
+        # Qwen2: untied, qkv bias.
+        "qwen2": model("qwen2", "qwen2", **wide, rope_theta=1e6, seed=2),
         # Qwen3: q/k norms per head, head_dim 32 != hidden / heads (16), untied; and a tied one.
-        "qwen3": make_tiny_model(
-            str(root / "qwen3"),
-            "qwen3",
-            hidden=64,
-            layers=4,
-            heads=4,
-            kv_heads=2,
-            ffn=96,
-            vocab=300,
-            head_dim=32,
-            rope_theta=1e6,
-            seed=5,
-        ),
-        "qwen3-tied": make_tiny_model(
-            str(root / "qwen3-tied"), "qwen3", hidden=64, layers=4, heads=4, kv_heads=2, ffn=96, tie=True, seed=6
-        ),
+        "qwen3": model("qwen3", "qwen3", **wide, head_dim=32, rope_theta=1e6, seed=5),
+        "qwen3-tied": model("qwen3-tied", "qwen3", **dense, tie=True, seed=6),
         # Mistral: a sliding window of 6 on every layer, shorter than the 17-token rows (and than the packed
         # documents: the window applies inside each).
-        "mistral": make_tiny_model(
-            str(root / "mistral"),
-            "mistral",
-            hidden=64,
-            layers=4,
-            heads=4,
-            kv_heads=2,
-            ffn=96,
-            vocab=300,
-            head_dim=32,
-            sliding_window=6,
-            max_positions=2048,
-            seed=7,
-        ),
+        "mistral": model("mistral", "mistral", **wide, head_dim=32, sliding_window=6, max_positions=2048, seed=7),
         # Qwen2 with use_sliding_window: layers 0-1 full, 2-3 a window of 5 (max_window_layers=2)
-        "qwen2-window": make_tiny_model(
-            str(root / "qwen2-window"),
-            "qwen2",
-            hidden=64,
-            layers=4,
-            heads=4,
-            kv_heads=2,
-            ffn=96,
-            vocab=300,
-            sliding_window=5,
-            max_window_layers=2,
-            seed=12,
-        ),
-        "rm": make_tiny_model(
-            str(root / "rm"), "qwen2", hidden=64, layers=4, heads=4, kv_heads=2, ffn=96, vocab=300, reward=True, seed=3
-        ),
-        # MoE: 4 experts of width 32, 2 per token; Qwen3-MoE renormalises the top-k (norm_topk_prob)
-        "qwen3_moe": make_tiny_model(
-            str(root / "qwen3_moe"),
-            "qwen3_moe",
-            hidden=64,
-            layers=4,
-            heads=4,
-            kv_heads=2,
-            ffn=32,
-            vocab=300,
-            experts=4,
-            top_k=2,
-            seed=10,
-        ),
-        "mixtral": make_tiny_model(
-            str(root / "mixtral"),
-            "mixtral",
-            hidden=64,
-            layers=4,
-            heads=4,
-            kv_heads=2,
-            ffn=32,
-            vocab=300,
-            experts=4,
-            top_k=2,
-            sliding_window=7,  # every layer: shorter than the rows
-            seed=11,
-        ),
-        "rm-qwen3": make_tiny_model(
-            str(root / "rm-qwen3"),
-            "qwen3",
-            hidden=64,
-            layers=4,
-            heads=4,
-            kv_heads=2,
-            ffn=96,
-            vocab=300,
-            head_dim=32,
-            reward=True,
-            seed=8,
-        ),
-        "rm-mistral": make_tiny_model(
-            str(root / "rm-mistral"),
-            "mistral",
-            hidden=64,
-            layers=4,
-            heads=4,
-            kv_heads=2,
-            ffn=96,
-            vocab=300,
-            reward=True,
-            seed=9,
-        ),
+        "qwen2-window": model("qwen2-window", "qwen2", **wide, sliding_window=5, max_window_layers=2, seed=12),
+        "rm": model("rm", "qwen2", **wide, reward=True, seed=3),
+        # MoE: Qwen3-MoE renormalises the top-k (norm_topk_prob); Mixtral windows every layer (shorter than the rows)
+        "qwen3_moe": model("qwen3_moe", "qwen3_moe", **moe, seed=10),
+        "mixtral": model("mixtral", "mixtral", **moe, sliding_window=7, seed=11),
+        "rm-qwen3": model("rm-qwen3", "qwen3", **wide, head_dim=32, reward=True, seed=8),
+        "rm-mistral": model("rm-mistral", "mistral", **wide, reward=True, seed=9),
     }
 
 
