@@ -73,19 +73,11 @@ ARCH = dict(
 # The dense default's shape with its MLP as 4 experts, 2 per token (Mixtral: Llama's attention, so the
 # upcycled model starts as exactly the dense one up to the experts' noise).
 MOE_ARCH = dict(ARCH, family="mixtral", options=dict(experts=4, top_k=2))
+# The supervised builds' AdamW with warmup then cosine decay, and gradient clipping
+OPTIMIZER = dict(lr=3e-3, warmup_frac=0.1, betas=(0.9, 0.98), clip=1.0)
 RECIPES = {
     "tiny-arith": dict(
-        kind="actor",
-        task="arith",
-        arch=ARCH,
-        seed=0,
-        p_correct=0.25,
-        wrong_offset=1,
-        steps=400,
-        lr=3e-3,
-        warmup_frac=0.1,
-        betas=(0.9, 0.98),
-        clip=1.0,
+        kind="actor", task="arith", arch=ARCH, seed=0, p_correct=0.25, wrong_offset=1, steps=400, **OPTIMIZER
     ),
     "tiny-arith-moe": dict(
         kind="upcycled", base="tiny-arith", task="arith", arch=MOE_ARCH, seed=0, expert_noise=0.01, router_std=0.02
@@ -100,10 +92,7 @@ RECIPES = {
         p_tool=0.25,
         steps=300,
         batch=32,
-        lr=3e-3,
-        warmup_frac=0.1,
-        betas=(0.9, 0.98),
-        clip=1.0,
+        **OPTIMIZER,
     ),
     "tiny-arith-rm": dict(
         kind="reward",
@@ -113,10 +102,7 @@ RECIPES = {
         negatives_per_prompt=1,
         max_answer=19,
         steps=600,
-        lr=3e-3,
-        warmup_frac=0.1,
-        betas=(0.9, 0.98),
-        clip=1.0,
+        **OPTIMIZER,
         lm_aux_weight=1.0,
     ),
 }
