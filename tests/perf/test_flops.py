@@ -77,26 +77,17 @@ def test_sliding_window_layers_count_their_window():
     import dataclasses
 
     from remax_megatron.flops import attention_pairs, forward_flops
-    from remax_megatron.models.arch import ModelArch
 
-    arch = ModelArch(
+    arch = _arch(
         architecture="GptOssForCausalLM",
         family="gpt_oss",
-        task="causal_lm",
         hidden_size=48,
         ffn_hidden_size=40,
         num_layers=4,
         num_heads=4,
-        num_kv_heads=2,
         head_dim=12,
         vocab_size=301,
-        rms_norm_eps=1e-5,
         rope_theta=1.5e5,
-        rope_scaling_factor=None,
-        tie_word_embeddings=False,
-        max_position_embeddings=4096,
-        pad_token_id=None,
-        torch_dtype="float32",
     )
     lengths, q = [300, 20], 4 * 12
     full = forward_flops(arch, lengths)
