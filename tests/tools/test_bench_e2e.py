@@ -14,39 +14,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # Every stage of the trainer's step (remax_megatron/trainer.py; wait: the reward stage's wait on other ranks), totals.
 STAGES = ("sync", "rollout", "wait", "reward", "pack", "logprobs", "update", "metrics", "train", "step")
+# Two measured steps after one warm-up of 4 prompts x n=2 on the native engine
+SHORT_RUN = ["--steps", "2", "--warmup", "1"]
+ONE_GREEDY_REPEAT = ["--greedy-repeats", "1"]
+SMALL_STEP = ["rollout.engine=native", "trainer.prompts_per_step=4", "rollout.n=2", "trainer.micro_batch_size=4"]
+
+
+def tiny_llama(path, **options):
+    return make_tiny_model(str(path), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, **options)
+
+
+def run_tool(script: str, hf: str, out, *args: str, timeout: int = 600, quiet: bool = True):
+    """tools/<script> --hf-dir hf [--json out] args, from the repository root, its output captured; quiet: one
+    OpenMP thread and no Python warnings (the benchmarks' own subprocesses inherit them)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore") if quiet else None
+    where = ["--hf-dir", hf] + (["--json", str(out)] if out else [])
+    command = [sys.executable, f"tools/{script}", *where, *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
 def test_bench_e2e_json_contract(tmp_path):
-    hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
+    hf = tiny_llama(tmp_path / "hf")
     out = tmp_path / "e2e.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "tools/bench_e2e.py",
-            "--hf-dir",
-            hf,
-            "--json",
-            str(out),
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--greedy-repeats",
-            "1",
-            "actor.tp=1",
-            "rollout.engine=native",
-            "trainer.prompts_per_step=4",
-            "rollout.n=2",
-            "trainer.micro_batch_size=4",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    r = run_tool("bench_e2e.py", hf, out, *SHORT_RUN, *ONE_GREEDY_REPEAT, "actor.tp=1", *SMALL_STEP)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     assert json.loads(r.stdout[r.stdout.index("{") :]) == result  # the same object on stdout
@@ -88,47 +79,14 @@ with open(out, "w") as f:
 def test_rounds_alternate_ours_and_the_peer(tmp_path):
     """--rounds 2: ours, peer, peer, ours (ABBA); each round's ratio is the peer's median step time over
     ours in that round, the reported ratio their median; ours warms up once and runs every measured step."""
-    hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
+    hf = tiny_llama(tmp_path / "hf")
     log = tmp_path / "peer_calls.txt"
     peer = tmp_path / "fake_peer"
     peer.write_text(FAKE_PEER.format(python=sys.executable, log=str(log)))
     peer.chmod(0o755)
     out = tmp_path / "e2e.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "tools/bench_e2e.py",
-            "--hf-dir",
-            hf,
-            "--json",
-            str(out),
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--greedy-repeats",
-            "1",
-            "--rounds",
-            "2",
-            "--peer",
-            "trl",
-            "--peer-python",
-            str(peer),
-            "--peer-generation",
-            "transformers",
-            "actor.tp=1",
-            "rollout.engine=native",
-            "trainer.prompts_per_step=4",
-            "rollout.n=2",
-            "trainer.micro_batch_size=4",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    peer_args = ["--rounds", "2", "--peer", "trl", "--peer-python", str(peer), "--peer-generation", "transformers"]
+    r = run_tool("bench_e2e.py", hf, out, *SHORT_RUN, *ONE_GREEDY_REPEAT, *peer_args, "actor.tp=1", *SMALL_STEP)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     calls = [float(t) for t in log.read_text().split()]
@@ -148,20 +106,14 @@ def test_rounds_alternate_ours_and_the_peer(tmp_path):
 
 
 def test_rounds_need_the_peer_and_one_process():
-    r = subprocess.run(
-        [sys.executable, "tools/bench_e2e.py", "--hf-dir", "x", "--rounds", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_tool("bench_e2e.py", "x", None, "--rounds", "2", timeout=120, quiet=False)
     assert r.returncode == 2 and "--rounds 2 alternates with the peer" in r.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("what", ["float16", "reward_model"])
 def test_the_peer_refuses_work_it_cannot_match_before_building(tmp_path, what):
     """One line naming the value, exit 2, before the trainer is built (no result written)."""
-    hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
+    hf = tiny_llama(tmp_path / "hf")
     if what == "float16":
         override, message = (
             "actor.dtype=float16",
@@ -171,30 +123,11 @@ def test_the_peer_refuses_work_it_cannot_match_before_building(tmp_path, what):
             ),
         )
     else:
-        rm = make_tiny_model(
-            str(tmp_path / "rm"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, reward=True
-        )
+        rm = tiny_llama(tmp_path / "rm", reward=True)
         override, message = f"reward.model={rm}", "--peer trl compares rule-based rewards only"
     out = tmp_path / "e2e.json"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "tools/bench_e2e.py",
-            "--hf-dir",
-            hf,
-            "--json",
-            str(out),
-            "--peer",
-            "trl",
-            "actor.tp=1",
-            "rollout.engine=native",
-            override,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    against_trl = ["--peer", "trl", "actor.tp=1", "rollout.engine=native"]
+    r = run_tool("bench_e2e.py", hf, out, *against_trl, override, timeout=300, quiet=False)
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and last.startswith(f"error: {message}") and not out.exists()
     assert "build_s" not in r.stdout
@@ -205,36 +138,11 @@ def test_bench_placement_runs_all_four_and_reports_the_ratios(tmp_path):
     """tools/bench_placement.py (issue 36 item 6): colocated at W-1 and W, separate at W with staleness 0 and 1,
     through tools/bench_e2e.py --placement separate; the ratios are those of the runs' own numbers. W = 2 (the
     least that has a rollout rank and a training rank): 7 processes on the 2 cores where W = 3 took 11."""
-    hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
+    hf = tiny_llama(tmp_path / "hf")
     out = tmp_path / "placement.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "tools/bench_placement.py",
-            "--hf-dir",
-            hf,
-            "--world",
-            "2",
-            "--tp",
-            "1",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--json",
-            str(out),
-            "rollout.engine=native",
-            "trainer.prompts_per_step=4",
-            "rollout.n=2",
-            "trainer.micro_batch_size=4",
-            "rollout.max_new_tokens=4",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    world = ["--world", "2", "--tp", "1"]
+    r = run_tool(
+        "bench_placement.py", hf, out, *world, *SHORT_RUN, *SMALL_STEP, "rollout.max_new_tokens=4", timeout=900
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     result = json.loads(out.read_text())
