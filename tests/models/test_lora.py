@@ -22,6 +22,7 @@ import torch
 from tests._dist import SharedLaunches
 from tests.train.test_update import _batch  # the update tests' batch: 8 rows, responses of 1..7 tokens
 from tools.bench_noise_floor import random_adapters
+from tests._tiny import small_model
 from tools.make_tiny_model import make_tiny_model
 
 RANK, ALPHA = 4, 16.0  # scale 4: a dropped alpha/r shows
@@ -30,17 +31,7 @@ RANK, ALPHA = 4, 16.0  # scale 4: a dropped alpha/r shows
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     # tied embeddings: at PP2 the frozen embedding's (absent) grad goes through megatron's embedding all-reduce
-    return make_tiny_model(
-        str(tmp_path_factory.mktemp("m") / "llama"),
-        "llama",
-        hidden=64,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        ffn=96,
-        tie=True,
-        seed=7,
-    )
+    return small_model(tmp_path_factory, "llama", seed=7, tie=True)
 
 
 def _trainer(world, model_dir, tp, pp, overrides=(), lora=True):

@@ -16,26 +16,14 @@ import torch
 
 from tests._dist import SharedLaunches
 from tests.train.test_update import _moe_batch
-from tools.make_tiny_model import make_tiny_model
+from tests._tiny import small_model
 
 LAYOUTS = [(1, 1, 1, 1), (2, 1, 2, 2), (1, 2, 2, 4)]  # tp, pp, ep, world
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(
-        str(tmp_path_factory.mktemp("replay") / "mixtral"),
-        "mixtral",
-        hidden=64,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        ffn=32,
-        vocab=128,
-        experts=4,
-        top_k=2,
-        seed=8,
-    )
+    return small_model(tmp_path_factory, "mixtral", seed=8)
 
 
 def _actor(world, model_dir, tp, pp, ep, overrides=()):

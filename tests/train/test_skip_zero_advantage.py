@@ -18,7 +18,7 @@ import torch
 
 from tests._dist import SharedLaunches
 from tests.train.test_update import _trainer, _var_batch
-from tools.make_tiny_model import make_tiny_model
+from tests._tiny import small_model
 
 TIED = [1, 3, 4, 6]  # rows whose reward equals the baseline (rank 0 of dp2 holds rows 0-3)
 ALL_OF_RANK0 = [0, 1, 2, 3]  # every row of DP rank 0 ties
@@ -38,17 +38,7 @@ VARIANTS = {  # name: overrides
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(
-        str(tmp_path_factory.mktemp("m") / "llama"),
-        "llama",
-        hidden=64,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        ffn=96,
-        tie=False,
-        seed=7,
-    )
+    return small_model(tmp_path_factory, "llama", seed=7)
 
 
 def _tied_batch(tied):

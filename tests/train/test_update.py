@@ -13,22 +13,12 @@ import pytest
 import torch
 
 from tests._dist import SharedLaunches
-from tools.make_tiny_model import make_tiny_model
+from tests._tiny import small_model
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(
-        str(tmp_path_factory.mktemp("m") / "llama"),
-        "llama",
-        hidden=64,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        ffn=96,
-        tie=False,
-        seed=7,
-    )
+    return small_model(tmp_path_factory, "llama", seed=7)
 
 
 def _batch():
@@ -429,19 +419,7 @@ MOE_LAYOUTS = [(1, 1, 2, 2), (2, 1, 2, 2), (2, 1, 2, 4), (1, 2, 2, 4)]  # tp, pp
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    return make_tiny_model(
-        str(tmp_path_factory.mktemp("moe") / "qwen3_moe"),
-        "qwen3_moe",
-        hidden=64,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        ffn=32,
-        vocab=128,
-        experts=4,
-        top_k=2,
-        seed=3,
-    )
+    return small_model(tmp_path_factory, "qwen3_moe", seed=3)
 
 
 def _moe_batch():
