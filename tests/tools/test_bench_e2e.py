@@ -16,12 +16,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STAGES = ("sync", "rollout", "wait", "reward", "pack", "logprobs", "update", "metrics", "train", "step")
 
 
-@pytest.mark.slow
-def test_bench_e2e_json_contract(tmp_path):
-    hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
-    out = tmp_path / "e2e.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run(
+def _tiny_llama(tmp_path):
+    """A 2-layer Llama: a benchmark step on it takes seconds on CPU."""
+    return make_tiny_model(str(tmp_path / "hf"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
+
+
+def _run_bench_e2e(hf, out, *options):
+    """tools/bench_e2e.py at world 1 on the native engine: one warm-up and two measured steps of 4 prompts x 2
+    samples, the greedy row timed once; `options` go before the config overrides."""
+    return subprocess.run(
         [
             sys.executable,
             "tools/bench_e2e.py",
@@ -35,6 +38,7 @@ def test_bench_e2e_json_contract(tmp_path):
             "1",
             "--greedy-repeats",
             "1",
+            *options,
             "actor.tp=1",
             "rollout.engine=native",
             "trainer.prompts_per_step=4",
@@ -42,11 +46,17 @@ def test_bench_e2e_json_contract(tmp_path):
             "trainer.micro_batch_size=4",
         ],
         cwd=ROOT,
-        env=env,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+@pytest.mark.slow
+def test_bench_e2e_json_contract(tmp_path):
+    out = tmp_path / "e2e.json"
+    r = _run_bench_e2e(_tiny_llama(tmp_path), out)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     assert json.loads(r.stdout[r.stdout.index("{") :]) == result  # the same object on stdout
@@ -88,46 +98,14 @@ with open(out, "w") as f:
 def test_rounds_alternate_ours_and_the_peer(tmp_path):
     """--rounds 2: ours, peer, peer, ours (ABBA); each round's ratio is the peer's median step time over
     ours in that round, the reported ratio their median; ours warms up once and runs every measured step."""
-    hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
+    hf = _tiny_llama(tmp_path)
     log = tmp_path / "peer_calls.txt"
     peer = tmp_path / "fake_peer"
     peer.write_text(FAKE_PEER.format(python=sys.executable, log=str(log)))
     peer.chmod(0o755)
     out = tmp_path / "e2e.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "tools/bench_e2e.py",
-            "--hf-dir",
-            hf,
-            "--json",
-            str(out),
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--greedy-repeats",
-            "1",
-            "--rounds",
-            "2",
-            "--peer",
-            "trl",
-            "--peer-python",
-            str(peer),
-            "--peer-generation",
-            "transformers",
-            "actor.tp=1",
-            "rollout.engine=native",
-            "trainer.prompts_per_step=4",
-            "rollout.n=2",
-            "trainer.micro_batch_size=4",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    r = _run_bench_e2e(
+        hf, out, "--rounds", "2", "--peer", "trl", "--peer-python", str(peer), "--peer-generation", "transformers"
     )
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -161,7 +139,7 @@ def test_rounds_need_the_peer_and_one_process():
 @pytest.mark.parametrize("what", ["float16", "reward_model"])
 def test_the_peer_refuses_work_it_cannot_match_before_building(tmp_path, what):
     """One line naming the value, exit 2, before the trainer is built (no result written)."""
-    hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
+    hf = _tiny_llama(tmp_path)
     if what == "float16":
         override, message = (
             "actor.dtype=float16",
@@ -205,7 +183,7 @@ def test_bench_placement_runs_all_four_and_reports_the_ratios(tmp_path):
     """tools/bench_placement.py (issue 36 item 6): colocated at W-1 and W, separate at W with staleness 0 and 1,
     through tools/bench_e2e.py --placement separate; the ratios are those of the runs' own numbers. W = 2 (the
     least that has a rollout rank and a training rank): 7 processes on the 2 cores where W = 3 took 11."""
-    hf = make_tiny_model(str(tmp_path / "hf"), "llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
+    hf = _tiny_llama(tmp_path)
     out = tmp_path / "placement.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     r = subprocess.run(

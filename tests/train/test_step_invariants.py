@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
+from tests.train.update_helpers import tiny_llama
 from tools.make_tiny_model import make_tiny_model
 
 N = 3  # sampled responses per prompt
@@ -30,17 +31,7 @@ OFFSETS = (-1.0, 0.0, 2.0)  # sample j's reward minus its prompt's greedy reward
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(
-        str(tmp_path_factory.mktemp("m") / "llama"),
-        "llama",
-        hidden=64,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        ffn=96,
-        tie=False,
-        seed=3,
-    )
+    return tiny_llama(tmp_path_factory, tie=False, seed=3)
 
 
 class SpyScorer:
