@@ -21,8 +21,8 @@ import torch
 
 from tests._dist import SharedLaunches
 from tests.train.test_update import _batch  # the update tests' batch: 8 rows, responses of 1..7 tokens
+from tests.train.update_helpers import dp_share, tiny_llama, update_config, update_trainer
 from tools.bench_noise_floor import random_adapters
-from tests._tiny import small_model
 from tools.make_tiny_model import make_tiny_model
 
 RANK, ALPHA = 4, 16.0  # scale 4: a dropped alpha/r shows
@@ -31,63 +31,37 @@ RANK, ALPHA = 4, 16.0  # scale 4: a dropped alpha/r shows
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     # tied embeddings: at PP2 the frozen embedding's (absent) grad goes through megatron's embedding all-reduce
-    return small_model(tmp_path_factory, "llama", seed=7, tie=True)
+    return tiny_llama(tmp_path_factory, tie=True, seed=7)
 
 
 def _trainer(world, model_dir, tp, pp, overrides=(), lora=True):
     """A Trainer over a (LoRA) megatron DDP actor and the interface's optimizer (no engine)."""
     from types import SimpleNamespace
 
-    from remax_megatron.config import load_config
-    from remax_megatron.models import build_policy, read_hf_config
-    from remax_megatron.optimizer import attach_to_schedule, build_optimizer, build_scheduler, wrap_ddp
     from remax_megatron.parallel import ParallelLayout
     from remax_megatron.startup import lora_options
-    from remax_megatron.trainer import Trainer
-    from remax_megatron.weights import load_hf_weights
 
     groups = ParallelLayout(tp=tp, pp=pp, world_size=world).initialize(seed=0)
-    cfg = load_config(
-        None,
-        [
-            "reward.functions=[exact_match]",
-            "optim.lr=1e-2",
-            "optim.grad_clip=0",
-            "optim.eps=1e-3",
-            "trainer.micro_batch_size=2",
-            *([f"actor.lora_rank={RANK}", f"actor.lora_alpha={ALPHA}"] if lora else []),
-            *overrides,
-        ],
+    cfg = update_config(
+        "optim.lr=1e-2",
+        "optim.grad_clip=0",
+        "optim.eps=1e-3",
+        "trainer.micro_batch_size=2",
+        *([f"actor.lora_rank={RANK}", f"actor.lora_alpha={ALPHA}"] if lora else []),
+        *overrides,
     )
-    actor = build_policy(
-        read_hf_config(model_dir),
-        tp=tp,
-        pp=pp,
-        init_weights=False,
+    trainer, actor, _, opt = update_trainer(
+        groups,
+        cfg,
+        model_dir,
+        tp,
+        pp,
+        parts=dict(reference=None, kl=SimpleNamespace(coef=cfg.algo.kl_coef)),
         lora=lora_options(cfg),
         sequence_parallel=cfg.actor.sequence_parallel,
         recompute_granularity=None if cfg.actor.recompute == "none" else cfg.actor.recompute,
     )
-    load_hf_weights(actor, model_dir)
-    ddp = wrap_ddp(actor, False)
-    opt = build_optimizer(ddp, cfg.optim)
-    attach_to_schedule(ddp, opt)
-    parts = SimpleNamespace(
-        cfg=cfg,
-        groups=groups,
-        actor=ddp,
-        optimizer=opt,
-        reference=None,
-        scheduler=build_scheduler(opt, cfg.optim, 10),
-        kl=SimpleNamespace(coef=cfg.algo.kl_coef),
-    )
-    return Trainer(parts, logger=None), actor, opt
-
-
-def _local_rows(trainer, batch):
-    g = trainer.groups
-    rows = batch["input_ids"].shape[0] // g.dp_size
-    return {k: v[g.dp_rank * rows : (g.dp_rank + 1) * rows] for k, v in batch.items()}
+    return trainer, actor, opt
 
 
 # ---- bodies (run in every process) ----------------------------------------------------------------
@@ -147,7 +121,7 @@ def _update_body(rank, world, model_dir, tp, pp, out_path, sp=False, recompute="
     stats = []
     batch = _batch()
     for _ in range(2):
-        local = _local_rows(trainer, batch)
+        local = dp_share(trainer, batch)
         stats.append(trainer.updater.train_on(local, None, None).stats)
         batch["rewards"] = batch["rewards"].flip(0)  # another advantage for the second update
     after = _snapshot(actor)
@@ -258,7 +232,7 @@ def _resume_other_layout_body(rank, world, model_dir, saved_path, out_path, tp, 
     second = batch | {"rewards": batch["rewards"].flip(0)}
     trainer, actor, opt = _trainer(world, model_dir, tp, pp, ["trainer.seed=5"])
     load_checkpoint(saved["path"], actor, opt)
-    got = trainer.updater.train_on(_local_rows(trainer, second), None, None).stats
+    got = trainer.updater.train_on(dp_share(trainer, second), None, None).stats
     if rank == 0:
         torch.save({"got": got, "want": saved["want"]}, out_path)
 

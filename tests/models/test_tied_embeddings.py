@@ -49,8 +49,9 @@ def _actor_logits(actor, ids):
 def _tied_body(rank, world, model_dir, tp, pp):
     from remax_megatron.models import read_hf_config
     from remax_megatron.weights import export_hf_weights
-    from tests.models.test_lora import _local_rows, _trainer
+    from tests.models.test_lora import _trainer
     from tests.train.test_update import _batch
+    from tests.train.update_helpers import dp_share
 
     trainer, actor, _ = _trainer(world, model_dir, tp, pp, lora=False)  # full fine-tuning, lr 1e-2
     g = trainer.groups
@@ -63,7 +64,7 @@ def _tied_body(rank, world, model_dir, tp, pp):
 
     embedding = actor.shared_embedding_or_output_weight()  # first stage: the embedding; last: its copy
     start = embedding.detach().clone()
-    trainer.updater.train_on(_local_rows(trainer, _batch()), None, None)
+    trainer.updater.train_on(dp_share(trainer, _batch()), None, None)
     assert (embedding.detach() - start).abs().max().item() > 1e-4, "the update must move the embedding"
     if pp > 1:  # the last stage's output weight is still the first stage's embedding, bitwise
         copies = [torch.empty_like(embedding) for _ in range(pp)]

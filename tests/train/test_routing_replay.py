@@ -16,53 +16,21 @@ import torch
 
 from tests._dist import SharedLaunches
 from tests.train.test_update import _moe_batch
-from tests._tiny import small_model
+from tests.train.update_helpers import dp_share, moe_update_trainer, tiny_moe
 
 LAYOUTS = [(1, 1, 1, 1), (2, 1, 2, 2), (1, 2, 2, 4)]  # tp, pp, ep, world
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return small_model(tmp_path_factory, "mixtral", seed=8)
+    return tiny_moe(tmp_path_factory, "replay", "mixtral", seed=8)
 
 
 def _actor(world, model_dir, tp, pp, ep, overrides=()):
-    from types import SimpleNamespace
-
-    from remax_megatron.config import load_config
-    from remax_megatron.models import build_policy, read_hf_config
-    from remax_megatron.models.arch import ExpertOptions
-    from remax_megatron.optimizer import attach_to_schedule, build_optimizer, build_scheduler, wrap_ddp
-    from remax_megatron.parallel import ParallelLayout
-    from remax_megatron.trainer import Trainer
-    from remax_megatron.weights import load_hf_weights
-
-    etp = 1 if ep > 1 else tp
-    groups = ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize(seed=0)
-    cfg = load_config(
-        None, ["reward.functions=[exact_match]", "trainer.micro_batch_size=2", "optim.lr=1e-3", *overrides]
-    )
-    actor = build_policy(
-        read_hf_config(model_dir),
-        tp=tp,
-        pp=pp,
-        init_weights=False,
-        sequence_parallel=tp > 1,
-        experts=ExpertOptions(ep=ep, etp=etp, routing_replay=True),
-    )
-    load_hf_weights(actor, model_dir)
-    ddp = wrap_ddp(actor, False)
-    opt = build_optimizer(ddp, cfg.optim)
-    attach_to_schedule(ddp, opt)
-    parts = SimpleNamespace(
-        cfg=cfg,
-        groups=groups,
-        actor=ddp,
-        optimizer=opt,
-        scheduler=build_scheduler(opt, cfg.optim, 10),
-        kl=SimpleNamespace(coef=0.0),
-    )
-    return Trainer(parts, logger=None), actor
+    """A Trainer over a MoE actor that can replay given routes, and that actor."""
+    overrides = ["trainer.micro_batch_size=2", "optim.lr=1e-3", *overrides]
+    trainer, actor, _, _ = moe_update_trainer(world, model_dir, tp, pp, ep, overrides, routing_replay=True)
+    return trainer, actor
 
 
 def _record_body(rank, world, model_dir, out_path):
@@ -193,14 +161,11 @@ def _packed_replay_body(rank, world, model_dir, tp, pp, ep, routes_path, out_pat
         with torch.no_grad():
             for router in routers(actor):
                 router.weight.add_(torch.randn(router.weight.shape, generator=gen) * 2.0)
-        batch, g = _moe_batch(), trainer.groups
+        batch = _moe_batch()
         batch["lengths"] = torch.tensor([6 + i % 7 for i in range(8)])  # every labelled token inside its row
         if replay:
             batch["routed_experts"] = torch.load(routes_path)
-        rows = batch["input_ids"].shape[0] // g.dp_size
-        trainer.updater.train_on(
-            {k: v[g.dp_rank * rows : (g.dp_rank + 1) * rows] for k, v in batch.items()}, None, None
-        )
+        trainer.updater.train_on(dp_share(trainer, batch), None, None)
         results[name] = {n: t.clone() for n, t in export_hf_weights(actor)}
     if rank == 0:
         torch.save(results, out_path)

@@ -17,28 +17,23 @@ import pytest
 import torch
 
 from tests._dist import SharedLaunches
-from tests.train.test_update import _trainer, _var_batch
-from tests._tiny import small_model
+from tests.train.test_update import BUDGET_VARIANTS, _trainer, _var_batch
+from tests.train.update_helpers import dp_share, tiny_llama, update_config
 
 TIED = [1, 3, 4, 6]  # rows whose reward equals the baseline (rank 0 of dp2 holds rows 0-3)
 ALL_OF_RANK0 = [0, 1, 2, 3]  # every row of DP rank 0 ties
 
 VARIANTS = {  # name: overrides
-    "fixed": ["trainer.micro_batch_size=2"],
+    "fixed": BUDGET_VARIANTS["fixed"],
     "minibatches": ["trainer.micro_batch_size=2", "trainer.mini_batches=2"],
-    "budget": ["trainer.micro_batch_tokens=24", "data.max_prompt_tokens=4", "rollout.max_new_tokens=8"],
-    "packed": [
-        "trainer.micro_batch_tokens=24",
-        "trainer.pack_sequences=true",
-        "data.max_prompt_tokens=4",
-        "rollout.max_new_tokens=8",
-    ],
+    "budget": BUDGET_VARIANTS["budget"],
+    "packed": BUDGET_VARIANTS["packed"],
 }
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return small_model(tmp_path_factory, "llama", seed=7)
+    return tiny_llama(tmp_path_factory, tie=False, seed=7)
 
 
 def _tied_batch(tied):
@@ -72,10 +67,7 @@ def _skip_body(rank, world, model_dir, tp, pp, variants, tied, out_path, sabotag
                     "optim.eps=1e-3",
                 ],
             )
-            g, batch = trainer.groups, _tied_batch(tied)
-            rows = batch["input_ids"].shape[0] // g.dp_size
-            mine = {k: v[g.dp_rank * rows : (g.dp_rank + 1) * rows] for k, v in batch.items()}
-            local, plan = trainer.updater.micro_batch_plan(mine)
+            local, plan = trainer.updater.micro_batch_plan(dp_share(trainer, _tied_batch(tied)))
             update = trainer.updater.train_on(local, None, None, plan)
             results[variant, skip] = {
                 "stats": update.stats,
@@ -148,12 +140,6 @@ def test_a_row_with_signal_skipped_on_purpose_changes_the_update(launched):
     assert runs["fixed", "on"]["computed"] < runs["fixed", "off"]["computed"]
 
 
-def _cfg(*overrides):
-    from remax_megatron.config import load_config
-
-    return load_config(None, ["reward.functions=[exact_match]", *overrides])
-
-
 @pytest.mark.parametrize(
     "overrides,is_moe,why",
     [
@@ -166,20 +152,20 @@ def _cfg(*overrides):
 def test_auto_is_off_where_tied_rows_have_a_gradient_and_on_is_refused(overrides, is_moe, why):
     from remax_megatron.algo.zero_advantage import skip_start_line, skips_zero_advantage
 
-    assert not skips_zero_advantage(_cfg(*overrides), is_moe)
-    line = skip_start_line(_cfg(*overrides), is_moe)
+    assert not skips_zero_advantage(update_config(*overrides), is_moe)
+    line = skip_start_line(update_config(*overrides), is_moe)
     assert line.startswith("trainer.skip_zero_advantage=auto: off") and why in line, line
     with pytest.raises(ValueError, match="skip_zero_advantage=on would change the update") as e:
-        skips_zero_advantage(_cfg(*overrides, "trainer.skip_zero_advantage=on"), is_moe)
+        skips_zero_advantage(update_config(*overrides, "trainer.skip_zero_advantage=on"), is_moe)
     assert "\n" not in str(e.value) and why in str(e.value)
 
 
 def test_auto_is_on_without_kl_and_off_is_off():
     from remax_megatron.algo.zero_advantage import skip_start_line, skips_zero_advantage
 
-    assert skips_zero_advantage(_cfg(), is_moe=False) and skip_start_line(_cfg(), False) is None
-    assert skips_zero_advantage(_cfg("algo.moe_aux_loss=none"), is_moe=True)
-    assert not skips_zero_advantage(_cfg("trainer.skip_zero_advantage=off"), is_moe=False)
+    assert skips_zero_advantage(update_config(), is_moe=False) and skip_start_line(update_config(), False) is None
+    assert skips_zero_advantage(update_config("algo.moe_aux_loss=none"), is_moe=True)
+    assert not skips_zero_advantage(update_config("trainer.skip_zero_advantage=off"), is_moe=False)
 
 
 def test_rows_without_signal_are_exact_ties_and_empty_responses():

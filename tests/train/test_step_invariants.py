@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
-from tests._tiny import small_model
+from tests.train.update_helpers import tiny_llama
 from tools.make_tiny_model import make_tiny_model
 
 N = 3  # sampled responses per prompt
@@ -31,7 +31,7 @@ OFFSETS = (-1.0, 0.0, 2.0)  # sample j's reward minus its prompt's greedy reward
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return small_model(tmp_path_factory, "llama", seed=3)
+    return tiny_llama(tmp_path_factory, tie=False, seed=3)
 
 
 class SpyScorer:

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from tests._dist import SharedLaunches
-from tests._tiny import small_model
+from tests.train.update_helpers import dp_share, moe_update_trainer, tiny_llama, tiny_moe, update_config, update_trainer
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return small_model(tmp_path_factory, "llama", seed=7)
+    return tiny_llama(tmp_path_factory, tie=False, seed=7)
 
 
 def _batch():
@@ -35,31 +35,10 @@ def _batch():
 
 def _trainer(world, model_dir, tp, pp, overrides, **build_kw):
     """A Trainer over a megatron DDP actor and the interface's optimizer (no engine: Updater.train_on only)."""
-    from types import SimpleNamespace
-
-    from remax_megatron.config import load_config
-    from remax_megatron.models import build_policy, read_hf_config
-    from remax_megatron.optimizer import attach_to_schedule, build_optimizer, build_scheduler, wrap_ddp
     from remax_megatron.parallel import ParallelLayout
-    from remax_megatron.trainer import Trainer
-    from remax_megatron.weights import load_hf_weights
 
     groups = ParallelLayout(tp=tp, pp=pp, world_size=world).initialize(seed=0)
-    cfg = load_config(None, ["reward.functions=[exact_match]", *overrides])
-    actor = build_policy(read_hf_config(model_dir), tp=tp, pp=pp, init_weights=False, **build_kw)
-    load_hf_weights(actor, model_dir)
-    ddp = wrap_ddp(actor, False)
-    opt = build_optimizer(ddp, cfg.optim)
-    attach_to_schedule(ddp, opt)
-    parts = SimpleNamespace(
-        cfg=cfg,
-        groups=groups,
-        actor=ddp,
-        optimizer=opt,
-        scheduler=build_scheduler(opt, cfg.optim, 10),
-        kl=SimpleNamespace(coef=0.0),
-    )
-    return Trainer(parts, logger=None), actor, ddp, opt
+    return update_trainer(groups, update_config(*overrides), model_dir, tp, pp, **build_kw)
 
 
 def _update_body(rank, world, model_dir, tp, pp, micro_batch_size, poison, out_path, sp=False, recompute=None):
@@ -236,10 +215,8 @@ def _dp_update_body(rank, world, model_dir, tp, pp, micro_batch_size, out_path):
                 f"algo.loss_agg={mode}",
             ],
         )
-        g = trainer.groups
-        batch = _batch()
-        rows = batch["input_ids"].shape[0] // g.dp_size
-        local = {k: v[g.dp_rank * rows : (g.dp_rank + 1) * rows] for k, v in batch.items()}
+        local = dp_share(trainer, _batch())
+        rows = local["input_ids"].shape[0]
         assert rows // micro_batch_size > 1, "the test needs more than one micro-batch per rank"
         stats = trainer.updater.train_on(local, None, None).stats
         results[mode] = {"stats": stats, "weights": {n: t.clone() for n, t in export_hf_weights(actor)}}
@@ -419,7 +396,7 @@ MOE_LAYOUTS = [(1, 1, 2, 2), (2, 1, 2, 2), (2, 1, 2, 4), (1, 2, 2, 4)]  # tp, pp
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    return small_model(tmp_path_factory, "qwen3_moe", seed=3)
+    return tiny_moe(tmp_path_factory, "moe", "qwen3_moe", seed=3)
 
 
 def _moe_batch():
@@ -431,22 +408,15 @@ def _moe_batch():
 def _moe_update_body(rank, world, model_dir, tp, pp, ep, kind, micro_batch_size, out_path, overrides=(), batch_fn=None):
     """One update of a tiny Qwen3-MoE (load-balancing coefficient 0.5, so it moves the update) on this DP
     rank's share of the global batch; whole experts split over EP, sequence parallel at TP=2."""
-    from types import SimpleNamespace
+    from remax_megatron.weights import export_hf_weights
 
-    from remax_megatron.config import load_config
-    from remax_megatron.models import build_policy, read_hf_config
-    from remax_megatron.models.arch import ExpertOptions
-    from remax_megatron.optimizer import attach_to_schedule, build_optimizer, build_scheduler, wrap_ddp
-    from remax_megatron.parallel import ParallelLayout
-    from remax_megatron.trainer import Trainer
-    from remax_megatron.weights import export_hf_weights, load_hf_weights
-
-    etp = 1 if ep > 1 else tp
-    groups = ParallelLayout(tp=tp, pp=pp, world_size=world, ep=ep, etp=etp).initialize(seed=0)
-    cfg = load_config(
-        None,
+    trainer, actor, _, _ = moe_update_trainer(
+        world,
+        model_dir,
+        tp,
+        pp,
+        ep,
         [
-            "reward.functions=[exact_match]",
             f"trainer.micro_batch_size={micro_batch_size}",
             "optim.lr=1e-2",
             "optim.grad_clip=0",
@@ -456,32 +426,7 @@ def _moe_update_body(rank, world, model_dir, tp, pp, ep, kind, micro_batch_size,
             *overrides,
         ],
     )
-    actor = build_policy(
-        read_hf_config(model_dir),
-        tp=tp,
-        pp=pp,
-        init_weights=False,
-        sequence_parallel=tp > 1,
-        experts=ExpertOptions(ep=ep, etp=etp),
-    )
-    load_hf_weights(actor, model_dir)
-    ddp = wrap_ddp(actor, False)
-    opt = build_optimizer(ddp, cfg.optim)
-    attach_to_schedule(ddp, opt)
-    parts = SimpleNamespace(
-        cfg=cfg,
-        groups=groups,
-        actor=ddp,
-        optimizer=opt,
-        scheduler=build_scheduler(opt, cfg.optim, 10),
-        kl=SimpleNamespace(coef=0.0),
-    )
-    trainer = Trainer(parts, logger=None)
-    batch, g = (batch_fn or _moe_batch)(), trainer.groups
-    rows = batch["input_ids"].shape[0] // g.dp_size
-    stats = trainer.updater.train_on(
-        {k: v[g.dp_rank * rows : (g.dp_rank + 1) * rows] for k, v in batch.items()}, None, None
-    ).stats
+    stats = trainer.updater.train_on(dp_share(trainer, (batch_fn or _moe_batch)()), None, None).stats
     weights = {n: t.clone() for n, t in export_hf_weights(actor)}
     if rank == 0:
         torch.save({"stats": stats, "weights": weights}, out_path)
@@ -650,14 +595,11 @@ def _budget_body(rank, world, model_dir, tp, pp, sp, out_path):
                 [*overrides, "optim.lr=1e-2", "optim.grad_clip=0", "optim.eps=1e-3", f"algo.loss_agg={mode}"],
                 sequence_parallel=sp,
             )
-            g, batch = trainer.groups, _var_batch()
-            rows = batch["input_ids"].shape[0] // g.dp_size
-            mine = {k: v[g.dp_rank * rows : (g.dp_rank + 1) * rows] for k, v in batch.items()}
-            local, plan = trainer.updater.micro_batch_plan(mine)
+            local, plan = trainer.updater.micro_batch_plan(dp_share(trainer, _var_batch()))
             # the separate log-prob pass (old / reference log-probs) runs the same micro-batches
             separate = trainer.updater.logprobs(actor, local, plan)
             update = trainer.updater.train_on(local, None, None, plan)
-            if g.is_last_stage:
+            if trainer.groups.is_last_stage:
                 gap = (separate - update.logprobs)[local["response_mask"]].abs().max().item()
                 assert gap < 1e-6, (mode, variant, gap)
             results[mode, variant] = {
