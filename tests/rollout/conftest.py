@@ -1,4 +1,5 @@
-"""Fixtures for the rollout tests: a tiny Llama and tiny MoE models (Qwen3-MoE, Mixtral), char tokenizer."""
+"""Fixtures for the rollout tests: a tiny Llama and tiny MoE models (Qwen3-MoE, Mixtral, DeepSeek-V3), char
+tokenizer."""
 
 import pytest
 
@@ -50,5 +51,28 @@ def moe_models(tmp_path_factory):
             experts=4,
             top_k=2,
             seed=15,
+        ),
+        # MLA with the latent width vLLM's CPU kernel runs (512 + 64), a q latent (vLLM fuses q_a with kv_a),
+        # YaRN, a dense first layer, a shared expert, group-limited sigmoid routing (2 groups, 1 kept)
+        "deepseek_v3": make_tiny_model(
+            str(root / "deepseek_v3"),
+            "deepseek_v3",
+            hidden=64,
+            layers=2,
+            heads=2,
+            kv_heads=2,
+            ffn=64,
+            moe_ffn=32,
+            experts=4,
+            top_k=2,
+            q_lora_rank=48,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            groups=2,
+            group_topk=1,
+            yarn=True,
+            seed=16,
         ),
     }

@@ -155,6 +155,6 @@ def test_engine_matches_actor_tp2_pp2(family, launched):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["qwen3_moe-pp2-ep2", "mixtral-pp2-ep2", "mixtral-tp2-ep2-sp"])
+@pytest.mark.parametrize("case", ["qwen3_moe-pp2-ep2", "mixtral-pp2-ep2", "mixtral-tp2-ep2-sp", "deepseek_v3-pp2-ep2"])
 def test_engine_matches_a_moe_actor_and_routes_where_it_does(case, launched):
     launched.check(case)

@@ -84,6 +84,8 @@ class DeepseekV3(deepseek_moe.DeepseekMoeFamily):
         config.norm_topk_prob, config.routed_scaling_factor = True, routed_scaling_factor
         config.rope_interleave, config.attention_bias = True, False
         config.num_nextn_predict_layers = 0
+        # what DeepSeek-V3's own config.json says of its router (transformers ignores them; vLLM reads them)
+        config.topk_method, config.scoring_func = "noaux_tc", "sigmoid"
         return config
 
 
