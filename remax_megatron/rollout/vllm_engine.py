@@ -330,11 +330,13 @@ def _own_pending(bucket) -> int:
     return copied
 
 
-def _moe_widths(arch) -> dict[str, int]:
-    """A MoE model's widths vLLM's CPU experts need aligned; {} for a dense model."""
+def _moe_widths(arch, tp: int) -> dict[str, int]:
+    """A MoE model's widths vLLM's CPU experts need aligned, as each of the engine's `tp` ranks holds them (the
+    expert width is split over them); {} for a dense model."""
     if not getattr(arch, "is_moe", False):
         return {}
-    return {"hidden_size": arch.hidden_size, "moe_intermediate_size": arch.moe_ffn_hidden_size}
+    per_rank = "moe_intermediate_size" if tp == 1 else f"moe_intermediate_size / rollout.tp={tp}"
+    return {"hidden_size": arch.hidden_size, per_rank: arch.moe_ffn_hidden_size // tp}
 
 
 def engine_overrides(arch, untied_head: bool) -> dict:
@@ -393,7 +395,8 @@ class VllmEngine(RolloutEngine):
                 f"is not one vLLM's CPU attention runs ({', '.join(map(str, CPU_HEAD_SIZES))}): use "
                 "such a model or rollout.engine=native"
             )
-        odd = {k: v for k, v in _moe_widths(arch).items() if v % CPU_MOE_ALIGNMENT} if arch is not None else {}
+        widths = _moe_widths(arch, max(cfg.tp, 1)) if arch is not None else {}
+        odd = {k: v for k, v in widths.items() if v % CPU_MOE_ALIGNMENT}
         if odd and not cuda:
             shown = ", ".join(f"{k}={v}" for k, v in odd.items())
             raise ValueError(

