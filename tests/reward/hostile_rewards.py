@@ -45,8 +45,14 @@ def raises(prompts, responses, **_):
 
 
 def slow(prompts, responses, **_):
-    """Takes 0.2 s per response (the pool's calls run side by side)."""
+    """Takes 0.2 s per response; with $REMAX_HOSTILE_DIR set, appends "pid start end" of the call to its
+    slow.log there (whether the pool's calls run side by side)."""
+    start = time.monotonic()
     time.sleep(0.2 * len(responses))
+    directory = os.environ.get("REMAX_HOSTILE_DIR")
+    if directory:
+        with open(os.path.join(directory, "slow.log"), "a") as f:
+            f.write(f"{os.getpid()} {start} {time.monotonic()}\n")
     return [1.0] * len(responses)
 
 
